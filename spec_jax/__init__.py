@@ -1,0 +1,1 @@
+"""trainspec's reference implementation on JAX/XLA."""

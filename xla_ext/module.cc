@@ -1,0 +1,26 @@
+// The nanobind module: a table of FFI handler capsules, registered with jax by
+// spec_jax/xla_ext.py. No handler logic lives here.
+#include <nanobind/nanobind.h>
+
+#include "handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler must have the signature XLA_FFI_Error*(XLA_FFI_CallFrame*)");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_xla_ext, m) {
+  m.def("registrations", []() {
+    nb::dict table;
+    table["trainspec_fingerprint"] = Capsule(TrainspecFingerprint);
+    return table;
+  });
+}
