@@ -1,0 +1,43 @@
+"""`trainspec` entry point: parse, dispatch to a subcommand module, turn bad input into one line.
+
+Each subcommand lives in its own module exposing `register(subparsers)`, which adds its parser
+and sets `func(args) -> int` as the parser default.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from spec_jax.errors import UserInputError
+
+SUBCOMMAND_MODULES = ("train", "validate", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2, like ours
+        self.exit(2, f"trainspec: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="trainspec", description="Run and measure spec-driven training on JAX.")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(f"spec_jax.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UserInputError as err:
+        print(f"trainspec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("trainspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

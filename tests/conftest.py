@@ -1,0 +1,11 @@
+"""Test setup: 8 simulated CPU devices, set before anything imports jax."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+
+assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
