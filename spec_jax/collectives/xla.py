@@ -1,0 +1,49 @@
+"""The `xla` backend: the spec's collectives as XLA's own (lax) collectives.
+
+Arguments are checked by `api.py` before they get here. `timeout_s` is accepted for a uniform
+signature but not enforced: lax collectives have no per-op timeout (XLA's CPU runtime applies its
+own rendezvous timeout). Gradients come from lax's transpose rules (psum <-> psum,
+all_gather <-> psum_scatter, all_to_all <-> all_to_all, ppermute <-> inverse ppermute);
+pmax/pmin have none in lax, so max/min are not differentiable on this backend.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+_ALL_REDUCE = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
+
+
+def all_reduce(x, axis_name, op="sum", *, timeout_s=None):
+    return _ALL_REDUCE[op](x, axis_name)
+
+
+def reduce_scatter(x, axis_name, *, scatter_dimension=0, op="sum", timeout_s=None):
+    out = lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    # Same arithmetic as lax.pmean: divide the sum by the (Python int) group size, which keeps
+    # the dtype (weak typing) and is exact when the group size is a power of two.
+    return out / lax.axis_size(axis_name) if op == "mean" else out
+
+
+def all_gather(x, axis_name, *, axis=0, timeout_s=None):
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def all_to_all(x, axis_name, split_axis, concat_axis, *, timeout_s=None):
+    return lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)
+
+
+def broadcast(x, axis_name, root=0, *, timeout_s=None):
+    # lax has no one-to-all collective. We sum root's x with a neutral element from every other
+    # member: one all-reduce, no n-fold memory (unlike all_gather + index), and its transpose is
+    # already the right gradient (cotangents summed onto root). The neutral element is -0.0 for
+    # floats, not 0.0: x + (-0.0) == x bitwise for every x (a root holding -0.0 keeps its sign,
+    # which +0.0 would flip), so the result is exact in any summation order.
+    x = jnp.asarray(x)
+    neutral = jnp.array(-0.0 if jnp.issubdtype(x.dtype, jnp.inexact) else 0, x.dtype)
+    is_root = lax.axis_index(axis_name) == root
+    return lax.psum(jnp.where(is_root, x, neutral), axis_name)
+
+
+def permute(x, axis_name, perm, *, timeout_s=None):
+    return lax.ppermute(x, axis_name, perm)
