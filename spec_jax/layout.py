@@ -1,0 +1,155 @@
+"""Logical-axis rules -> PartitionSpecs and NamedShardings for params, optimizer state and batch.
+
+Models name their dimensions with logical axes (flax's `nn.with_logical_partitioning`); the spec
+maps logical axes to mesh axes. Defaults come from the mesh axes' roles, so a model annotated
+with the conventional names runs unchanged under any layout.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spec_jax.spec import Spec
+
+# Which roles each conventional logical axis is sharded over by default (docs/spec.md).
+DEFAULT_ROLE_RULES = {
+    "batch": ("data", "fsdp"),
+    "length": (),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv": (),
+    "vocab": ("tensor",),
+    "layers": (),
+}
+
+
+def logical_rules(spec: Spec) -> dict[str, tuple[str, ...]]:
+    """Logical axis -> mesh axes: role defaults, overridden by `layout.rules`."""
+    rules = {
+        logical: tuple(a for role in roles for a in spec.mesh.axes_with_role(role))
+        for logical, roles in DEFAULT_ROLE_RULES.items()
+    }
+    rules.update({logical: tuple(axes) for logical, axes in spec.layout.rules.items()})
+    return rules
+
+
+def flax_rules(spec: Spec) -> list[tuple[str, tuple[str, ...] | None]]:
+    """The same rules in the form `nn.logical_axis_rules` takes (for activation constraints)."""
+    return [(logical, axes or None) for logical, axes in logical_rules(spec).items()]
+
+
+def _mesh_axes_for_dim(rules, logical, dim_size, mesh: Mesh, used: set[str]):
+    """Mesh axes for one dimension: drop size-1 and already-used axes; replicate if uneven."""
+    if logical is None:
+        return None
+    if logical not in rules:
+        raise ValueError(f"logical axis '{logical}' has no rule; add it to layout.rules")
+    axes = tuple(a for a in rules[logical] if a not in used and mesh.shape[a] > 1)
+    if not axes or dim_size % math.prod(mesh.shape[a] for a in axes):
+        return None  # an uneven split is replicated rather than padded: see docs/spec.md
+    used.update(axes)
+    return axes if len(axes) > 1 else axes[0]
+
+
+def to_partition_spec(logical: P, shape: Sequence[int], rules, mesh: Mesh) -> P:
+    used: set[str] = set()
+    names = tuple(logical) + (None,) * (len(shape) - len(logical))
+    return P(*(_mesh_axes_for_dim(rules, n, s, mesh, used) for n, s in zip(names, shape)))
+
+
+def _add_data_axes(pspec: P, shape: Sequence[int], data_axes: tuple[str, ...], mesh: Mesh) -> P:
+    """ZeRO-1: shard the first free, evenly divisible dimension over the data axes too."""
+    free = tuple(a for a in data_axes if mesh.shape[a] > 1 and a not in _used_axes(pspec))
+    if not free:
+        return pspec
+    n = math.prod(mesh.shape[a] for a in free)
+    entries = list(pspec) + [None] * (len(shape) - len(pspec))
+    for i, (entry, size) in enumerate(zip(entries, shape)):
+        if entry is None and size % n == 0:
+            entries[i] = free if len(free) > 1 else free[0]
+            return P(*entries)
+    return pspec
+
+
+def _used_axes(pspec: P) -> set[str]:
+    used = set()
+    for entry in pspec:
+        if entry is not None:
+            used.update((entry,) if isinstance(entry, str) else entry)
+    return used
+
+
+def strip_boxes(tree):
+    """Remove flax metadata boxes without applying their sharding constraints.
+
+    (`nn.meta.unbox` constrains each value, which fails outside a traced computation.)
+    """
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )
+
+
+def state_partition_specs(abstract_boxed_state, spec: Spec, mesh: Mesh):
+    """PartitionSpecs for a (possibly flax-boxed) abstract state pytree, unboxed structure.
+
+    Leaves carrying logical names (nn.LogicallyPartitioned) follow the rules; the rest are
+    replicated. With `layout.optimizer_state = "shard_over_data"`, leaves under an `opt_state`
+    attribute are also sharded over the data axes.
+    """
+    rules = logical_rules(spec)
+    logical = nn.get_partition_spec(abstract_boxed_state)
+    shapes = strip_boxes(abstract_boxed_state)
+    pspecs = jax.tree.map(
+        lambda lg, leaf: to_partition_spec(lg, leaf.shape, rules, mesh),
+        logical,
+        shapes,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    if spec.layout.optimizer_state == "shard_over_data" and hasattr(pspecs, "opt_state"):
+        data_axes = spec.mesh.axes_with_role("data")
+        opt = jax.tree.map(
+            lambda ps, leaf: _add_data_axes(ps, leaf.shape, data_axes, mesh),
+            pspecs.opt_state,
+            shapes.opt_state,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        pspecs = pspecs.replace(opt_state=opt)
+    return pspecs
+
+
+def named(pspecs, mesh: Mesh):
+    return jax.tree.map(lambda ps: NamedSharding(mesh, ps), pspecs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_partition_spec(spec: Spec, mesh: Mesh, ndim: int) -> P:
+    """Batch arrays are (batch, length, ...): dim 0 follows `batch`, dim 1 follows `length`."""
+    rules = logical_rules(spec)
+    entries = []
+    used: set[str] = set()
+    for logical in ("batch", "length")[:ndim]:
+        axes = tuple(a for a in rules.get(logical, ()) if a not in used and mesh.shape[a] > 1)
+        used.update(axes)
+        entries.append(None if not axes else axes if len(axes) > 1 else axes[0])
+    return P(*entries)
+
+
+def batch_axes(spec: Spec, mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes that split the batch dimension (their product must divide the micro-batch)."""
+    return tuple(a for a in logical_rules(spec)["batch"] if mesh.shape[a] > 1)
+
+
+def describe(pspecs, abstract_state) -> list[str]:
+    """One line per leaf: path, shape, PartitionSpec (for `trainspec validate`)."""
+    lines = []
+    flat_specs = jax.tree_util.tree_leaves_with_path(pspecs, is_leaf=lambda x: isinstance(x, P))
+    flat_shapes = jax.tree.leaves(strip_boxes(abstract_state))
+    for (path, ps), leaf in zip(flat_specs, flat_shapes):
+        lines.append(f"{jax.tree_util.keystr(path):60s} {str(leaf.shape):18s} {ps}")
+    return lines

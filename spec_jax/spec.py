@@ -1,0 +1,300 @@
+"""The trainspec schema: fields, defaults and validation in one place.
+
+One pydantic definition gives both the validation (with the path of the offending field in every
+message) and the JSON Schema committed as docs/spec.schema.json. docs/spec.md states the same
+fields normatively; tests/test_spec.py fails when the committed schema and this module drift.
+
+Checks that need the device count (inferred axis sizes, batch divisibility by the data axes)
+live in mesh.py, because only there is the device count known.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from spec_jax.errors import UserInputError
+
+SPEC_VERSION = 1
+ROLES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+DTYPES = Literal["float32", "bfloat16", "float16"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class MeshAxis(_Section):
+    role: Literal["data", "fsdp", "tensor"] | None = Field(
+        None, description="What the axis does. Defaults to the axis name when that names a role."
+    )
+    size: int = Field(
+        -1, description="Devices along the axis, cross-host factor included; -1 = infer "
+        "(at most one axis)."
+    )
+    dcn: int = Field(
+        1, ge=1, description="Cross-host (DCN) factor of `size`: how many processes the axis "
+        "spans. `size` must be a multiple of it."
+    )
+
+    @model_validator(mode="after")
+    def _size(self):
+        if self.size == 0 or self.size < -1:
+            raise ValueError(f"size must be a positive integer or -1 (infer), got {self.size}")
+        if self.size > 0 and self.size % self.dcn:
+            raise ValueError(f"size {self.size} is not a multiple of dcn {self.dcn}")
+        return self
+
+
+def _default_axes() -> dict[str, MeshAxis]:
+    return {"data": MeshAxis(size=-1), "fsdp": MeshAxis(size=1), "tensor": MeshAxis(size=1)}
+
+
+class MeshSpec(_Section):
+    axes: dict[str, MeshAxis] = Field(
+        default_factory=_default_axes,
+        description="Mesh axes in order (major to minor), keyed by axis name.",
+    )
+    exclude_devices: list[int] = Field(
+        default_factory=list, description="Device ids the mesh must not use."
+    )
+
+    @model_validator(mode="after")
+    def _axes(self):
+        if not self.axes:
+            raise ValueError("at least one axis is required")
+        inferred = [name for name, axis in self.axes.items() if axis.size == -1]
+        if len(inferred) > 1:
+            raise ValueError(f"at most one axis may have size -1, got {inferred}")
+        for name, axis in self.axes.items():
+            if axis.role is None and name not in ROLES:
+                raise ValueError(
+                    f"axis '{name}' needs a role (one of {', '.join(ROLES)}): its name is not one"
+                )
+        return self
+
+    def role_of(self, name: str) -> str:
+        return self.axes[name].role or name
+
+    def axes_with_role(self, role: str) -> tuple[str, ...]:
+        return tuple(name for name in self.axes if self.role_of(name) == role)
+
+
+class LayoutSpec(_Section):
+    rules: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Logical axis name -> mesh axis names it is sharded over ([] = replicated). "
+        "Merged over the defaults derived from the axis roles (docs/spec.md).",
+    )
+    optimizer_state: Literal["like_params", "shard_over_data"] = Field(
+        "like_params",
+        description="`like_params`: optimizer state is laid out like its parameter; "
+        "`shard_over_data`: additionally sharded over the data axes (ZeRO-1).",
+    )
+
+
+class PrecisionSpec(_Section):
+    param: DTYPES = Field("float32", description="Storage dtype of parameters.")
+    compute: DTYPES = Field("float32", description="Dtype of forward and backward arithmetic.")
+    grad_reduce: DTYPES = Field(
+        "float32", description="Dtype gradients are summed in across micro-batches and replicas."
+    )
+
+
+class BatchSpec(_Section):
+    global_batch: int = Field(32, ge=1, description="Sequences per optimizer step, all replicas.")
+    micro_batch: int | None = Field(
+        None, ge=1, description="Sequences per micro-batch, all replicas; accumulation steps = "
+        "global_batch / micro_batch. Default: global_batch (no accumulation)."
+    )
+    seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
+
+    @model_validator(mode="after")
+    def _divides(self):
+        if self.micro_batch is not None and self.global_batch % self.micro_batch:
+            raise ValueError(
+                f"global_batch {self.global_batch} is not a multiple of micro_batch "
+                f"{self.micro_batch}"
+            )
+        return self
+
+    @property
+    def micro(self) -> int:
+        return self.micro_batch or self.global_batch
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.global_batch // self.micro
+
+
+class RematSpec(_Section):
+    policy: Literal[REMAT_POLICIES] = Field(
+        "none", description="Activation rematerialisation per model block."
+    )
+
+
+class CollectivesSpec(_Section):
+    backend: Literal["xla"] = Field("xla", description="Implementation of the collectives.")
+    timeout_s: float = Field(
+        120.0, gt=0, description="A collective whose peers do not all arrive fails after this."
+    )
+
+
+class MetricsSpec(_Section):
+    sink: Literal["jsonl"] = Field("jsonl", description="Where metric records go.")
+    path: str = Field("metrics.jsonl", description="Sink file, relative to the run directory.")
+    interval: int = Field(10, ge=1, description="Steps between metric records (host syncs).")
+
+
+class ModelSpec(_Section):
+    """The reference decoder-only transformer that `trainspec train` builds."""
+
+    vocab_size: int = Field(256, ge=2, description="Byte-level by default.")
+    d_model: int = Field(128, ge=1)
+    n_layers: int = Field(2, ge=1)
+    n_heads: int = Field(4, ge=1)
+    d_ff: int = Field(512, ge=1)
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        return self
+
+
+class OptimizerSpec(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    learning_rate: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float | None = Field(1.0, gt=0)
+
+
+class TrainSpec(_Section):
+    steps: int = Field(60, ge=1, description="Optimizer steps of `trainspec train`.")
+
+
+class Spec(_Section):
+    spec_version: Literal[1] = Field(SPEC_VERSION, description="Version of this format.")
+    seed: int = Field(0, description="Seed of parameter init and data order.")
+    mesh: MeshSpec = MeshSpec()
+    layout: LayoutSpec = LayoutSpec()
+    precision: PrecisionSpec = PrecisionSpec()
+    batch: BatchSpec = BatchSpec()
+    remat: RematSpec = RematSpec()
+    collectives: CollectivesSpec = CollectivesSpec()
+    metrics: MetricsSpec = MetricsSpec()
+    model: ModelSpec = ModelSpec()
+    optimizer: OptimizerSpec = OptimizerSpec()
+    train: TrainSpec = TrainSpec()
+
+    @model_validator(mode="after")
+    def _rules_name_axes(self):
+        for logical, mesh_axes in self.layout.rules.items():
+            for axis in mesh_axes:
+                if axis not in self.mesh.axes:
+                    raise ValueError(
+                        f"layout.rules.{logical} names mesh axis '{axis}', which is not in "
+                        f"mesh.axes ({', '.join(self.mesh.axes)})"
+                    )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def json_schema() -> dict[str, Any]:
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = f"trainspec spec v{SPEC_VERSION}"
+    return schema
+
+
+def _format_errors(err: pydantic.ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<spec>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        shown = repr(e["input"]) if not isinstance(e["input"], dict) else None
+        parts.append(f"field '{field}': {msg}" + (f" (got {shown})" if shown else ""))
+    return "invalid spec: " + "; ".join(parts)
+
+
+def _parse_toml(text: str, origin: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise UserInputError(f"{origin} is not valid TOML: {err}") from None
+
+
+def _apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply `a.b.c=value`; the value is read as a TOML value, else taken as a string."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise UserInputError(f"--set expects key.path=value, got {assignment!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    path = key.strip().split(".")
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserInputError(f"--set {key}: '{part}' is not a table")
+        node = child
+    node[path[-1]] = value
+
+
+def load_spec(
+    source: str | Path | dict[str, Any] | Spec | None = None, overrides: list[str] = ()
+) -> Spec:
+    """Load and validate a spec from a TOML path, a TOML string, a dict, or None (defaults).
+
+    `overrides` are `key.path=value` assignments applied before validation.
+    Raises UserInputError with one line naming the field and the bad value.
+    """
+    if isinstance(source, Spec):
+        data = source.to_dict()
+    elif source is None:
+        data = {}
+    elif isinstance(source, dict):
+        data = copy.deepcopy(source)
+    elif isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
+        path = Path(source)
+        if not path.is_file():
+            raise UserInputError(f"spec file not found: {path}")
+        data = _parse_toml(path.read_text(), str(path))
+    else:
+        data = _parse_toml(source, "spec text")
+    for assignment in overrides:
+        _apply_override(data, assignment)
+    try:
+        return Spec.model_validate(data)
+    except pydantic.ValidationError as err:
+        raise UserInputError(_format_errors(err)) from None
+
+
+def _looks_like_path(text: str) -> bool:
+    return "\n" not in text and "=" not in text
+
+
+def schema_text() -> str:
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+DEFAULT_SPEC_PATH = Path(__file__).with_name("default.toml")
+
+
+def default_spec() -> Spec:
+    return load_spec(DEFAULT_SPEC_PATH)
+

@@ -1,0 +1,218 @@
+"""wrap(step_fn, spec): the user's train step, jitted, placed and accumulated per the spec.
+
+Two ways in, one machinery (docs/wrapping.md):
+- an opaque `(state, batch) -> (state, metrics)` function: placement, donation, sharded init;
+- `loss_step(loss_fn)`, built from `loss_fn(params, batch) -> (loss_sum, valid_tokens, aux)`
+  with the optax optimizer inside a flax `TrainState`: all of the above plus micro-batch
+  accumulation normalised by the valid tokens of the whole global batch, and precision casts.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spec_jax import layout
+from spec_jax.errors import UserInputError
+from spec_jax.mesh import build_mesh, check_batch, resolve_mesh
+from spec_jax.spec import Spec
+
+LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossStep:
+    """A train step whose gradient computation trainspec can see (and so accumulate).
+
+    Called directly it is an ordinary single-batch step, so the same object runs with or
+    without trainspec. `aux` values returned by `loss_fn` are summed over micro-batches.
+    """
+
+    loss_fn: LossFn
+
+    def __call__(self, state, batch):
+        return _accumulated_step(self.loss_fn, state, _split_micro(batch, 1), None)
+
+
+def loss_step(loss_fn: LossFn) -> LossStep:
+    return LossStep(loss_fn)
+
+
+def _split_micro(batch, k: int):
+    """(B, ...) -> (k, B/k, ...) with micro-batch j = rows j, j+k, j+2k, ...
+
+    Interleaving (rather than contiguous blocks) keeps every micro-batch spread over all the
+    batch shards: a block split would put micro-batch 0 on the first devices only.
+    """
+
+    def split(x):
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _cast_floats(tree, dtype):
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Precision:
+    compute: Any = jnp.float32
+    grad_reduce: Any = jnp.float32
+
+
+def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | None,
+                      micro_constraint: Callable = lambda b: b):
+    """Sum loss, tokens and gradients over micro-batches; divide once by the total tokens.
+
+    Dividing the summed per-token losses by the total valid tokens of all micro-batches (and,
+    because the arrays are global, of all data-parallel shards) is the loss of the whole batch;
+    the mean of per-micro-batch means is not, as soon as masks are ragged.
+    """
+    precision = precision or _Precision()
+
+    def grads_of(params, batch):
+        def loss(p):
+            loss_sum, tokens, aux = loss_fn(_cast_floats(p, precision.compute), batch)
+            return loss_sum.astype(jnp.float32), (tokens.astype(jnp.float32), aux)
+
+        (loss_sum, (tokens, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return loss_sum, tokens, aux, _cast_floats(grads, precision.grad_reduce)
+
+    def body(carry, batch):
+        g_acc, loss_acc, tok_acc, aux_acc = carry
+        loss_sum, tokens, aux, grads = grads_of(state.params, micro_constraint(batch))
+        carry = (
+            jax.tree.map(jnp.add, g_acc, grads),
+            loss_acc + loss_sum,
+            tok_acc + tokens,
+            jax.tree.map(jnp.add, aux_acc, aux),
+        )
+        return carry, None
+
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    _, _, aux_shape, grad_shape = jax.eval_shape(grads_of, state.params, first)
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+    init = (zeros(grad_shape), jnp.float32(0), jnp.float32(0), zeros(aux_shape))
+    (grad_sum, loss_sum, tokens, aux), _ = jax.lax.scan(body, init, micro_batches)
+
+    denom = jnp.maximum(tokens, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, state.params)
+    new_state = state.apply_gradients(grads=grads)
+    metrics = {
+        "loss": loss_sum / denom,
+        "valid_tokens": tokens,
+        "grad_norm": optax.global_norm(grads),
+        **({"aux": aux} if jax.tree.leaves(aux) else {}),
+    }
+    return new_state, metrics
+
+
+class WrappedStep:
+    """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`."""
+
+    def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None):
+        self.step_fn, self.spec = step_fn, spec
+        self.mesh = mesh if mesh is not None else build_mesh(spec)
+        self.rules = layout.flax_rules(spec)
+        resolved = resolve_mesh(spec, self.mesh.devices.size)
+        check_batch(spec, resolved, layout.batch_axes(spec, self.mesh))
+        k = spec.batch.accumulation_steps
+        if k > 1 and not isinstance(step_fn, LossStep):
+            raise UserInputError(
+                f"batch.micro_batch: {k} accumulation steps need a step built with "
+                "spec_jax.loss_step(loss_fn); an opaque step function cannot be accumulated"
+            )
+        self.state_shardings = None
+        self._jitted = None
+
+    @contextlib.contextmanager
+    def context(self):
+        """Mesh and logical rules for tracing (activation constraints in the model use them)."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+    # -- state --------------------------------------------------------------------------------
+    def init(self, init_fn: Callable, *args):
+        """Run `init_fn(*args)` under jit with sharded outputs: the state is never whole on one
+        device. `init_fn` may return flax-boxed (logically partitioned) leaves."""
+        with self.context():
+            abstract = jax.eval_shape(init_fn, *args)
+            self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
+            self.state_shardings = layout.named(self.state_pspecs, self.mesh)
+            self.abstract_state = abstract
+            unboxed = lambda *a: layout.strip_boxes(init_fn(*a))  # noqa: E731
+            return jax.jit(unboxed, out_shardings=self.state_shardings)(*args)
+
+    # -- batch --------------------------------------------------------------------------------
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, layout.batch_partition_spec(self.spec, self.mesh, ndim))
+
+    def shard_batch(self, batch):
+        """Host arrays -> global arrays. Each process passes its own rows (process-local data)."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding(np.ndim(x)), x),
+            batch,
+        )
+
+    # -- step ---------------------------------------------------------------------------------
+    def _build(self, batch):
+        batch_shardings = jax.tree.map(lambda x: self.batch_sharding(np.ndim(x)), batch)
+        if isinstance(self.step_fn, LossStep):
+            fn = self._loss_step_fn(batch_shardings)
+        else:
+            fn = self.step_fn
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(
+            fn,
+            in_shardings=(self.state_shardings, batch_shardings),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=(0,),
+        )
+
+    def _loss_step_fn(self, batch_shardings):
+        spec, k = self.spec, self.spec.batch.accumulation_steps
+        precision = _Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
+
+        def constrain(micro):  # keep each micro-batch split over the batch shards
+            return jax.tree.map(jax.lax.with_sharding_constraint, micro, batch_shardings)
+
+        def step(state, batch):
+            return _accumulated_step(
+                self.step_fn.loss_fn, state, _split_micro(batch, k), precision, constrain
+            )
+
+        return step
+
+    def lower(self, state, batch):
+        """The lowered step for `batch` (host or global arrays), for cost and memory analysis."""
+        if self._jitted is None:
+            self._jitted = self._build(batch)
+        with self.context():
+            return self._jitted.lower(state, batch)
+
+    def __call__(self, state, batch):
+        if self.state_shardings is None:
+            raise RuntimeError("call init() first: the state's shardings come from it")
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+            batch = self.shard_batch(batch)
+        if self._jitted is None:
+            self._jitted = self._build(batch)
+        with self.context():
+            return self._jitted(state, batch)
+
+
+def wrap(step_fn, spec: Spec, mesh: Mesh | None = None) -> WrappedStep:
+    """Apply `spec` to `step_fn`, a plain step or a `loss_step(loss_fn)`. See WrappedStep."""
+    return WrappedStep(step_fn, spec, mesh)
