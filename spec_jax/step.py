@@ -113,7 +113,7 @@ def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | Non
     metrics = {
         "loss": loss_sum / denom,
         "valid_tokens": tokens,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         **({"aux": aux} if jax.tree.leaves(aux) else {}),
     }
     return new_state, metrics
@@ -144,15 +144,23 @@ class WrappedStep:
             yield
 
     # -- state --------------------------------------------------------------------------------
+    def plan(self, init_fn: Callable, *args):
+        """Shardings of the state `init_fn(*args)` would build, without building it.
+
+        Returns the abstract (possibly flax-boxed) state; sets `state_pspecs`/`state_shardings`.
+        """
+        with self.context():
+            abstract = jax.eval_shape(init_fn, *args)
+        self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
+        self.state_shardings = layout.named(self.state_pspecs, self.mesh)
+        return abstract
+
     def init(self, init_fn: Callable, *args):
         """Run `init_fn(*args)` under jit with sharded outputs: the state is never whole on one
         device. `init_fn` may return flax-boxed (logically partitioned) leaves."""
+        self.plan(init_fn, *args)
+        unboxed = lambda *a: layout.strip_boxes(init_fn(*a))  # noqa: E731
         with self.context():
-            abstract = jax.eval_shape(init_fn, *args)
-            self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
-            self.state_shardings = layout.named(self.state_pspecs, self.mesh)
-            self.abstract_state = abstract
-            unboxed = lambda *a: layout.strip_boxes(init_fn(*a))  # noqa: E731
             return jax.jit(unboxed, out_shardings=self.state_shardings)(*args)
 
     # -- batch --------------------------------------------------------------------------------

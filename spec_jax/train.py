@@ -50,7 +50,7 @@ class Job:
         return {name: int(size) for name, size in self.step.mesh.shape.items()}
 
 
-def build_job(spec: Spec, mesh=None, total_steps: int | None = None) -> Job:
+def _components(spec: Spec, total_steps: int):
     model = Transformer(
         spec.model,
         dtype=jnp.dtype(spec.precision.compute),
@@ -63,13 +63,25 @@ def build_job(spec: Spec, mesh=None, total_steps: int | None = None) -> Job:
         loss_sum, tokens = next_token_loss(logits, batch["targets"], batch["mask"])
         return loss_sum, tokens, {}
 
-    tx = make_optimizer(spec, total_steps or spec.train.steps)
+    tx = make_optimizer(spec, total_steps)
 
     def init_state(rng):
         tokens = jnp.zeros((1, spec.batch.seq_len), jnp.int32)
         params = model.init(rng, tokens)["params"]
         return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
+    return model, loss_fn, init_state
+
+
+def build_abstract_job(spec: Spec, mesh=None):
+    """(wrapped step with its state shardings planned, abstract state): nothing is computed."""
+    _, loss_fn, init_state = _components(spec, spec.train.steps)
+    step = wrap(loss_step(loss_fn), spec, mesh)
+    return step, step.plan(init_state, jax.random.key(spec.seed))
+
+
+def build_job(spec: Spec, mesh=None, total_steps: int | None = None) -> Job:
+    model, loss_fn, init_state = _components(spec, total_steps or spec.train.steps)
     step = wrap(loss_step(loss_fn), spec, mesh)
     state = step.init(init_state, jax.random.key(spec.seed))
     data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)

@@ -88,17 +88,17 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         c = self.config
-        embed = nn.Embed(
-            c.vocab_size,
-            c.d_model,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            embedding_init=nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=1.0), ("vocab", "embed")
-            ),
-            name="embed",
+        table = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), ("vocab", "embed")),
+            (c.vocab_size, c.d_model),
+            self.param_dtype,
         )
-        x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
+        # A one-hot matmul rather than a gather: with the table split over vocab and embed, XLA's
+        # partitioner turns a gather into a full rematerialisation; a matmul it splits cleanly.
+        one_hot = jax.nn.one_hot(tokens, c.vocab_size, dtype=self.dtype)
+        x = jnp.einsum("blv,ve->ble", one_hot, table.astype(self.dtype))
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         block = Block
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
