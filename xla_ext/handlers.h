@@ -4,3 +4,11 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecFingerprint);
+
+// collectives.cc: in-process collectives between the devices of one process (CPU).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecBroadcast);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecPermute);

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "handlers.h"
+#include "rendezvous.h"
 
 namespace nb = nanobind;
 
@@ -21,6 +22,14 @@ NB_MODULE(_xla_ext, m) {
   m.def("registrations", []() {
     nb::dict table;
     table["trainspec_fingerprint"] = Capsule(TrainspecFingerprint);
+    table["trainspec_all_reduce"] = Capsule(TrainspecAllReduce);
+    table["trainspec_reduce_scatter"] = Capsule(TrainspecReduceScatter);
+    table["trainspec_all_gather"] = Capsule(TrainspecAllGather);
+    table["trainspec_all_to_all"] = Capsule(TrainspecAllToAll);
+    table["trainspec_broadcast"] = Capsule(TrainspecBroadcast);
+    table["trainspec_permute"] = Capsule(TrainspecPermute);
     return table;
   });
+  // Debug aid for leak tests: rendezvous slots alive right now (0 when no collective runs).
+  m.def("live_rendezvous_count", &trainspec::LiveRendezvousCount);
 }

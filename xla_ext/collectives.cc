@@ -1,0 +1,618 @@
+// Collective ops as XLA FFI handlers for the CPU backend: all_reduce, reduce_scatter,
+// all_gather, all_to_all, broadcast and permute between the devices of one process.
+//
+// Every handler takes (x, rank, group) and returns one buffer. `rank` and `group` are int32
+// scalars that spec_jax/collectives/ext.py computes with lax.axis_index, so a group can be any
+// subset of mesh axes (a row, a column) without the handler knowing device ids; the group
+// size, the call site and the timeout are static attributes. The members meet through
+// rendezvous.h, then read each other's inputs and write outputs directly (no staging copy).
+//
+// Determinism: every reduction combines the members' values in rank order 0, 1, ..., n-1,
+// whoever computes it and whichever member arrived first, so results are bitwise identical
+// run to run. bf16/f16 are accumulated in float32 and rounded once (round to nearest even).
+// max/min propagate NaN, like jnp.maximum/jnp.minimum.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "handlers.h"
+#include "rendezvous.h"
+
+namespace ffi = xla::ffi;
+
+namespace trainspec {
+namespace {
+
+// Below this many bytes moved in total, the last member to arrive does all the data movement
+// (one wake-up per call); above it the members work in parallel. Measured on 2 cores / 8
+// devices, see docs/xla_ext.md.
+constexpr size_t kSmallTotalBytes = 256 * 1024;
+// Group sizes beyond this are certainly a bug (a process has far fewer devices).
+constexpr int64_t kMaxGroupSize = 4096;
+
+enum ReduceOp : int64_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
+const char* ReduceOpName(int64_t op) {
+  switch (op) {
+    case kSum: return "sum";
+    case kMean: return "mean";
+    case kMax: return "max";
+    case kMin: return "min";
+    default: return "?";
+  }
+}
+
+// ---- element types -------------------------------------------------------------------------
+
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// Num<T>: how a stored element is widened to the accumulator and rounded back.
+template <typename T>
+struct Num {
+  using Acc = T;
+  static Acc Load(T v) { return v; }
+  static T Store(Acc a) { return a; }
+};
+
+template <>
+struct Num<Bf16> {
+  using Acc = float;
+  static float Load(Bf16 v) { return BitsToFloat(static_cast<uint32_t>(v.bits) << 16); }
+  static Bf16 Store(float a) {
+    uint32_t u = FloatToBits(a);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
+    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return Bf16{static_cast<uint16_t>(u >> 16)};
+  }
+};
+
+template <>
+struct Num<F16> {
+  using Acc = float;
+  static float Load(F16 v) {
+    const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000u) << 16;
+    const uint32_t exp = (v.bits >> 10) & 0x1Fu;
+    const uint32_t mant = v.bits & 0x3FFu;
+    if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in float
+      return BitsToFloat(sign | FloatToBits(static_cast<float>(mant) * 0x1.0p-24f));
+    }
+    if (exp == 31) return BitsToFloat(sign | 0x7F800000u | (mant << 13));
+    return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+  }
+  // Round to nearest even via float arithmetic: scaling by 2^112 and back moves the rounding
+  // point onto the f16 mantissa (overflow becomes inf), adding a power of two that is aligned
+  // with the f16 exponent lets the FPU do the rounding (subnormals included).
+  static F16 Store(float a) {
+    const uint32_t w = FloatToBits(a);
+    const uint32_t shl1 = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    float base = (std::fabs(a) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = BitsToFloat((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = FloatToBits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return F16{static_cast<uint16_t>((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign))};
+  }
+};
+
+struct AddOp {
+  template <typename A>
+  A operator()(A a, A b) const {
+    return a + b;
+  }
+  int32_t operator()(int32_t a, int32_t b) const {  // two's-complement wrap, like XLA
+    return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+  }
+};
+struct MaxOp {
+  template <typename A>
+  A operator()(A a, A b) const {
+    return (a > b || a != a) ? a : b;  // a != a: keep a NaN accumulator
+  }
+};
+struct MinOp {
+  template <typename A>
+  A operator()(A a, A b) const {
+    return (a < b || a != a) ? a : b;
+  }
+};
+
+// out[d][i] = combine(src[0][i], ..., src[n-1][i]) in rank order for every destination d.
+// Works through blocks that stay in L1 so that writing several destinations re-reads the
+// accumulator, not the sources.
+template <typename T, typename Op>
+void Reduce(const T* const* srcs, int n, T* const* dsts, int m, size_t count, Op op, bool mean) {
+  using Acc = typename Num<T>::Acc;
+  constexpr size_t kBlock = 2048;
+  Acc acc[kBlock];
+  const Acc divisor = static_cast<Acc>(n);
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t len = std::min(kBlock, count - base);
+    const T* s0 = srcs[0] + base;
+    for (size_t i = 0; i < len; ++i) acc[i] = Num<T>::Load(s0[i]);
+    for (int s = 1; s < n; ++s) {
+      const T* sp = srcs[s] + base;
+      for (size_t i = 0; i < len; ++i) acc[i] = op(acc[i], Num<T>::Load(sp[i]));
+    }
+    if (mean) {
+      for (size_t i = 0; i < len; ++i) acc[i] = acc[i] / divisor;
+    }
+    for (int d = 0; d < m; ++d) {
+      T* dp = dsts[d] + base;
+      for (size_t i = 0; i < len; ++i) dp[i] = Num<T>::Store(acc[i]);
+    }
+  }
+}
+
+template <typename T>
+void ReduceByOp(int64_t op, const T* const* srcs, int n, T* const* dsts, int m, size_t count) {
+  switch (op) {
+    case kMax: Reduce(srcs, n, dsts, m, count, MaxOp{}, false); break;
+    case kMin: Reduce(srcs, n, dsts, m, count, MinOp{}, false); break;
+    default: Reduce(srcs, n, dsts, m, count, AddOp{}, op == kMean); break;
+  }
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<T>{}) for the supported element types; false for any other.
+template <typename F>
+bool VisitDtype(ffi::DataType dtype, F&& f) {
+  switch (dtype) {
+    case ffi::DataType::F32: f(Tag<float>{}); return true;
+    case ffi::DataType::F64: f(Tag<double>{}); return true;
+    case ffi::DataType::S32: f(Tag<int32_t>{}); return true;
+    case ffi::DataType::BF16: f(Tag<Bf16>{}); return true;
+    case ffi::DataType::F16: f(Tag<F16>{}); return true;
+    default: return false;
+  }
+}
+
+bool IsSupported(ffi::DataType dtype) {
+  return VisitDtype(dtype, [](auto) {});
+}
+
+// ---- shapes --------------------------------------------------------------------------------
+
+std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  return std::vector<int64_t>(d.begin(), d.end());
+}
+
+int64_t Product(const std::vector<int64_t>& d, size_t from, size_t to) {
+  int64_t p = 1;
+  for (size_t i = from; i < to; ++i) p *= d[i];
+  return p;
+}
+
+std::string ShapeString(const std::vector<int64_t>& d) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
+  s << "]";
+  return s.str();
+}
+
+// Copies the box `shape` from src (an array with row-major strides src_strides, starting at
+// element src_offset) into dst likewise. The axes from `contiguous_from` on must be full in
+// both arrays except possibly the first of them, so each run of prod(shape[contiguous_from:])
+// elements is contiguous on both sides.
+void CopyBox(const uint8_t* src, const std::vector<int64_t>& src_strides, int64_t src_offset,
+             uint8_t* dst, const std::vector<int64_t>& dst_strides, int64_t dst_offset,
+             const std::vector<int64_t>& shape, size_t contiguous_from, size_t elem_bytes) {
+  const size_t run = static_cast<size_t>(Product(shape, contiguous_from, shape.size())) *
+                     elem_bytes;
+  if (run == 0) return;
+  for (size_t i = 0; i < contiguous_from; ++i) {
+    if (shape[i] == 0) return;
+  }
+  std::vector<int64_t> idx(contiguous_from, 0);
+  for (;;) {
+    int64_t so = src_offset, doff = dst_offset;
+    for (size_t i = 0; i < contiguous_from; ++i) {
+      so += idx[i] * src_strides[i];
+      doff += idx[i] * dst_strides[i];
+    }
+    std::memcpy(dst + doff * elem_bytes, src + so * elem_bytes, run);
+    size_t axis = contiguous_from;
+    while (axis > 0) {  // odometer increment over the outer axes
+      --axis;
+      if (++idx[axis] < shape[axis]) break;
+      idx[axis] = 0;
+      if (axis == 0) return;
+    }
+    if (contiguous_from == 0) return;
+  }
+}
+
+std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& dims) {
+  std::vector<int64_t> s(dims.size(), 1);
+  for (size_t i = dims.size(); i-- > 1;) s[i - 1] = s[i] * dims[i];
+  return s;
+}
+
+// ---- the common part of every handler ------------------------------------------------------
+
+struct Call {
+  const char* op;
+  MeetingKey key;
+  int rank;
+  int n;
+  int64_t timeout_ms;
+};
+
+ffi::Error Invalid(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("trainspec ") + op + ": " + what);
+}
+
+// Validates what every collective shares and reads the rank and group operands.
+ffi::Error Prepare(const char* op, ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
+                   ffi::AnyBuffer group, const ffi::AnyBuffer& out, int64_t call_site,
+                   int64_t group_size, int64_t timeout_ms, Call* call) {
+  if (group_size < 1 || group_size > kMaxGroupSize) {
+    return Invalid(op, "group_size must be in [1, " + std::to_string(kMaxGroupSize) +
+                           "], got " + std::to_string(group_size));
+  }
+  if (timeout_ms < 1) {
+    return Invalid(op, "timeout_ms must be positive, got " + std::to_string(timeout_ms));
+  }
+  if (call_site < 0) return Invalid(op, "call_site must be non-negative");
+  for (const ffi::AnyBuffer* b : {&rank, &group}) {
+    if (b->element_type() != ffi::DataType::S32 || b->element_count() != 1 ||
+        b->untyped_data() == nullptr) {
+      return Invalid(op, "rank and group must be int32 scalars");
+    }
+  }
+  if (!IsSupported(x.element_type())) {
+    return Invalid(op, "unsupported dtype (supported: float32, bfloat16, float16, float64, int32)");
+  }
+  if (out.element_type() != x.element_type()) {
+    return Invalid(op, "output dtype differs from input dtype");
+  }
+  if ((x.element_count() > 0 && x.untyped_data() == nullptr) ||
+      (out.element_count() > 0 && out.untyped_data() == nullptr)) {
+    return Invalid(op, "buffer has no data");
+  }
+  const int32_t r = *static_cast<const int32_t*>(rank.untyped_data());
+  const int32_t g = *static_cast<const int32_t*>(group.untyped_data());
+  if (r < 0 || r >= group_size) {
+    return Invalid(op, "rank " + std::to_string(r) + " out of range for group size " +
+                           std::to_string(group_size));
+  }
+  if (g < 0) return Invalid(op, "group id must be non-negative, got " + std::to_string(g));
+  *call = Call{op, MeetingKey{run_id.run_id, call_site, g}, r, static_cast<int>(group_size),
+               timeout_ms};
+  return ffi::Error::Success();
+}
+
+Plan PlanFor(size_t total_bytes) {
+  return total_bytes <= kSmallTotalBytes ? Plan::kLastArriverForAll : Plan::kEachForItself;
+}
+
+ffi::Error Run(const Call& c, const Signature& sig, const ffi::AnyBuffer& x,
+               ffi::Result<ffi::AnyBuffer>& out, size_t total_bytes, const Share& share) {
+  std::string err = Meet(c.op, c.key, c.rank, c.n, sig, Member{x.untyped_data(),
+                                                              out->untyped_data()},
+                         c.timeout_ms, PlanFor(total_bytes), share);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  return ffi::Error::Success();
+}
+
+// ---- all_reduce ----------------------------------------------------------------------------
+
+ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
+                         ffi::AnyBuffer group, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t call_site, int64_t group_size, int64_t timeout_ms,
+                         int64_t reduce_op) {
+  constexpr const char* kOp = "all_reduce";
+  Call c;
+  if (auto e = Prepare(kOp, run_id, x, rank, group, *out, call_site, group_size, timeout_ms, &c);
+      e.failure()) {
+    return e;
+  }
+  if (reduce_op < kSum || reduce_op > kMin) {
+    return Invalid(kOp, "reduce_op must be 0 (sum), 1 (mean), 2 (max) or 3 (min), got " +
+                            std::to_string(reduce_op));
+  }
+  if (reduce_op == kMean && x.element_type() == ffi::DataType::S32) {
+    return Invalid(kOp, "mean of int32 is not an int32 (divide the sum instead)");
+  }
+  if (Dims(x) != Dims(*out)) {
+    return Invalid(kOp, "output shape " + ShapeString(Dims(*out)) + " differs from input " +
+                            ShapeString(Dims(x)));
+  }
+  const size_t count = x.element_count();
+  const int n = c.n;
+  // Each member reduces one contiguous slice (cache-line aligned) and writes it into every
+  // member's output: reduce-scatter and all-gather in one pass, with no staging buffer.
+  const size_t slice = (count + n - 1) / n;
+  const size_t chunk = (slice + 15) / 16 * 16;
+  Share share;
+  VisitDtype(x.element_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    share = [count, chunk, n, reduce_op](const std::vector<Member>& m, int r) {
+      const size_t lo = std::min(count, static_cast<size_t>(r) * chunk);
+      const size_t hi = std::min(count, lo + chunk);
+      if (lo == hi) return;
+      std::vector<const T*> srcs(n);
+      std::vector<T*> dsts(n);
+      for (int s = 0; s < n; ++s) {
+        srcs[s] = static_cast<const T*>(m[s].in) + lo;
+        dsts[s] = static_cast<T*>(m[s].out) + lo;
+      }
+      ReduceByOp<T>(reduce_op, srcs.data(), n, dsts.data(), n, hi - lo);
+    };
+  });
+  const Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), {reduce_op}};
+  return Run(c, sig, x, out, x.size_bytes() * n, share);
+}
+
+// ---- reduce_scatter ------------------------------------------------------------------------
+
+ffi::Error ReduceScatterImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
+                             ffi::AnyBuffer group, ffi::Result<ffi::AnyBuffer> out,
+                             int64_t call_site, int64_t group_size, int64_t timeout_ms,
+                             int64_t reduce_op, int64_t scatter_dimension) {
+  constexpr const char* kOp = "reduce_scatter";
+  Call c;
+  if (auto e = Prepare(kOp, run_id, x, rank, group, *out, call_site, group_size, timeout_ms, &c);
+      e.failure()) {
+    return e;
+  }
+  if (reduce_op != kSum && reduce_op != kMean) {
+    return Invalid(kOp, "reduce_op must be 0 (sum) or 1 (mean)");
+  }
+  if (reduce_op == kMean && x.element_type() == ffi::DataType::S32) {
+    return Invalid(kOp, "mean of int32 is not an int32 (divide the sum instead)");
+  }
+  const std::vector<int64_t> in_dims = Dims(x), out_dims = Dims(*out);
+  const int64_t d = scatter_dimension;
+  if (d < 0 || d >= static_cast<int64_t>(in_dims.size())) {
+    return Invalid(kOp, "scatter_dimension " + std::to_string(d) + " out of range for shape " +
+                            ShapeString(in_dims));
+  }
+  if (in_dims[d] % c.n != 0) {
+    return Invalid(kOp, "dimension " + std::to_string(d) + " of shape " + ShapeString(in_dims) +
+                            " is not divisible by the group size " + std::to_string(c.n));
+  }
+  std::vector<int64_t> want = in_dims;
+  want[d] /= c.n;
+  if (out_dims != want) {
+    return Invalid(kOp, "output shape " + ShapeString(out_dims) + " should be " +
+                            ShapeString(want));
+  }
+  const size_t outer = Product(in_dims, 0, d);
+  const size_t dim = in_dims[d];
+  const size_t inner = Product(in_dims, d + 1, in_dims.size());
+  const size_t row = dim / c.n * inner;  // one member's part of one outer row
+  const int n = c.n;
+  Share share;
+  VisitDtype(x.element_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    share = [outer, dim, inner, row, n, reduce_op](const std::vector<Member>& m, int r) {
+      if (row == 0) return;
+      std::vector<const T*> srcs(n);
+      for (size_t o = 0; o < outer; ++o) {
+        for (int s = 0; s < n; ++s) {
+          srcs[s] = static_cast<const T*>(m[s].in) + o * dim * inner + r * row;
+        }
+        T* dst = static_cast<T*>(m[r].out) + o * row;
+        ReduceByOp<T>(reduce_op, srcs.data(), n, &dst, 1, row);
+      }
+    };
+  });
+  const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims, {reduce_op, d}};
+  return Run(c, sig, x, out, x.size_bytes(), share);
+}
+
+// ---- all_gather ----------------------------------------------------------------------------
+
+ffi::Error AllGatherImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
+                         ffi::AnyBuffer group, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t call_site, int64_t group_size, int64_t timeout_ms,
+                         int64_t axis) {
+  constexpr const char* kOp = "all_gather";
+  Call c;
+  if (auto e = Prepare(kOp, run_id, x, rank, group, *out, call_site, group_size, timeout_ms, &c);
+      e.failure()) {
+    return e;
+  }
+  const std::vector<int64_t> in_dims = Dims(x), out_dims = Dims(*out);
+  if (axis < 0 || axis >= static_cast<int64_t>(in_dims.size())) {
+    return Invalid(kOp, "axis " + std::to_string(axis) + " out of range for shape " +
+                            ShapeString(in_dims));
+  }
+  std::vector<int64_t> want = in_dims;
+  want[axis] *= c.n;
+  if (out_dims != want) {
+    return Invalid(kOp, "output shape " + ShapeString(out_dims) + " should be " +
+                            ShapeString(want));
+  }
+  const size_t outer = Product(in_dims, 0, axis);
+  const size_t block = static_cast<size_t>(Product(in_dims, axis, in_dims.size())) *
+                       ffi::ByteWidth(x.element_type());  // one member's part of an outer row
+  const int n = c.n;
+  Share share = [outer, block, n](const std::vector<Member>& m, int r) {
+    if (block == 0) return;
+    uint8_t* dst = static_cast<uint8_t*>(m[r].out);
+    for (size_t o = 0; o < outer; ++o) {
+      for (int s = 0; s < n; ++s) {
+        std::memcpy(dst + (o * n + s) * block, static_cast<const uint8_t*>(m[s].in) + o * block,
+                    block);
+      }
+    }
+  };
+  const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims, {axis}};
+  return Run(c, sig, x, out, out->size_bytes() * n, share);
+}
+
+// ---- all_to_all ----------------------------------------------------------------------------
+
+ffi::Error AllToAllImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
+                        ffi::AnyBuffer group, ffi::Result<ffi::AnyBuffer> out,
+                        int64_t call_site, int64_t group_size, int64_t timeout_ms,
+                        int64_t split_axis, int64_t concat_axis) {
+  constexpr const char* kOp = "all_to_all";
+  Call c;
+  if (auto e = Prepare(kOp, run_id, x, rank, group, *out, call_site, group_size, timeout_ms, &c);
+      e.failure()) {
+    return e;
+  }
+  const std::vector<int64_t> in_dims = Dims(x), out_dims = Dims(*out);
+  const int64_t nd = static_cast<int64_t>(in_dims.size());
+  if (split_axis < 0 || split_axis >= nd || concat_axis < 0 || concat_axis >= nd) {
+    return Invalid(kOp, "split_axis/concat_axis out of range for shape " + ShapeString(in_dims));
+  }
+  if (in_dims[split_axis] % c.n != 0) {
+    return Invalid(kOp, "dimension " + std::to_string(split_axis) + " of shape " +
+                            ShapeString(in_dims) + " is not divisible by the group size " +
+                            std::to_string(c.n));
+  }
+  std::vector<int64_t> chunk = in_dims;  // what one member sends to one other member
+  chunk[split_axis] /= c.n;
+  std::vector<int64_t> want = chunk;
+  want[concat_axis] *= c.n;
+  if (out_dims != want) {
+    return Invalid(kOp, "output shape " + ShapeString(out_dims) + " should be " +
+                            ShapeString(want));
+  }
+  const std::vector<int64_t> in_strides = RowMajorStrides(in_dims);
+  const std::vector<int64_t> out_strides = RowMajorStrides(out_dims);
+  // From the later of the two axes on, both the source chunk and its destination are
+  // contiguous runs (see CopyBox).
+  const size_t contiguous_from = static_cast<size_t>(std::max(split_axis, concat_axis));
+  const size_t elem = ffi::ByteWidth(x.element_type());
+  const int n = c.n;
+  Share share = [=](const std::vector<Member>& m, int r) {
+    for (int s = 0; s < n; ++s) {
+      CopyBox(static_cast<const uint8_t*>(m[s].in), in_strides,
+              r * chunk[split_axis] * in_strides[split_axis], static_cast<uint8_t*>(m[r].out),
+              out_strides, s * chunk[concat_axis] * out_strides[concat_axis], chunk,
+              contiguous_from, elem);
+    }
+  };
+  const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims,
+                      {split_axis, concat_axis}};
+  return Run(c, sig, x, out, x.size_bytes() * n, share);
+}
+
+// ---- broadcast -----------------------------------------------------------------------------
+
+ffi::Error BroadcastImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
+                         ffi::AnyBuffer group, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t call_site, int64_t group_size, int64_t timeout_ms,
+                         int64_t root) {
+  constexpr const char* kOp = "broadcast";
+  Call c;
+  if (auto e = Prepare(kOp, run_id, x, rank, group, *out, call_site, group_size, timeout_ms, &c);
+      e.failure()) {
+    return e;
+  }
+  if (root < 0 || root >= c.n) {
+    return Invalid(kOp, "root " + std::to_string(root) + " out of range for group size " +
+                            std::to_string(c.n));
+  }
+  if (Dims(x) != Dims(*out)) return Invalid(kOp, "output shape differs from input shape");
+  const size_t bytes = x.size_bytes();
+  Share share = [bytes, root](const std::vector<Member>& m, int r) {
+    if (bytes) std::memcpy(m[r].out, m[root].in, bytes);
+  };
+  const Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), {root}};
+  return Run(c, sig, x, out, bytes * c.n, share);
+}
+
+// ---- permute -------------------------------------------------------------------------------
+
+ffi::Error PermuteImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
+                       ffi::AnyBuffer group, ffi::Result<ffi::AnyBuffer> out, int64_t call_site,
+                       int64_t group_size, int64_t timeout_ms,
+                       ffi::Span<const int64_t> sources) {
+  constexpr const char* kOp = "permute";
+  Call c;
+  if (auto e = Prepare(kOp, run_id, x, rank, group, *out, call_site, group_size, timeout_ms, &c);
+      e.failure()) {
+    return e;
+  }
+  if (static_cast<int64_t>(sources.size()) != c.n) {
+    return Invalid(kOp, "sources must have one entry per rank (" + std::to_string(c.n) +
+                            "), got " + std::to_string(sources.size()));
+  }
+  std::vector<uint8_t> used(c.n, 0);
+  std::vector<int64_t> src(sources.begin(), sources.end());
+  for (int64_t s : src) {
+    if (s < -1 || s >= c.n) {
+      return Invalid(kOp, "source rank " + std::to_string(s) + " out of range");
+    }
+    if (s >= 0 && used[s]++) {
+      return Invalid(kOp, "source rank " + std::to_string(s) + " sends to two ranks");
+    }
+  }
+  if (Dims(x) != Dims(*out)) return Invalid(kOp, "output shape differs from input shape");
+  const size_t bytes = x.size_bytes();
+  Share share = [bytes, src](const std::vector<Member>& m, int r) {
+    if (bytes == 0) return;
+    if (src[r] < 0) {
+      std::memset(m[r].out, 0, bytes);  // like lax.ppermute: ranks nobody sends to get zeros
+    } else {
+      std::memcpy(m[r].out, m[src[r]].in, bytes);
+    }
+  };
+  Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), src};
+  return Run(c, sig, x, out, bytes * c.n, share);
+}
+
+}  // namespace
+}  // namespace trainspec
+
+// The operands and attributes shared by every collective, in handler-argument order.
+#define TRAINSPEC_COLLECTIVE_BINDING()        \
+  ffi::Ffi::Bind()                            \
+      .Ctx<ffi::RunId>()                      \
+      .Arg<ffi::AnyBuffer>()     /* x */      \
+      .Arg<ffi::AnyBuffer>()     /* rank */   \
+      .Arg<ffi::AnyBuffer>()     /* group */  \
+      .Ret<ffi::AnyBuffer>()                  \
+      .Attr<int64_t>("call_site")             \
+      .Attr<int64_t>("group_size")            \
+      .Attr<int64_t>("timeout_ms")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TrainspecAllReduce, trainspec::AllReduceImpl,
+                              TRAINSPEC_COLLECTIVE_BINDING().Attr<int64_t>("reduce_op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TrainspecReduceScatter, trainspec::ReduceScatterImpl,
+                              TRAINSPEC_COLLECTIVE_BINDING()
+                                  .Attr<int64_t>("reduce_op")
+                                  .Attr<int64_t>("scatter_dimension"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TrainspecAllGather, trainspec::AllGatherImpl,
+                              TRAINSPEC_COLLECTIVE_BINDING().Attr<int64_t>("axis"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TrainspecAllToAll, trainspec::AllToAllImpl,
+                              TRAINSPEC_COLLECTIVE_BINDING()
+                                  .Attr<int64_t>("split_axis")
+                                  .Attr<int64_t>("concat_axis"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TrainspecBroadcast, trainspec::BroadcastImpl,
+                              TRAINSPEC_COLLECTIVE_BINDING().Attr<int64_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TrainspecPermute, trainspec::PermuteImpl,
+                              TRAINSPEC_COLLECTIVE_BINDING()
+                                  .Attr<ffi::Span<const int64_t>>("sources"));

@@ -1,0 +1,332 @@
+// Implementation of the in-process rendezvous (see rendezvous.h for the keying).
+//
+// Synchronisation: each meeting has one 32-bit `phase` word that moves
+// collecting -> all_arrived -> done, or collecting -> failed. Transitions out of `collecting`
+// happen under the registry mutex, so "the last member arrived" and "a waiter gave up" cannot
+// both win. Waiters spin briefly, yield, then sleep on the word with a futex: on this kind of
+// machine (8 device threads, 2 cores) a long spin would steal the core that the member we wait
+// for needs, while going straight to sleep costs a wake-up per member even when the peer is a
+// few microseconds away.
+#include "rendezvous.h"
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace trainspec {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum Phase : uint32_t { kCollecting = 0, kAllArrived = 1, kDone = 2, kFailed = 3 };
+
+// Tuned on 2 cores / 8 device threads: enough to catch a peer that is already running,
+// short enough not to starve one that is not.
+constexpr int kSpins = 256;
+constexpr int kYields = 4;
+// Runs whose collectives failed are remembered so late members fail fast; bounded so that the
+// registry does not grow with the number of failures.
+constexpr size_t kMaxFailedRuns = 256;
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) &&
+                  std::atomic<uint32_t>::is_always_lock_free,
+              "the futex word must be a plain 32-bit integer");
+
+// Sleeps while *word == expected, at most `max_wait`; spurious returns are fine (callers loop).
+void SleepWhileEqual(std::atomic<uint32_t>* word, uint32_t expected,
+                     std::chrono::nanoseconds max_wait) {
+#if defined(__linux__)
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(max_wait.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(max_wait.count() % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, &ts,
+          nullptr, 0);
+#else
+  // No futex: poll with short sleeps (correct, slower to wake).
+  if (word->load(std::memory_order_acquire) == expected) {
+    std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(
+        max_wait, std::chrono::microseconds(50)));
+  }
+#endif
+}
+
+void WakeAll(std::atomic<uint32_t>* word) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+#else
+  (void)word;
+#endif
+}
+
+struct Instance {
+  explicit Instance(int n) : members(n), arrived(n, 0) {}
+  std::vector<Member> members;
+  std::vector<uint8_t> arrived;
+  Signature signature;
+  int first_rank = -1;  // whose signature the others are compared with
+  int arrivals = 0;
+  int inside = 0;  // members that joined and have not left yet
+  std::atomic<uint32_t> phase{kCollecting};
+  std::atomic<uint32_t> finished{0};
+  std::string failure;  // written under the registry mutex before phase becomes kFailed
+};
+
+struct Slot {
+  explicit Slot(int n) : group_size(n), entries(n, 0) {}
+  int group_size;
+  std::vector<uint64_t> entries;  // per rank: invocations started since the slot was created
+  int inside = 0;
+  std::map<uint64_t, std::unique_ptr<Instance>> instances;  // at most two live at a time
+};
+
+struct KeyHash {
+  size_t operator()(const MeetingKey& k) const {
+    uint64_t h = static_cast<uint64_t>(k.run_id) * 0x9E3779B97F4A7C15ull;
+    h ^= static_cast<uint64_t>(k.call_site) + 0x632BE59BD9B4E019ull + (h << 6) + (h >> 2);
+    h ^= static_cast<uint64_t>(k.group) + 0x94D049BB133111EBull + (h << 6) + (h >> 2);
+    return static_cast<size_t>(h);
+  }
+};
+struct KeyEq {
+  bool operator()(const MeetingKey& a, const MeetingKey& b) const {
+    return a.run_id == b.run_id && a.call_site == b.call_site && a.group == b.group;
+  }
+};
+
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<MeetingKey, std::unique_ptr<Slot>, KeyHash, KeyEq> slots;
+  std::unordered_map<int64_t, std::string> failed_runs;
+  std::deque<int64_t> failed_order;
+
+  void RememberFailedRun(int64_t run_id, const std::string& why) {
+    if (failed_runs.emplace(run_id, why).second) {
+      failed_order.push_back(run_id);
+      if (failed_order.size() > kMaxFailedRuns) {
+        failed_runs.erase(failed_order.front());
+        failed_order.pop_front();
+      }
+    }
+  }
+};
+
+Registry& GetRegistry() {
+  static Registry* registry = new Registry();  // never destroyed: handlers may run at exit
+  return *registry;
+}
+
+std::string Describe(const char* op_name, const MeetingKey& key, int group_size) {
+  std::ostringstream s;
+  s << "trainspec " << op_name << " (call site " << key.call_site << ", group " << key.group
+    << " of size " << group_size << ", run " << key.run_id << ")";
+  return s.str();
+}
+
+std::string RankList(const std::vector<uint8_t>& arrived, uint8_t want) {
+  std::ostringstream s;
+  s << "[";
+  bool first = true;
+  for (size_t r = 0; r < arrived.size(); ++r) {
+    if (arrived[r] == want) {
+      s << (first ? "" : ", ") << r;
+      first = false;
+    }
+  }
+  s << "]";
+  return s.str();
+}
+
+// Marks a still-collecting meeting failed and wakes its members. Registry mutex held.
+void FailLocked(Instance* inst, std::string why) {
+  inst->failure = std::move(why);
+  inst->phase.store(kFailed, std::memory_order_release);
+  WakeAll(&inst->phase);
+}
+
+// Waits until phase is one of `a`/`b`. While the meeting is still collecting and the deadline
+// passes, declares it failed (naming the missing ranks) unless it completed meanwhile. After
+// all members arrived there is no deadline: the peers are doing bounded work on our buffers,
+// and leaving before they finish would be a use-after-free.
+uint32_t WaitForPhase(Instance* inst, uint32_t a, uint32_t b, Clock::time_point deadline,
+                      const std::string& who, int64_t timeout_ms) {
+  auto reached = [&](uint32_t p) { return p == a || p == b || p == kFailed; };
+  for (int i = 0; i < kSpins; ++i) {
+    uint32_t p = inst->phase.load(std::memory_order_acquire);
+    if (reached(p)) return p;
+    CpuRelax();
+  }
+  for (int i = 0; i < kYields; ++i) {
+    uint32_t p = inst->phase.load(std::memory_order_acquire);
+    if (reached(p)) return p;
+    std::this_thread::yield();
+  }
+  for (;;) {
+    uint32_t p = inst->phase.load(std::memory_order_acquire);
+    if (reached(p)) return p;
+    auto now = Clock::now();
+    if (p == kCollecting && now >= deadline) {
+      Registry& reg = GetRegistry();
+      std::lock_guard<std::mutex> lock(reg.mu);
+      if (inst->phase.load(std::memory_order_acquire) == kCollecting) {
+        std::ostringstream s;
+        s << who << ": timed out after " << timeout_ms / 1000.0 << " s waiting for ranks "
+          << RankList(inst->arrived, 0) << " (arrived: " << RankList(inst->arrived, 1)
+          << "); a member skipped this collective or is stuck";
+        FailLocked(inst, s.str());
+      }
+      continue;
+    }
+    // Sleep in bounded slices so the deadline is honoured even without a wake-up.
+    Clock::duration slice = std::chrono::milliseconds(100);
+    if (p == kCollecting) slice = std::min<Clock::duration>(slice, deadline - now);
+    SleepWhileEqual(&inst->phase, p, slice);
+  }
+}
+
+}  // namespace
+
+std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
+                 const Signature& signature, Member self, int64_t timeout_ms, Plan plan,
+                 const Share& share) {
+  const std::string who = Describe(op_name, key, group_size);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  Registry& reg = GetRegistry();
+  Slot* slot = nullptr;
+  Instance* inst = nullptr;
+  uint64_t invocation = 0;
+  bool last = false;
+  std::string refused;
+
+  // Leaving frees the meeting and the slot once nobody is inside; a failure poisons the run.
+  auto leave = [&]() {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    if (inst->phase.load(std::memory_order_acquire) == kFailed) {
+      reg.RememberFailedRun(key.run_id, inst->failure);
+    }
+    if (--inst->inside == 0) slot->instances.erase(invocation);
+    if (--slot->inside == 0) reg.slots.erase(key);
+  };
+
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    if (auto it = reg.failed_runs.find(key.run_id); it != reg.failed_runs.end()) {
+      return who + ": an earlier collective of this execution failed: " + it->second;
+    }
+    auto& slot_ptr = reg.slots[key];
+    if (!slot_ptr) slot_ptr = std::make_unique<Slot>(group_size);
+    slot = slot_ptr.get();
+    if (slot->group_size != group_size) {
+      std::ostringstream s;
+      s << who << ": rank " << rank << " uses group size " << group_size
+        << " but another member of the same group uses " << slot->group_size;
+      refused = s.str();
+      if (slot->inside == 0) reg.slots.erase(key);
+      return refused;
+    }
+    invocation = slot->entries[rank]++;
+    auto& inst_ptr = slot->instances[invocation];
+    if (!inst_ptr) inst_ptr = std::make_unique<Instance>(group_size);
+    inst = inst_ptr.get();
+    ++slot->inside;
+    ++inst->inside;
+
+    const uint32_t phase = inst->phase.load(std::memory_order_acquire);
+    if (phase == kFailed) {
+      refused = inst->failure;
+    } else if (inst->arrived[rank]) {
+      std::ostringstream s;
+      s << who << ": rank " << rank << " joined twice (two devices claim the same rank)";
+      FailLocked(inst, s.str());
+      refused = inst->failure;
+    } else if (inst->first_rank >= 0 && inst->signature != signature) {
+      std::ostringstream s;
+      s << who << ": rank " << rank << " disagrees with rank " << inst->first_rank
+        << " on dtype, shape or attributes";
+      FailLocked(inst, s.str());
+      refused = inst->failure;
+    } else {
+      if (inst->first_rank < 0) {
+        inst->first_rank = rank;
+        inst->signature = signature;
+      }
+      inst->members[rank] = self;
+      inst->arrived[rank] = 1;
+      if (++inst->arrivals == group_size) {
+        inst->phase.store(kAllArrived, std::memory_order_release);
+        last = true;
+      }
+    }
+  }
+  if (!refused.empty()) {
+    leave();
+    return refused;
+  }
+
+  uint32_t phase;
+  if (plan == Plan::kLastArriverForAll) {
+    if (last) {
+      for (int r = 0; r < group_size; ++r) share(inst->members, r);
+      inst->phase.store(kDone, std::memory_order_release);
+      WakeAll(&inst->phase);
+      phase = kDone;
+    } else {
+      phase = WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
+    }
+  } else {
+    if (last) {
+      WakeAll(&inst->phase);
+      phase = kAllArrived;
+    } else {
+      phase = WaitForPhase(inst, kAllArrived, kDone, deadline, who, timeout_ms);
+    }
+    if (phase != kFailed) {
+      share(inst->members, rank);
+      if (inst->finished.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+          static_cast<uint32_t>(group_size)) {
+        inst->phase.store(kDone, std::memory_order_release);
+        WakeAll(&inst->phase);
+      } else {
+        phase = WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
+      }
+    }
+  }
+  std::string failure = phase == kFailed ? inst->failure : std::string();
+  leave();
+  return failure;
+}
+
+int64_t LiveRendezvousCount() {
+  Registry& reg = GetRegistry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  return static_cast<int64_t>(reg.slots.size());
+}
+
+}  // namespace trainspec
