@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse's --help and usage errors: return, don't raise
+        return int(exit_.code or 0)
     try:
         return args.func(args) or 0
     except UserInputError as err:
