@@ -51,15 +51,22 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, timeout_s=None):
 
 
 def broadcast(x, axis_name, root=0, *, timeout_s=None):
-    # lax has no one-to-all collective. We sum root's x with a neutral element from every other
-    # member: one all-reduce, no n-fold memory (unlike all_gather + index), and its transpose is
-    # already the right gradient (cotangents summed onto root). The neutral element is -0.0 for
-    # floats, not 0.0: x + (-0.0) == x bitwise for every x (a root holding -0.0 keeps its sign,
-    # which +0.0 would flip), so the result is exact in any summation order.
-    x = jnp.asarray(x)
-    neutral = jnp.array(-0.0 if jnp.issubdtype(x.dtype, jnp.inexact) else 0, x.dtype)
-    is_root = lax.axis_index(axis_name) == root
-    return lax.psum(jnp.where(is_root, x, neutral), axis_name)
+    # lax has no one-to-all collective. A binomial tree of ppermutes (as MPI_Bcast does it):
+    # in round d = 1, 2, 4, ... the members that already hold root's x (ranks below d, counted
+    # from root) send it d ranks further. ceil(log2 n) rounds, O(|x|) memory, bitwise exact
+    # (data is only moved and selected), and lax transposes it into the right gradient
+    # (cotangents summed back up the tree onto root). Rejected: psum of x masked to root,
+    # because XLA's sum starts from +0.0 and so turns root's -0.0 into +0.0 (found by the
+    # conformance suite); all_gather + index, because it moves and holds n copies.
+    n = lax.axis_size(axis_name)
+    rank_from_root = (lax.axis_index(axis_name) - root) % n
+    out, d = x, 1
+    while d < n:
+        perm = [((root + r) % n, (root + r + d) % n) for r in range(min(d, n - d))]
+        received = lax.ppermute(out, axis_name, perm)
+        out = jnp.where((rank_from_root >= d) & (rank_from_root < 2 * d), received, out)
+        d *= 2
+    return out
 
 
 def permute(x, axis_name, perm, *, timeout_s=None):

@@ -1,0 +1,345 @@
+"""Conformance suite for spec_jax.collectives: every backend must pass it unchanged.
+
+Run one backend with `pytest tests/conformance -k xla` (or `-k ext`). Each test compiles one
+(op, dtype, shape, layout) program; references and tolerances live in collective_reference.py.
+float64 cases run under a scoped `jax.enable_x64(True)`, so the rest of the test session keeps
+jax's default 32-bit types.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import collective_reference as ref
+from spec_jax import collectives
+
+# ---- backends, layouts, dtypes ----------------------------------------------------------------
+
+_EXT_PRESENT = importlib.util.find_spec("spec_jax.collectives.ext") is not None
+BACKENDS = [
+    pytest.param("xla", id="xla"),
+    # Skipped only while the module does not exist; once it does, import errors fail loudly.
+    pytest.param("ext", id="ext", marks=pytest.mark.skipif(
+        not _EXT_PRESENT, reason="spec_jax/collectives/ext.py does not exist yet")),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    group: tuple[str, ...]  # the axes one collective spans
+
+    @property
+    def axis_name(self):
+        return self.group[0] if len(self.group) == 1 else self.group
+
+    @property
+    def group_dims(self) -> tuple[int, ...]:
+        return tuple(self.mesh_axes.index(a) for a in self.group)
+
+    @property
+    def n(self) -> int:
+        return int(np.prod([self.mesh_shape[d] for d in self.group_dims]))
+
+
+LAYOUTS = [
+    Layout("line8", (8,), ("i",), ("i",)),
+    Layout("rows", (2, 4), ("r", "c"), ("c",)),  # 2 groups: each row of 4
+    Layout("cols", (2, 4), ("r", "c"), ("r",)),  # 4 groups: each column of 2
+    Layout("grid", (2, 4), ("r", "c"), ("r", "c")),  # 1 group of 8, ranked row-major
+    # 6 of the 8 devices, groups of 3: a group size that is not a power of two (mean divides
+    # inexactly, broadcast trees are ragged) and a program that leaves devices out.
+    Layout("rows3", (2, 3), ("r", "c"), ("c",)),
+]
+LAYOUT_PARAMS = [pytest.param(lay, id=lay.name) for lay in LAYOUTS]
+DTYPES = ["float32", "bfloat16", "float16", "float64", "int32"]
+
+
+@functools.cache
+def _mesh(shape, axes) -> Mesh:
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), axes)
+
+
+def _x64(dtype):
+    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+
+
+# ---- cases: (op, local shape, kwargs), both as functions of the group size n ------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    op: str
+    shape: object  # n -> local shape
+    kwargs: object = lambda n: {}  # n -> op kwargs
+
+    def resolve(self, n):
+        return self.shape(n), self.kwargs(n)
+
+
+def _cases():
+    # Shapes: a scalar or a single-element-per-member operand (the smallest each op allows), and
+    # odd sizes (5, 3) wherever the op does not require divisibility by the group size.
+    for red in collectives.api.ALL_REDUCE_OPS:
+        yield Case(f"all_reduce-{red}-scalar", "all_reduce", lambda n: (), lambda n, r=red: {"op": r})
+        yield Case(f"all_reduce-{red}-5x3", "all_reduce", lambda n: (5, 3), lambda n, r=red: {"op": r})
+    for red in collectives.api.REDUCE_SCATTER_OPS:
+        yield Case(f"reduce_scatter-{red}-n", "reduce_scatter", lambda n: (n,),
+                   lambda n, r=red: {"op": r, "scatter_dimension": 0})
+        yield Case(f"reduce_scatter-{red}-3x2n-dim1", "reduce_scatter", lambda n: (3, 2 * n),
+                   lambda n, r=red: {"op": r, "scatter_dimension": 1})
+    yield Case("all_gather-1", "all_gather", lambda n: (1,), lambda n: {"axis": 0})
+    yield Case("all_gather-5x3-axis1", "all_gather", lambda n: (5, 3), lambda n: {"axis": 1})
+    yield Case("all_to_all-n", "all_to_all", lambda n: (n,),
+               lambda n: {"split_axis": 0, "concat_axis": 0})
+    yield Case("all_to_all-3x2n-split1-concat0", "all_to_all", lambda n: (3, 2 * n),
+               lambda n: {"split_axis": 1, "concat_axis": 0})
+    yield Case("broadcast-scalar-root0", "broadcast", lambda n: (), lambda n: {"root": 0})
+    yield Case("broadcast-5x3-rootlast", "broadcast", lambda n: (5, 3), lambda n: {"root": n - 1})
+    yield Case("permute-scalar-shift", "permute", lambda n: (),
+               lambda n: {"perm": [(i, (i + 1) % n) for i in range(n)]})
+    # Only member 0 receives: every other member must get zeros.
+    yield Case("permute-5x3-one", "permute", lambda n: (5, 3), lambda n: {"perm": [(n - 1, 0)]})
+
+
+CASES = list(_cases())
+LINEAR_CASES = [c for c in CASES if c.resolve(2)[1].get("op") not in ("max", "min")]
+
+
+def _needs_float(case: Case) -> bool:
+    return case.resolve(2)[1].get("op") == "mean"
+
+
+# ---- running a case ---------------------------------------------------------------------------
+
+
+def _inputs(layout: Layout, local_shape, dtype, salt: str) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(f"{layout.name}/{salt}".encode()))
+    shape = layout.mesh_shape + tuple(local_shape)
+    if dtype == "int32":  # small enough that no sum of 8 overflows
+        return rng.integers(-1000, 1000, shape).astype(np.int32)
+    return rng.standard_normal(shape).astype(jnp.dtype(dtype))
+
+
+def _sharded(layout: Layout, fn):
+    """jit(shard_map(fn)) over the layout's mesh, fn seeing each member's local block."""
+    k = len(layout.mesh_shape)
+
+    def body(block):
+        out = fn(block.reshape(block.shape[k:]))
+        return out.reshape((1,) * k + out.shape)
+
+    spec = P(*layout.mesh_axes)
+    return jax.jit(jax.shard_map(body, mesh=_mesh(layout.mesh_shape, layout.mesh_axes),
+                                 in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def _op(backend, layout, case):
+    kwargs = case.resolve(layout.n)[1]
+    op = getattr(collectives, case.op)
+    return lambda v: op(v, layout.axis_name, backend=backend, **kwargs)
+
+
+def _check(out: np.ndarray, expected: np.ndarray, tol, dtype, what: str):
+    assert out.dtype == jnp.dtype(dtype), f"{what}: dtype {out.dtype}, expected {dtype}"
+    assert out.shape == expected.shape, f"{what}: shape {out.shape}, expected {expected.shape}"
+    err = np.abs(out.astype(np.float64) - expected)
+    bad = err > tol
+    if bad.any():
+        i = np.argmax(np.where(bad, err - tol, -np.inf))
+        pytest.fail(f"{what}: {bad.sum()} of {bad.size} elements out of tolerance; worst at flat "
+                    f"index {i}: got {out.flat[i]!r}, want {expected.flat[i]!r}, "
+                    f"tolerance {np.broadcast_to(tol, err.shape).flat[i]:.3g}")
+
+
+def _expected(layout, case, dtype, x: np.ndarray):
+    """The float64 (int64) reference result and per-element tolerance, in x's mesh layout."""
+    kwargs = case.resolve(layout.n)[1]
+    wide = x.astype(np.int64 if dtype == "int32" else np.float64)
+    blocks, back = ref.to_groups(wide, len(layout.mesh_shape), layout.group_dims)
+    expected = ref.REFERENCES[case.op](blocks, **kwargs)
+    tol = ref.tolerance(case.op, kwargs, dtype, blocks, expected)
+    return back(expected), back(np.broadcast_to(tol, expected.shape))
+
+
+# ---- forward: every op x dtype x shape x layout -----------------------------------------------
+
+# Mean of integers is not a case but an error (test_rejects_illegal_calls).
+CASE_DTYPES = [pytest.param(c, d, id=f"{c.id}-{d}") for c in CASES for d in DTYPES
+               if not (d == "int32" and _needs_float(c))]
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+@pytest.mark.parametrize("case,dtype", CASE_DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(backend, case, dtype, layout):
+    x = _inputs(layout, case.resolve(layout.n)[0], dtype, case.id)
+    with _x64(dtype):
+        out = np.asarray(_sharded(layout, _op(backend, layout, case))(x))
+    expected, tol = _expected(layout, case, dtype, x)
+    _check(out, expected, tol, dtype, f"{backend} {case.id} {dtype} {layout.name}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_16bit_sums_accumulate_in_f32(backend, op, dtype):
+    """1 + 7 * s with s a quarter ULP at 1: summed in 16 bits in any order, each partial sum
+    that contains 1 rounds the small terms away (or a pair of them to even); summed in float32
+    the total is exact and rounds once to the nearest 16-bit value."""
+    layout = LAYOUTS[0]
+    small = 2.0 ** -(jnp.finfo(dtype).nmant + 2)
+    x = np.full((8, 8), small, jnp.dtype(dtype))
+    x[0] = 1.0
+    fn = lambda v: getattr(collectives, op)(v, "i", backend=backend)  # noqa: E731
+    out = np.asarray(_sharded(layout, fn)(x)).astype(np.float64)
+    want = float(np.asarray(1 + 7 * small, jnp.dtype(dtype)))
+    assert want != 1.0 and np.all(out == want), (out.ravel()[:8], want)
+
+
+# ---- errors at trace time -----------------------------------------------------------------------
+
+ILLEGAL = [  # (op, local shape as a function of n, kwargs as a function of n, message pattern)
+    ("reduce_scatter", lambda n: (n + 1,), lambda n: {}, "not divisible by the group size"),
+    ("reduce_scatter", lambda n: (), lambda n: {}, "out of range"),
+    ("all_to_all", lambda n: (n + 1,), lambda n: {"split_axis": 0, "concat_axis": 0},
+     "not divisible by the group size"),
+    ("all_to_all", lambda n: (n,), lambda n: {"split_axis": 0, "concat_axis": 1}, "out of range"),
+    ("all_gather", lambda n: (), lambda n: {}, "out of range"),
+    ("all_gather", lambda n: (2,), lambda n: {"axis": 1}, "out of range"),
+    ("broadcast", lambda n: (2,), lambda n: {"root": n}, "root must be"),
+    ("permute", lambda n: (2,), lambda n: {"perm": [(0, 1), (2, 1)]}, "destinations must be unique"),
+    ("permute", lambda n: (2,), lambda n: {"perm": [(0, n)]}, "outside"),
+    ("all_reduce", lambda n: (2,), lambda n: {"op": "prod"}, "op must be one of"),
+    ("reduce_scatter", lambda n: (n,), lambda n: {"op": "max"}, "op must be one of"),
+    ("all_reduce", lambda n: (2,), lambda n: {"timeout_s": 0}, "timeout_s must be"),
+]
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_PARAMS[0], LAYOUT_PARAMS[1]])
+@pytest.mark.parametrize("op,shape,kwargs,message", ILLEGAL,
+                         ids=[f"{c[0]}-{c[3].split()[0]}-{i}" for i, c in enumerate(ILLEGAL)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rejects_illegal_calls(backend, op, shape, kwargs, message, layout):
+    x = np.zeros(layout.mesh_shape + shape(layout.n), np.float32)
+    fn = functools.partial(getattr(collectives, op), axis_name=layout.axis_name, backend=backend,
+                           **kwargs(layout.n))
+    with pytest.raises(ValueError, match=message):
+        _sharded(layout, fn).lower(x)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mean_of_integers_is_rejected(backend, op):
+    layout = LAYOUTS[0]
+    fn = functools.partial(getattr(collectives, op), axis_name="i", op="mean", backend=backend)
+    with pytest.raises(ValueError, match="needs a floating dtype"):
+        _sharded(layout, fn).lower(np.zeros((8, 8), np.int32))
+
+
+# ---- gradients and vmap (float32) ---------------------------------------------------------------
+
+GRAD_LAYOUTS = [LAYOUT_PARAMS[0], LAYOUT_PARAMS[1], LAYOUT_PARAMS[3], LAYOUT_PARAMS[4]]
+
+
+@functools.cache
+def _gradient(backend, case, layout):
+    """d/dx sum(w * op(x)) through the backend, and the analytic value with its tolerance."""
+    x = _inputs(layout, case.resolve(layout.n)[0], "float32", case.id)
+    expected, _ = _expected(layout, case, "float32", x)
+    w = _inputs(layout, expected.shape[len(layout.mesh_shape):], "float32", "w" + case.id)
+    forward = _sharded(layout, _op(backend, layout, case))
+    got = np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(w * forward(v))))(x))
+
+    kwargs = case.resolve(layout.n)[1]
+    k = len(layout.mesh_shape)
+    w_blocks, back = ref.to_groups(w.astype(np.float64), k, layout.group_dims)
+    want = back(ref.adjoint(case.op, kwargs, w_blocks))
+    if case.op in ("all_to_all", "permute") or case.id.startswith("reduce_scatter-sum"):
+        tol = 0.0  # their adjoints only move values
+    else:  # Higham's bound over the terms each gradient element sums, as for forward sums
+        nu = layout.n * 2.0**-24
+        tol = nu / (1 - nu) * back(ref.adjoint(case.op, kwargs, np.abs(w_blocks))) \
+            + ref.ulp("float32", want)
+    return got, want, np.broadcast_to(tol, want.shape)
+
+
+@pytest.mark.parametrize("layout", GRAD_LAYOUTS)
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_matches_analytic(backend, case, layout):
+    got, want, tol = _gradient(backend, case, layout)
+    _check(got, want, tol, "float32", f"grad {backend} {case.id} {layout.name}")
+
+
+@pytest.mark.skipif(not _EXT_PRESENT, reason="needs both backends")
+@pytest.mark.parametrize("layout", GRAD_LAYOUTS)
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: c.id)
+def test_gradients_agree_across_backends(case, layout):
+    x_got, _, x_tol = _gradient("xla", case, layout)
+    e_got, _, e_tol = _gradient("ext", case, layout)
+    _check(e_got, x_got.astype(np.float64), x_tol + e_tol, "float32",
+           f"grad ext vs xla {case.id} {layout.name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_inside_shard_map(backend, case):
+    """vmap over a batch of 3 operands per member = the op on each batch element."""
+    layout = LAYOUTS[1]
+    k = len(layout.mesh_shape)
+    x = _inputs(layout, (3, *case.resolve(layout.n)[0]), "float32", case.id)
+    out = np.asarray(_sharded(layout, jax.vmap(_op(backend, layout, case)))(x))
+    per_item = [_expected(layout, case, "float32", x[(slice(None),) * k + (b,)]) for b in range(3)]
+    expected = np.stack([e for e, _ in per_item], axis=k)
+    tol = np.stack([t for _, t in per_item], axis=k)
+    _check(out, expected, tol, "float32", f"vmap {backend} {case.id}")
+
+
+# ---- guarantee levels -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_backends_are_bitwise_repeatable(backend, op):
+    """A 'deterministic' backend gives identical bits on every run, whichever device thread
+    arrives first (on 2 cores the 8 device threads arrive in a different order run to run).
+    The data mixes magnitudes and signs so that any change of summation order shows."""
+    if collectives.guarantee_level(backend) != "deterministic":
+        pytest.skip(f"{backend} declares {collectives.guarantee_level(backend)}")
+    layout = LAYOUTS[0]
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8, 1 << 14)) * np.exp2(rng.integers(-20, 20, (8, 1 << 14))))
+    x = x.astype(np.float32)
+    fn = _sharded(layout, lambda v: getattr(collectives, op)(v, "i", backend=backend))
+    first = np.asarray(fn(x))
+    for _ in range(10):
+        np.testing.assert_array_equal(np.asarray(fn(x)).view(np.uint32), first.view(np.uint32))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.op in ("all_gather", "broadcast",
+                                                                 "permute", "all_to_all")],
+                         ids=lambda c: c.id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_data_movement_preserves_bits(backend, case):
+    """Ops that only move data keep every bit: -0.0 stays negative, NaN and inf survive (a
+    broadcast built from arithmetic, e.g. a sum with +0.0, would flip -0.0)."""
+    layout = LAYOUTS[0]
+    x = _inputs(layout, case.resolve(layout.n)[0], "float32", case.id)
+    specials = np.array([-0.0, np.inf, -np.inf, np.nan], np.float32)
+    x.reshape(-1)[:] = specials[np.arange(x.size) % specials.size]
+    out = np.asarray(_sharded(layout, _op(backend, layout, case))(x))
+    expected, _ = _expected(layout, case, "float32", x)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.astype(np.float32).view(np.uint32))
