@@ -72,15 +72,9 @@ class _Precision:
     grad_reduce: Any = jnp.float32
 
 
-def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | None,
-                      micro_constraint: Callable = lambda b: b):
-    """Sum loss, tokens and gradients over micro-batches; divide once by the total tokens.
-
-    Dividing the summed per-token losses by the total valid tokens of all micro-batches (and,
-    because the arrays are global, of all data-parallel shards) is the loss of the whole batch;
-    the mean of per-micro-batch means is not, as soon as masks are ragged.
-    """
-    precision = precision or _Precision()
+def _accumulate(loss_fn, params, micro_batches, precision: _Precision,
+                micro_constraint: Callable = lambda b: b):
+    """Sums over micro-batches: (gradient of the loss sum, loss sum, valid tokens, aux)."""
 
     def grads_of(params, batch):
         def loss(p):
@@ -88,25 +82,24 @@ def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | Non
             return loss_sum.astype(jnp.float32), (tokens.astype(jnp.float32), aux)
 
         (loss_sum, (tokens, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return loss_sum, tokens, aux, _cast_floats(grads, precision.grad_reduce)
+        return _cast_floats(grads, precision.grad_reduce), loss_sum, tokens, aux
 
     def body(carry, batch):
-        g_acc, loss_acc, tok_acc, aux_acc = carry
-        loss_sum, tokens, aux, grads = grads_of(state.params, micro_constraint(batch))
-        carry = (
-            jax.tree.map(jnp.add, g_acc, grads),
-            loss_acc + loss_sum,
-            tok_acc + tokens,
-            jax.tree.map(jnp.add, aux_acc, aux),
-        )
-        return carry, None
+        return jax.tree.map(jnp.add, carry, grads_of(params, micro_constraint(batch))), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
-    _, _, aux_shape, grad_shape = jax.eval_shape(grads_of, state.params, first)
-    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
-    init = (zeros(grad_shape), jnp.float32(0), jnp.float32(0), zeros(aux_shape))
-    (grad_sum, loss_sum, tokens, aux), _ = jax.lax.scan(body, init, micro_batches)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grads_of, params, first))
+    sums, _ = jax.lax.scan(body, zeros, micro_batches)
+    return sums
 
+
+def _apply(state, grad_sum, loss_sum, tokens, aux):
+    """Divide once by the total valid tokens, then update.
+
+    Dividing the summed per-token losses by the total valid tokens of all micro-batches and all
+    data-parallel shards is the loss of the whole batch; the mean of per-micro-batch means is
+    not, as soon as masks are ragged.
+    """
     denom = jnp.maximum(tokens, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, state.params)
     new_state = state.apply_gradients(grads=grads)
@@ -117,6 +110,14 @@ def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | Non
         **({"aux": aux} if jax.tree.leaves(aux) else {}),
     }
     return new_state, metrics
+
+
+def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | None,
+                      micro_constraint: Callable = lambda b: b):
+    """One step over global arrays: XLA inserts (and schedules) the cross-replica reductions."""
+    sums = _accumulate(loss_fn, state.params, micro_batches, precision or _Precision(),
+                       micro_constraint)
+    return _apply(state, *sums)
 
 
 class WrappedStep:
