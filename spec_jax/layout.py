@@ -28,19 +28,23 @@ DEFAULT_ROLE_RULES = {
 }
 
 
-def logical_rules(spec: Spec) -> dict[str, tuple[str, ...]]:
-    """Logical axis -> mesh axes: role defaults, overridden by `layout.rules`."""
+def logical_rules(spec: Spec, without: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
+    """Logical axis -> mesh axes: role defaults, overridden by `layout.rules`.
+
+    `without` drops mesh axes that the caller handles itself (e.g. the data axes inside a
+    computation vmapped over replicas).
+    """
     rules = {
         logical: tuple(a for role in roles for a in spec.mesh.axes_with_role(role))
         for logical, roles in DEFAULT_ROLE_RULES.items()
     }
     rules.update({logical: tuple(axes) for logical, axes in spec.layout.rules.items()})
-    return rules
+    return {logical: tuple(a for a in axes if a not in without) for logical, axes in rules.items()}
 
 
-def flax_rules(spec: Spec) -> list[tuple[str, tuple[str, ...] | None]]:
+def flax_rules(spec: Spec, without: Sequence[str] = ()) -> list[tuple[str, tuple[str, ...] | None]]:
     """The same rules in the form `nn.logical_axis_rules` takes (for activation constraints)."""
-    return [(logical, axes or None) for logical, axes in logical_rules(spec).items()]
+    return [(logical, axes or None) for logical, axes in logical_rules(spec, without).items()]
 
 
 def _mesh_axes_for_dim(rules, logical, dim_size, mesh: Mesh, used: set[str]):
@@ -128,9 +132,9 @@ def named(pspecs, mesh: Mesh):
     return jax.tree.map(lambda ps: NamedSharding(mesh, ps), pspecs, is_leaf=lambda x: isinstance(x, P))
 
 
-def batch_partition_spec(spec: Spec, mesh: Mesh, ndim: int) -> P:
+def batch_partition_spec(spec: Spec, mesh: Mesh, ndim: int, without: Sequence[str] = ()) -> P:
     """Batch arrays are (batch, length, ...): dim 0 follows `batch`, dim 1 follows `length`."""
-    rules = logical_rules(spec)
+    rules = logical_rules(spec, without)
     entries = []
     used: set[str] = set()
     for logical in ("batch", "length")[:ndim]:

@@ -141,7 +141,10 @@ class RematSpec(_Section):
 
 
 class CollectivesSpec(_Section):
-    backend: Literal["xla"] = Field("xla", description="Implementation of the collectives.")
+    backend: Literal["xla", "ext"] = Field(
+        "xla", description="Implementation of the collectives: `xla` (native) or `ext` (the "
+        "xla_ext custom calls; the gradient reduction over the data axes goes through it)."
+    )
     timeout_s: float = Field(
         120.0, gt=0, description="A collective whose peers do not all arrive fails after this."
     )
@@ -181,6 +184,53 @@ class TrainSpec(_Section):
     steps: int = Field(60, ge=1, description="Optimizer steps of `trainspec train`.")
 
 
+class CheckpointSpec(_Section):
+    interval: int = Field(
+        20, ge=0, description="Steps between checkpoints (0 = none). The last step and a halt "
+        "are always checkpointed when this is > 0."
+    )
+    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    async_save: bool = Field(
+        True, description="Write in the background while training continues."
+    )
+    dir: str = Field("checkpoints", description="Checkpoint directory, relative to the run directory.")
+
+
+class NanSpec(_Section):
+    policy: Literal["skip", "halt"] = Field(
+        "skip", description="On a non-finite loss or gradient: `skip` drops the update, "
+        "`halt` stops with the last good state checkpointed."
+    )
+    max_consecutive_skips: int = Field(
+        5, ge=1, description="Under `skip`, one more consecutive non-finite step halts."
+    )
+
+
+class FingerprintSpec(_Section):
+    interval: int = Field(
+        100, ge=0, description="Steps between replica fingerprint checks (0 = off); state is "
+        "also checked before every checkpoint."
+    )
+    policy: Literal["halt", "rollback"] = Field(
+        "rollback", description="On a mismatch: `halt`, or exclude the diverged devices and "
+        "resume from the last checkpoint."
+    )
+
+
+class StragglerSpec(_Section):
+    window: int = Field(20, ge=3, description="Steps of timings the outlier rule looks at.")
+    k: float = Field(5.0, gt=0, description="Outlier: time > median + k * MAD.")
+    min_excess: float = Field(
+        0.1, ge=0, description="...and more than this fraction above the median (MAD can be ~0)."
+    )
+
+
+class HealthSpec(_Section):
+    nan: NanSpec = NanSpec()
+    fingerprints: FingerprintSpec = FingerprintSpec()
+    stragglers: StragglerSpec = StragglerSpec()
+
+
 class Spec(_Section):
     spec_version: Literal[1] = Field(SPEC_VERSION, description="Version of this format.")
     seed: int = Field(0, description="Seed of parameter init and data order.")
@@ -194,6 +244,8 @@ class Spec(_Section):
     model: ModelSpec = ModelSpec()
     optimizer: OptimizerSpec = OptimizerSpec()
     train: TrainSpec = TrainSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    health: HealthSpec = HealthSpec()
 
     @model_validator(mode="after")
     def _rules_name_axes(self):

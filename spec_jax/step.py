@@ -193,6 +193,8 @@ class WrappedStep:
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps
         precision = _Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
+        if spec.collectives.backend != "xla" and self.data_axes:
+            return self._replica_reduced_step_fn(precision)
 
         def constrain(micro):  # keep each micro-batch split over the batch shards
             return jax.tree.map(jax.lax.with_sharding_constraint, micro, batch_shardings)
@@ -201,6 +203,63 @@ class WrappedStep:
             return _accumulated_step(
                 self.step_fn.loss_fn, state, _split_micro(batch, k), precision, constrain
             )
+
+        return step
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The data-role mesh axes that actually split (size > 1)."""
+        return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
+
+    def _replica_reduced_step_fn(self, precision: _Precision):
+        """The step with the cross-replica gradient sum made explicit, through the spec's
+        collectives backend (`collectives.backend`, e.g. the xla_ext custom calls).
+
+        Each data-parallel replica's sums are computed by `vmap` over a leading replica axis
+        (bound to the data mesh axes, so each replica stays on its own devices and the model
+        code is unchanged; fsdp/tensor axes inside a replica stay with XLA). The per-replica
+        gradient sums are then all-reduced over the data axes in a `shard_map`. Tokens and loss
+        sums are scalars: summed over the replica axis directly.
+        """
+        from spec_jax import collectives
+
+        spec, mesh, data = self.spec, self.mesh, self.data_axes
+        k, n = spec.batch.accumulation_steps, int(np.prod([self.mesh.shape[a] for a in data]))
+        inner_rules = layout.flax_rules(spec, without=data)
+        inner_batch_spec = lambda x: NamedSharding(  # noqa: E731
+            mesh, layout.batch_partition_spec(spec, mesh, np.ndim(x), without=data))
+        param_pspecs = self.state_pspecs.params
+        group = data if len(data) > 1 else data[0]
+
+        def reduce_over_replicas(stacked):
+            def body(g):
+                return jax.tree.map(
+                    lambda x: collectives.all_reduce(
+                        x[0], group, "sum", timeout_s=spec.collectives.timeout_s,
+                        backend=spec.collectives.backend),
+                    g,
+                )
+
+            in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
+                                    is_leaf=lambda x: isinstance(x, P))
+            return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=param_pspecs,
+                                 check_vma=False)(stacked)
+
+        def step(state, batch):
+            def replica_sums(rows):
+                micro = _split_micro(rows, k)
+                constrain = lambda b: jax.tree.map(  # noqa: E731
+                    lambda x: jax.lax.with_sharding_constraint(x, inner_batch_spec(x)), b)
+                return _accumulate(self.step_fn.loss_fn, state.params, micro, precision, constrain)
+
+            # Rows of replica r are its contiguous block of the data-sharded batch dimension.
+            per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+            with nn.logical_axis_rules(inner_rules):
+                grad_sums, loss_sums, token_sums, aux = jax.vmap(
+                    replica_sums, spmd_axis_name=data)(per_replica)
+            grad_sum = reduce_over_replicas(grad_sums)
+            total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
+            return _apply(state, grad_sum, total(loss_sums), total(token_sums), total(aux))
 
         return step
 
