@@ -1,0 +1,107 @@
+"""`trainspec bench <what>`: benchmarks. `bench collectives` here; each benchmark registers a
+sub-subcommand in `register` (a `bench step` belongs next to `collectives`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spec_jax.cli.devices import ensure_host_devices
+from spec_jax.errors import UserInputError
+
+_SIZE_HELP = ("bytes per device, as nccl-tests: the larger of the op's input and output buffer "
+              "on one device (all_gather: its output, reduce_scatter: its input); "
+              "K/M/G are powers of 1024")
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (collectives)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{collectives}")
+    _register_collectives(kinds)
+
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _register_collectives(kinds) -> None:
+    p = kinds.add_parser(
+        "collectives", help="nccl-tests-style sweep of the collectives, backends side by side",
+        description="Time each collective over a range of sizes for each backend; print size, "
+                    "count, type, redop, root and per backend time (us), algbw, busbw (GB/s, "
+                    "GB = 1e9 B, nccl-tests' factors) and #wrong, then the ext/xla time ratio.")
+    p.add_argument("-b", "--min-bytes", default="4K", help=f"smallest size (default 4K); {_SIZE_HELP}")
+    p.add_argument("-e", "--max-bytes", default="4M", help="largest size (default 4M)")
+    p.add_argument("-f", "--step-factor", type=_at_least(2), default=4, help="size multiplier (default 4)")
+    p.add_argument("--ops", type=_csv, default=["all_reduce"],
+                   help="comma-separated: all_reduce,reduce_scatter,all_gather,all_to_all,"
+                        "broadcast,permute or 'all' (default all_reduce)")
+    p.add_argument("--dtypes", type=_csv, default=["float32"],
+                   help="comma-separated: float32,bfloat16,float16,float64,int32 (default float32)")
+    p.add_argument("--backends", type=_csv, default=["xla", "ext"], help="default xla,ext")
+    p.add_argument("-o", "--redop", default="sum",
+                   help="reduction of all_reduce (sum, mean, max, min) and reduce_scatter "
+                        "(sum, mean; others fall back to sum); default sum")
+    p.add_argument("-n", "--iters", type=_at_least(1), default=20, help="timed calls per size (default 20)")
+    p.add_argument("-w", "--warmup", type=_at_least(0), default=5, help="untimed calls first (default 5)")
+    p.add_argument("--host-devices", type=_at_least(2),
+                   help="CPU devices to present (default 8, or as XLA_FLAGS says)")
+    p.add_argument("--json", type=Path, help="write the rows as a JSON list to this file")
+    p.add_argument("--plot", type=Path, help="write a PNG of busbw against size to this file")
+    p.set_defaults(func=run_collectives)
+
+
+def _choices(values, allowed, what) -> list[str]:
+    if values == ["all"]:
+        return list(allowed)
+    unknown = [v for v in values if v not in allowed]
+    if unknown or not values:
+        raise UserInputError(f"{what}: unknown {', '.join(unknown) or '(empty)'}; "
+                             f"choose from {', '.join(allowed)}")
+    return values
+
+
+def run_collectives(args) -> int:
+    ensure_host_devices(args.host_devices)  # before anything asks jax for devices
+    from spec_jax.collectives import api, bench, report
+
+    sizes = bench.size_sweep(bench.parse_size(args.min_bytes, "-b/--min-bytes"),
+                             bench.parse_size(args.max_bytes, "-e/--max-bytes"), args.step_factor)
+    ops = _choices(args.ops, bench.OPS, "--ops")
+    dtypes = _choices(args.dtypes, bench.DTYPES, "--dtypes")
+    backends = _choices(args.backends, tuple(api.BACKEND_MODULES), "--backends")
+    if args.redop not in bench.REDOPS["all_reduce"]:
+        raise UserInputError(f"-o/--redop: unknown {args.redop!r}; choose from sum, mean, max, min")
+    for backend in backends:
+        api.get_backend(backend)  # an unavailable backend fails now, not after an hour of xla
+
+    table = report.Table(backends)
+    print(table.preamble(), flush=True)
+    rows = bench.sweep(ops, dtypes, backends, sizes, args.redop, args.iters, args.warmup,
+                       progress=lambda row: _print(table.add(row)))
+    if args.json:
+        args.json.write_text(json.dumps([report.as_dict(r) for r in rows], indent=1) + "\n")
+    if args.plot:
+        report.plot(rows, args.plot)
+    wrong = sum(r.wrong for r in rows)
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    return 0 if wrong == 0 else 1
+
+
+def _print(lines):
+    for line in lines:
+        print(line, flush=True)
+    sys.stdout.flush()

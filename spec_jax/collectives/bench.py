@@ -1,0 +1,197 @@
+"""Collective benchmarks in the manner of nccl-tests, for any backend of spec_jax.collectives.
+
+Definitions (nccl-tests doc/PERFORMANCE.md):
+  size S     bytes per device of the larger buffer of the op: the input of all_reduce,
+             all_to_all, broadcast and permute (input and output are both S), the input of
+             reduce_scatter (output S/n), the output of all_gather (input S/n). count = S / itemsize,
+             rounded down to a multiple of the group size n so every op is legal.
+  time       median over `iters` calls, each waited for (block_until_ready), after `warmup`
+             calls. nccl-tests averages back-to-back launches; the median is used here because
+             the benchmark machines are shared and one descheduled call would skew a mean.
+  algbw      S / time, in GB/s with GB = 1e9 bytes.
+  busbw      algbw x factor, the bandwidth a link would need under the optimal algorithm:
+             all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast and
+             permute 1.
+  #wrong     result elements that differ from the exact expected value. Inputs are small
+             integers ((i + 3 r) mod 13 - 6 for element i on rank r), so every sum of them is
+             exact in every dtype and the tolerance is 0 ULP, except mean, which allows 1 ULP
+             (division by a group size that is not a power of two rounds).
+The group is a 1-D mesh over all devices; permute is the cyclic shift r -> r+1 (nccl-tests'
+sendrecv); broadcast uses root 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spec_jax import collectives
+from spec_jax.errors import UserInputError
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute")
+DTYPES = ("float32", "bfloat16", "float16", "float64", "int32")
+REDOPS = {"all_reduce": ("sum", "mean", "max", "min"), "reduce_scatter": ("sum", "mean")}
+AXIS = "d"
+
+
+def bus_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # broadcast, permute
+
+
+# ---- sizes --------------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str, what: str) -> int:
+    """'4K' -> 4096, '64M', '1G', '512' (binary units, as nccl-tests)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGB]?)B?\s*", str(text), re.IGNORECASE)
+    if not m or int(m.group(1)) == 0:
+        raise UserInputError(f"{what}: expected a positive size like 4K, 64M or 1G, got {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    if min_bytes > max_bytes:
+        raise UserInputError(f"-b/--min-bytes ({min_bytes}) exceeds -e/--max-bytes ({max_bytes})")
+    if factor < 2 and min_bytes != max_bytes:
+        raise UserInputError(f"-f/--step-factor must be at least 2, got {factor}")
+    sizes = [min_bytes]
+    while sizes[-1] * factor <= max_bytes:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+# ---- one measurement ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    dtype: str
+    redop: str  # "none" for ops without a reduction, as nccl-tests prints it
+    size_bytes: int
+    count: int
+    backend: str
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    wrong: int
+
+    @property
+    def root(self) -> int:
+        return 0 if self.op == "broadcast" else -1
+
+
+def _value(i, rank, dtype):
+    """Input element i of `rank`: small integers, so sums are exact in every dtype."""
+    return ((i + 3 * rank) % 13 - 6).astype(dtype)
+
+
+def _call(op: str, redop: str, backend: str, n: int):
+    """The op under test on a member's 1-D operand."""
+    kwargs = {"backend": backend}
+    if op in REDOPS:
+        kwargs["op"] = redop
+    if op == "permute":
+        kwargs["perm"] = [(r, (r + 1) % n) for r in range(n)]
+    if op == "all_to_all":
+        return lambda x: collectives.all_to_all(x, AXIS, 0, 0, **kwargs)
+    return lambda x: getattr(collectives, op)(x, AXIS, **kwargs)
+
+
+def _expected(op: str, redop: str, count: int, rank, n: int, dtype):
+    """What member `rank` must hold, computed from the input formula (in int32, then cast)."""
+    block = count // n
+    if op == "all_gather":  # element i comes from member i // block, its element i % block
+        i = jnp.arange(count)
+        return _value(i % block, i // block, dtype)
+    if op == "all_to_all":  # block j comes from member j: its block `rank`
+        i = jnp.arange(count)
+        return _value(rank * block + i % block, i // block, dtype)
+    if op == "broadcast":
+        return _value(jnp.arange(count), 0, dtype)
+    if op == "permute":
+        return _value(jnp.arange(count), (rank - 1) % n, dtype)
+    i = jnp.arange(count) if op == "all_reduce" else rank * block + jnp.arange(block)
+    # A chain of elementwise ops, which XLA fuses: no (n, count) array is materialised.
+    combine = {"max": jnp.maximum, "min": jnp.minimum}.get(redop, jnp.add)
+    total = _value(i, 0, jnp.int32)
+    for r in range(1, n):
+        total = combine(total, _value(i, r, jnp.int32))
+    return (total / n).astype(dtype) if redop == "mean" else total.astype(dtype)
+
+
+def _mismatches(out, want, redop):
+    if redop != "mean":
+        return jnp.sum(out != want)
+    ulp = jnp.abs(jnp.nextafter(want, jnp.array(jnp.inf, want.dtype)) - want)
+    return jnp.sum(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))
+                   > ulp.astype(jnp.float32))
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()), (AXIS,))
+
+
+def measure(op: str, dtype: str, redop: str, size_bytes: int, backend: str,
+            iters: int = 20, warmup: int = 5) -> Row:
+    """Benchmark one (op, dtype, redop, size, backend) on all devices; see the module doc."""
+    mesh = _mesh()
+    n = mesh.size
+    itemsize = jnp.dtype(dtype).itemsize
+    count = max(n, size_bytes // itemsize // n * n)
+    in_count = count // n if op == "all_gather" else count
+    shard = lambda f: jax.jit(jax.shard_map(  # noqa: E731
+        f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+
+    with jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext():
+        ranks = jax.device_put(np.arange(n, dtype=np.int32), NamedSharding(mesh, P(AXIS)))
+        x = shard(lambda r: _value(jnp.arange(in_count), r[0], dtype))(ranks)
+        run = shard(_call(op, redop, backend, n))
+        for _ in range(warmup):
+            out = run(x).block_until_ready()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            out = run(x).block_until_ready()
+            times.append(time.perf_counter() - start)
+        check = shard(lambda o, r: _mismatches(
+            o, _expected(op, redop, count, r[0], n, dtype), redop)[None])
+        wrong = int(np.sum(np.asarray(check(out, ranks))))
+
+    seconds = statistics.median(times)
+    size = count * itemsize
+    algbw = size / seconds / 1e9
+    return Row(op, dtype, redop if op in REDOPS else "none", size, count, backend,
+               seconds * 1e6, algbw, algbw * bus_factor(op, n), wrong)
+
+
+def sweep(ops, dtypes, backends, sizes, redop="sum", iters=20, warmup=5, progress=None):
+    """Rows for every (op, dtype, size) x backend; backends innermost so they run side by side.
+    An op without `redop` (reduce_scatter has no max/min) is measured with sum; mean of int32,
+    which the API rejects, is left out."""
+    rows = []
+    for op in ops:
+        op_redop = redop if redop in REDOPS.get(op, ()) else "sum"
+        for dtype in dtypes:
+            if op_redop == "mean" and dtype == "int32":
+                continue  # the API rejects the mean of integers
+            for size in sizes:
+                for backend in backends:
+                    rows.append(measure(op, dtype, op_redop, size, backend, iters, warmup))
+                    if progress:
+                        progress(rows[-1])
+    return rows

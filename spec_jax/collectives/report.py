@@ -1,0 +1,82 @@
+"""Presenting collective benchmark rows: the nccl-tests-style table, JSON rows, the busbw plot."""
+from __future__ import annotations
+
+import dataclasses
+
+from spec_jax.collectives.bench import Row
+
+JSON_KEYS = ("op", "dtype", "redop", "size_bytes", "count", "backend", "time_us", "algbw_gbps",
+             "busbw_gbps", "wrong")
+
+
+def as_dict(row: Row) -> dict:
+    d = dataclasses.asdict(row)
+    return {k: d[k] for k in JSON_KEYS}
+
+
+class Table:
+    """Streams one line per (op, dtype, redop, size) once every backend has reported it."""
+
+    def __init__(self, backends):
+        self.backends = list(backends)
+        self.ratio = "ext" in self.backends and "xla" in self.backends
+        self._pending: dict[tuple, dict[str, Row]] = {}
+        self._op = None
+
+    def preamble(self) -> str:
+        import jax
+        return (f"# trainspec bench collectives: {jax.device_count()} {jax.devices()[0].platform} "
+                f"devices, jax {jax.__version__}; size = bytes per device (nccl-tests); "
+                f"time = median (us); algbw, busbw in GB/s (1e9 B)")
+
+    def header(self) -> list[str]:
+        left = f"#{'size':>11} {'count':>10} {'type':>9} {'redop':>6} {'root':>5}"
+        per = "".join(f" |{b + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+                      for b in self.backends)
+        return [left + per + (f" | {'ext/xla':>7}" if self.ratio else "")]
+
+    def add(self, row: Row) -> list[str]:
+        key = (row.op, row.dtype, row.redop, row.size_bytes)
+        done = self._pending.setdefault(key, {})
+        done[row.backend] = row
+        if len(done) < len(self.backends):
+            return []
+        del self._pending[key]
+        lines = []
+        if row.op != self._op:
+            self._op = row.op
+            lines += ["", f"# {row.op}"] + self.header()
+        lines.append(self.line(done))
+        return lines
+
+    def line(self, by_backend: dict[str, Row]) -> str:
+        r = next(iter(by_backend.values()))
+        text = f" {r.size_bytes:>11} {r.count:>10} {r.dtype:>9} {r.redop:>6} {r.root:>5}"
+        for b in self.backends:
+            x = by_backend[b]
+            text += f" |{x.time_us:>12.1f} {x.algbw_gbps:>7.3f} {x.busbw_gbps:>7.3f} {x.wrong:>6}"
+        if self.ratio:
+            text += f" | {by_backend['ext'].time_us / by_backend['xla'].time_us:>7.2f}"
+        return text
+
+
+def plot(rows: list[Row], path) -> None:
+    """PNG: busbw against size, one panel per op, one line per backend (and dtype)."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r.op for r in rows))
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.6), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        lines = dict.fromkeys((r.backend, r.dtype, r.redop) for r in rows if r.op == op)
+        for backend, dtype, redop in lines:
+            pts = sorted((r.size_bytes, r.busbw_gbps) for r in rows
+                         if (r.op, r.backend, r.dtype, r.redop) == (op, backend, dtype, redop))
+            ax.plot(*zip(*pts), marker="o", label=f"{backend} {dtype}")
+        ax.set(xscale="log", xlabel="size per device (bytes)", ylabel="busbw (GB/s)", title=op)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
