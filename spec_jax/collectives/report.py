@@ -74,9 +74,20 @@ def plot(rows: list[Row], path) -> None:
             pts = sorted((r.size_bytes, r.busbw_gbps) for r in rows
                          if (r.op, r.backend, r.dtype, r.redop) == (op, backend, dtype, redop))
             ax.plot(*zip(*pts), marker="o", label=f"{backend} {dtype}")
-        ax.set(xscale="log", xlabel="size per device (bytes)", ylabel="busbw (GB/s)", title=op)
-        ax.grid(True, which="both", alpha=0.3)
+        sizes = sorted({r.size_bytes for r in rows if r.op == op})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [_human(s) for s in sizes], rotation=45)
+        ax.minorticks_off()
+        ax.set(xlabel="size per device (bytes)", ylabel="busbw (GB/s)", title=op)
+        ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
