@@ -154,6 +154,18 @@ class MetricsSpec(_Section):
     sink: Literal["jsonl"] = Field("jsonl", description="Where metric records go.")
     path: str = Field("metrics.jsonl", description="Sink file, relative to the run directory.")
     interval: int = Field(10, ge=1, description="Steps between metric records (host syncs).")
+    flops_convention: Literal["no_causal_discount", "causal_discount"] = Field(
+        "no_causal_discount",
+        description="Attention FLOPs in `model_flops_per_step`: all T^2 score entries "
+        "(torchtitan) or half of them (MaxText). docs/metrics.md.",
+    )
+    peak_flops_per_device: float | None = Field(
+        None, gt=0, description="Peak FLOP/s of one device for `mfu`/`hfu`; default: the "
+        "table in docs/metrics.md for the device kind and compute dtype.",
+    )
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard scalars (needs tensorboardX or torch).",
+    )
 
 
 class ModelSpec(_Section):
