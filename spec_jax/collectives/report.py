@@ -61,9 +61,18 @@ class Table:
 
 
 def plot(rows: list[Row], path) -> None:
-    """PNG: busbw against size, one panel per op, one line per backend (and dtype)."""
+    """PNG of `figure(rows)`, drawn without a display (Agg)."""
     import matplotlib
-    matplotlib.use("Agg")  # no display needed
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(rows: list[Row]):
+    """busbw against size, one panel per op, one line per backend (and dtype)."""
     import matplotlib.pyplot as plt
 
     ops = list(dict.fromkeys(r.op for r in rows))
@@ -82,8 +91,7 @@ def plot(rows: list[Row], path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _human(size: int) -> str:
