@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import layout
+from spec_jax.health import nan as nan_guard
 from spec_jax.errors import UserInputError
 from spec_jax.mesh import build_mesh, check_batch, resolve_mesh
 from spec_jax.spec import Spec
@@ -137,6 +138,7 @@ class WrappedStep:
             )
         self.state_shardings = None
         self._jitted = None
+        self.guard = None  # health.nan guard record, carried from step to step on device
 
     @contextlib.contextmanager
     def context(self):
@@ -183,12 +185,22 @@ class WrappedStep:
         else:
             fn = self.step_fn
         replicated = NamedSharding(self.mesh, P())
+        policy = self.spec.health.nan
+
+        def guarded_step(state, guard, batch):  # health.nan: decided on device, no host sync
+            new_state, metrics = fn(state, batch)
+            return nan_guard.guarded(policy, guard, state, new_state, metrics)
+
         return jax.jit(
-            fn,
-            in_shardings=(self.state_shardings, batch_shardings),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=(0,),
+            guarded_step,
+            in_shardings=(self.state_shardings, replicated, batch_shardings),
+            out_shardings=(self.state_shardings, replicated, replicated),
+            donate_argnums=(0, 1),
         )
+
+    def reset_guard(self, step: int = 0) -> None:
+        """Start the non-finite guard afresh, `step` steps into the run (after a restore)."""
+        self.guard = jax.device_put(nan_guard.init_guard(step), NamedSharding(self.mesh, P()))
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps
@@ -267,8 +279,10 @@ class WrappedStep:
         """The lowered step for `batch` (host or global arrays), for cost and memory analysis."""
         if self._jitted is None:
             self._jitted = self._build(batch)
+        if self.guard is None:
+            self.reset_guard()
         with self.context():
-            return self._jitted.lower(state, batch)
+            return self._jitted.lower(state, self.guard, batch)
 
     def __call__(self, state, batch):
         if self.state_shardings is None:
@@ -277,8 +291,11 @@ class WrappedStep:
             batch = self.shard_batch(batch)
         if self._jitted is None:
             self._jitted = self._build(batch)
+        if self.guard is None:
+            self.reset_guard()
         with self.context():
-            return self._jitted(state, batch)
+            state, self.guard, metrics = self._jitted(state, self.guard, batch)
+        return state, metrics
 
 
 def wrap(step_fn, spec: Spec, mesh: Mesh | None = None) -> WrappedStep:
