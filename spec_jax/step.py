@@ -138,6 +138,7 @@ class WrappedStep:
             )
         self.state_shardings = None
         self._jitted = None
+        self._compiled = None  # set by compile(): the executable that then runs every step
         self.guard = None  # health.nan guard record, carried from step to step on device
 
     @contextlib.contextmanager
@@ -245,12 +246,16 @@ class WrappedStep:
 
         def reduce_over_replicas(stacked):
             def body(g):
-                return jax.tree.map(
-                    lambda x: collectives.all_reduce(
-                        x[0], group, "sum", timeout_s=spec.collectives.timeout_s,
-                        backend=spec.collectives.backend),
-                    g,
-                )
+                # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
+                # shard packed into a single buffer, rather than one collective per leaf.
+                leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
+                flat = collectives.all_reduce(
+                    jnp.concatenate([x.ravel() for x in leaves]), group, "sum",
+                    timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend)
+                offsets = np.cumsum([0] + [x.size for x in leaves])
+                return treedef.unflatten([
+                    flat[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
+                ])
 
             in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
                                     is_leaf=lambda x: isinstance(x, P))
@@ -284,6 +289,18 @@ class WrappedStep:
         with self.context():
             return self._jitted.lower(state, self.guard, batch)
 
+    def compile(self, state, batch):
+        """Compile the step for these arguments and run that executable from now on.
+
+        One compilation then serves both the run and its analysis (cost, memory and HLO in
+        spec_jax.metrics): calling the jitted function after `lower().compile()` would compile
+        a second time. Later batches must have the same shapes.
+        """
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+            batch = self.shard_batch(batch)
+        self._compiled = self.lower(state, batch).compile()
+        return self._compiled
+
     def __call__(self, state, batch):
         if self.state_shardings is None:
             raise RuntimeError("call init() first: the state's shardings come from it")
@@ -294,7 +311,8 @@ class WrappedStep:
         if self.guard is None:
             self.reset_guard()
         with self.context():
-            state, self.guard, metrics = self._jitted(state, self.guard, batch)
+            run = self._compiled or self._jitted
+            state, self.guard, metrics = run(state, self.guard, batch)
         return state, metrics
 
 
