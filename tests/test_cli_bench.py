@@ -78,7 +78,8 @@ def test_sizes_parse_and_sweep_like_nccl_tests():
 ])
 def test_wrong_results_are_counted(monkeypatch, op, wrong_call):
     monkeypatch.setattr(bench, "_call", lambda *a: wrong_call)
-    assert bench.measure(op, "float32", "sum", 1024, "xla", iters=1, warmup=0).wrong > 0
+    [row] = bench.measure(op, "float32", "sum", 1024, "xla", iters=1, warmup=0)
+    assert row.wrong > 0
 
 
 def _exit_code(argv) -> int:

@@ -17,6 +17,7 @@ import importlib
 from types import ModuleType
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from spec_jax.errors import UserInputError
@@ -155,8 +156,9 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, timeout_s=None, backend
 def broadcast(x, axis_name, root=0, *, timeout_s=None, backend=None):
     """Every member gets member `root`'s `x`."""
     n = lax.axis_size(axis_name)
-    if not (isinstance(root, int) and 0 <= root < n):
+    if not (isinstance(root, (int, np.integer)) and 0 <= root < n):
         raise ValueError(f"broadcast: root must be an int in [0, {n}), got {root!r}")
+    root = int(root)  # a static attribute for every backend
     _check_timeout(timeout_s)
     return get_backend(backend).broadcast(x, axis_name, root, timeout_s=timeout_s)
 

@@ -8,6 +8,7 @@ Definitions (nccl-tests doc/PERFORMANCE.md):
   time       median over `iters` calls, each waited for (block_until_ready), after `warmup`
              calls. nccl-tests averages back-to-back launches; the median is used here because
              the benchmark machines are shared and one descheduled call would skew a mean.
+             The backends' calls alternate, so both see the same background load.
   algbw      S / time, in GB/s with GB = 1e9 bytes.
   busbw      algbw x factor, the bandwidth a link would need under the optimal algorithm:
              all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast and
@@ -146,9 +147,12 @@ def _mesh() -> Mesh:
     return Mesh(np.array(jax.devices()), (AXIS,))
 
 
-def measure(op: str, dtype: str, redop: str, size_bytes: int, backend: str,
-            iters: int = 20, warmup: int = 5) -> Row:
-    """Benchmark one (op, dtype, redop, size, backend) on all devices; see the module doc."""
+def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
+            iters: int = 20, warmup: int = 5) -> list[Row]:
+    """Benchmark one (op, dtype, redop, size) on all devices for each backend; see the module
+    doc. The backends' timed calls alternate (xla, ext, xla, ext, ...) so that load from other
+    processes on a shared machine falls on both alike and their ratio stays fair."""
+    backends = [backends] if isinstance(backends, str) else list(backends)
     mesh = _mesh()
     n = mesh.size
     itemsize = jnp.dtype(dtype).itemsize
@@ -160,27 +164,33 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backend: str,
     with jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext():
         ranks = jax.device_put(np.arange(n, dtype=np.int32), NamedSharding(mesh, P(AXIS)))
         x = shard(lambda r: _value(jnp.arange(in_count), r[0], dtype))(ranks)
-        run = shard(_call(op, redop, backend, n))
-        for _ in range(warmup):
-            out = run(x).block_until_ready()
-        times = []
+        runs = {b: shard(_call(op, redop, b, n)) for b in backends}
+        outs = {}
+        for b, run in runs.items():
+            for _ in range(warmup):
+                outs[b] = run(x).block_until_ready()
+        times = {b: [] for b in backends}
         for _ in range(iters):
-            start = time.perf_counter()
-            out = run(x).block_until_ready()
-            times.append(time.perf_counter() - start)
+            for b, run in runs.items():
+                start = time.perf_counter()
+                outs[b] = run(x).block_until_ready()
+                times[b].append(time.perf_counter() - start)
         check = shard(lambda o, r: _mismatches(
             o, _expected(op, redop, count, r[0], n, dtype), redop)[None])
-        wrong = int(np.sum(np.asarray(check(out, ranks))))
+        wrong = {b: int(np.sum(np.asarray(check(out, ranks)))) for b, out in outs.items()}
 
-    seconds = statistics.median(times)
     size = count * itemsize
-    algbw = size / seconds / 1e9
-    return Row(op, dtype, redop if op in REDOPS else "none", size, count, backend,
-               seconds * 1e6, algbw, algbw * bus_factor(op, n), wrong)
+    rows = []
+    for b in backends:
+        seconds = statistics.median(times[b])
+        algbw = size / seconds / 1e9
+        rows.append(Row(op, dtype, redop if op in REDOPS else "none", size, count, b,
+                        seconds * 1e6, algbw, algbw * bus_factor(op, n), wrong[b]))
+    return rows
 
 
 def sweep(ops, dtypes, backends, sizes, redop="sum", iters=20, warmup=5, progress=None):
-    """Rows for every (op, dtype, size) x backend; backends innermost so they run side by side.
+    """Rows for every (op, dtype, size) x backend, the backends measured side by side.
     An op without `redop` (reduce_scatter has no max/min) is measured with sum; mean of int32,
     which the API rejects, is left out."""
     rows = []
@@ -190,8 +200,8 @@ def sweep(ops, dtypes, backends, sizes, redop="sum", iters=20, warmup=5, progres
             if op_redop == "mean" and dtype == "int32":
                 continue  # the API rejects the mean of integers
             for size in sizes:
-                for backend in backends:
-                    rows.append(measure(op, dtype, op_redop, size, backend, iters, warmup))
+                for row in measure(op, dtype, op_redop, size, backends, iters, warmup):
+                    rows.append(row)
                     if progress:
-                        progress(rows[-1])
+                        progress(row)
     return rows
