@@ -11,7 +11,7 @@ import sys
 
 from spec_jax.errors import UserInputError
 
-SUBCOMMAND_MODULES = ("train", "validate", "bench")
+SUBCOMMAND_MODULES = ("train", "validate", "bench", "launch")
 
 
 class _Parser(argparse.ArgumentParser):

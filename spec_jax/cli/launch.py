@@ -1,0 +1,32 @@
+"""`trainspec launch --nprocs N -- COMMAND ...`: N local processes as one jax.distributed job."""
+from __future__ import annotations
+
+import argparse
+
+from spec_jax.errors import UserInputError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "launch", help="run a command as N local processes of one distributed job",
+        description="Starts N processes on 127.0.0.1 (gloo CPU collectives), prefixes their "
+        "output by rank, forwards signals, and stops all of them if one fails.",
+    )
+    p.add_argument("--nprocs", type=int, required=True, help="number of processes")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from spec_jax.launch import run as launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UserInputError("launch: give the command after --, e.g. -- trainspec train")
+    if args.nprocs < 1:
+        raise UserInputError(f"--nprocs must be at least 1, got {args.nprocs}")
+    if args.grace < 0:
+        raise UserInputError(f"--grace must be >= 0, got {args.grace}")
+    return launch(command, args.nprocs, args.grace)
