@@ -16,9 +16,10 @@ _SIZE_HELP = ("bytes per device, as nccl-tests: the larger of the op's input and
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (collectives)")
-    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{collectives}")
+    bench = subparsers.add_parser("bench", help="benchmarks (collectives, step)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{collectives,step}")
     _register_collectives(kinds)
+    _register_step(kinds)
 
 
 def _at_least(minimum: int):
@@ -105,3 +106,38 @@ def _print(lines):
     for line in lines:
         print(line, flush=True)
     sys.stdout.flush()
+
+
+# -- bench step (spec_jax.metrics.bench_step) -----------------------------------------------------
+def _register_step(kinds) -> None:
+    p = kinds.add_parser(
+        "step", help="time specs of one model interleaved, metrics side by side with ratios",
+        description="Build and compile each spec, warm up, then run the timed steps in rounds "
+                    "that alternate between the specs; print step time, tokens/s, MFU, memory, "
+                    "communication bytes and compile time per spec, with ratios to the first.")
+    p.add_argument("--spec", dest="specs", type=Path, action="append", required=True,
+                   help="spec file (TOML), repeatable; the first is the baseline")
+    p.add_argument("--steps", type=_at_least(1), default=10, help="timed steps per spec (default 10)")
+    p.add_argument("--warmup", type=_at_least(0), default=2, help="untimed steps first (default 2)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a field in every spec (repeatable)")
+    p.add_argument("--host-devices", type=_at_least(1),
+                   help="CPU devices to present (default 8, or as XLA_FLAGS says)")
+    p.add_argument("--json", type=Path, help="write the results as JSON to this file")
+    p.set_defaults(func=run_step)
+
+
+def run_step(args) -> int:
+    ensure_host_devices(args.host_devices)
+    from spec_jax.metrics import bench_step
+    from spec_jax.spec import load_spec
+
+    labels = [str(p) for p in args.specs]
+    if len(set(labels)) != len(labels):
+        raise UserInputError("--spec: the same file is given twice")
+    specs = [(label, load_spec(p, args.overrides)) for label, p in zip(labels, args.specs)]
+    results = bench_step.bench(specs, args.steps, args.warmup)
+    print(bench_step.table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0

@@ -11,7 +11,7 @@ import sys
 
 from spec_jax.errors import UserInputError
 
-SUBCOMMAND_MODULES = ("train", "validate", "bench", "launch")
+SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch")
 
 
 class _Parser(argparse.ArgumentParser):

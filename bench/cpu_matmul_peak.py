@@ -1,0 +1,36 @@
+"""Measure this machine's float32 matmul FLOP/s: the CPU entry of the peak table.
+
+How: one jax CPU device (the whole process's thread pool), square float32 matmuls of several
+sizes, each timed as the best of R repetitions after a warm-up (best, because on a shared
+machine other processes only ever slow a run down); FLOPs = 2 n^3. The largest best rate is the
+figure. Run with nothing else of ours running:  python bench/cpu_matmul_peak.py
+"""
+import os
+import platform
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+def best_rate(n: int, repeats: int = 10) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.matmul)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+if __name__ == "__main__":
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"jax {jax.__version__}, devices {jax.devices()}")
+    rates = {n: best_rate(n) for n in (256, 512, 1024, 2048)}
+    for n, r in rates.items():
+        print(f"  n={n:5d}: {r / 1e9:8.2f} GFLOP/s")
+    print(f"peak (largest best rate): {max(rates.values()):.3g} FLOP/s")

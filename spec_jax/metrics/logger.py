@@ -1,0 +1,180 @@
+"""MetricsLogger: what the training loop calls once per step; records once per interval.
+
+`after_step` only keeps references to the step's device arrays and adds host timings; the one
+host-device synchronisation happens when a record is due (`metrics.interval`, the first and the
+last step). Static facts of the step (FLOPs, memory, communication, compile time) are measured
+once, from the compiled program that runs (`analyze_step`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from spec_jax.metrics import comm, flops, memory, records
+from spec_jax.metrics.goodput import Goodput
+from spec_jax.metrics.sinks import Sink, sinks_for
+
+
+@dataclasses.dataclass
+class StepAnalysis:
+    """Facts of one compiled step that do not change from step to step."""
+
+    fields: dict[str, Any]        # record fields (flops, memory, comm, compile time, peak)
+    comm: comm.CommVolume | None
+    compiled: Any = None
+
+
+def analyze_step(wrapped_step, state, batch, model_flops: flops.TransformerFlops | None = None,
+                 compile: bool = True) -> StepAnalysis:
+    """Compile `wrapped_step` for (state, batch) (unless already compiled) and measure it.
+
+    With `compile`, the step runs the analysed executable from now on (WrappedStep.compile),
+    so the program is compiled once. `model_flops` gives the analytic counts; without it only
+    XLA's count is known (a user's own model).
+    """
+    spec = wrapped_step.spec
+    t0 = time.perf_counter()
+    compiled = wrapped_step.compile(state, batch) if compile else wrapped_step.lower(state, batch).compile()
+    compile_time = time.perf_counter() - t0
+    n_devices = int(wrapped_step.mesh.devices.size)
+    tokens = flops.tokens_per_step(spec)
+    convention = spec.metrics.flops_convention
+    xla = flops.xla_flops_per_step(wrapped_step, state, batch)
+    if model_flops is not None:
+        model = model_flops.model_per_token(convention) * tokens
+        hardware = model_flops.hardware_per_token() * tokens
+    else:
+        model, hardware, convention = None, xla, None
+    volume = comm.analyze_compiled(compiled, wrapped_step.mesh)
+    peak = flops.peak_flops(spec, list(wrapped_step.mesh.devices.flat))
+    fields = {
+        "model_flops_per_step": model,
+        "flops_convention": convention,
+        "hardware_flops_per_step": hardware,
+        "xla_flops_per_step": xla,
+        "peak_flops_per_device": peak.flops_per_device,
+        "peak_flops_source": peak.source,
+        "n_devices": n_devices,
+        **memory.compiled_memory(compiled),
+        "comm_bytes_per_step": volume.total_bytes,
+        "comm_bus_bytes_per_step": volume.bus_bytes,
+        "comm_bytes_by_kind": volume.by_kind(),
+        "comm_bytes_by_axis": volume.by_axis(),
+        "compile_time_s": compile_time,
+    }
+    return StepAnalysis(fields, volume, compiled)
+
+
+class MetricsLogger:
+    """Collects per-step device values and host timings; writes a record per interval."""
+
+    def __init__(self, spec, sinks: list[Sink], analysis: StepAnalysis, total_steps: int,
+                 goodput: Goodput | None = None):
+        self.spec, self.sinks, self.analysis = spec, sinks, analysis
+        self.total_steps, self.interval = total_steps, spec.metrics.interval
+        self.goodput = goodput or Goodput()
+        self.tokens_per_step = flops.tokens_per_step(spec)
+        self.last: dict | None = None
+        self.records: int = 0
+        self._pending_tokens: list = []
+        self._pending_steps, self._pending_wait = 0, 0.0
+        self._t_last = None
+        self._seconds, self._timed_steps, self._valid_tokens = 0.0, 0, 0.0
+        if analysis.fields.get("compile_time_s"):
+            self.goodput.add("compilation", analysis.fields["compile_time_s"])
+
+    @classmethod
+    def for_run(cls, spec, wrapped_step, state, first_batch, run_dir: Path, total_steps: int,
+                model_flops: flops.TransformerFlops | None = None, goodput: Goodput | None = None):
+        """Analyse (and compile) the step, open the spec's sinks under `run_dir`."""
+        goodput = goodput or Goodput()
+        analysis = analyze_step(wrapped_step, state, first_batch, model_flops)
+        return cls(spec, sinks_for(spec, run_dir), analysis, total_steps, goodput)
+
+    def start(self) -> None:
+        """Call right before the first step: intervals are timed from here."""
+        self._t_last = time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return step == 1 or step % self.interval == 0 or step == self.total_steps
+
+    def after_step(self, step: int, metrics: dict, data_wait_s: float = 0.0) -> dict | None:
+        """Note one finished step; returns the record when one is written, else None."""
+        if self._t_last is None:
+            self.start()
+        self._pending_steps += 1
+        self._pending_wait += data_wait_s
+        if "valid_tokens" in metrics:
+            self._pending_tokens.append(metrics["valid_tokens"])  # a reference: no sync
+        if not self.due(step):
+            return None
+        return self._record(step, metrics)
+
+    def _record(self, step: int, metrics: dict) -> dict:
+        loss, grad_norm, tokens = jax.device_get(  # the interval's one host sync
+            (metrics.get("loss"), metrics.get("grad_norm"), self._pending_tokens))
+        now = time.perf_counter()
+        wall = now - self._t_last
+        n = self._pending_steps
+        step_time = wall / n
+        valid = float(np.sum(tokens)) if tokens else float(self.tokens_per_step * n)
+        self._seconds += wall
+        self._timed_steps += n
+        self._valid_tokens += valid
+        self.goodput.interval(n, wall, self._pending_wait)
+        gp = self.goodput.summary(now)
+        fields = self.analysis.fields
+        peak = flops.Peak(fields["peak_flops_per_device"], fields["peak_flops_source"])
+        record = {
+            "schema": records.SCHEMA_ID,
+            "step": step,
+            "steps_in_interval": n,
+            "time": time.time(),
+            "loss": records.finite_or_none(loss),
+            "grad_norm": records.finite_or_none(grad_norm),
+            "step_time_s": step_time,
+            "tokens_per_s": valid / wall,
+            "padded_tokens_per_s": self.tokens_per_step * n / wall,
+            **fields,
+            "mfu": flops.utilisation(fields["model_flops_per_step"], step_time, fields["n_devices"], peak),
+            "hfu": flops.utilisation(fields["hardware_flops_per_step"], step_time, fields["n_devices"], peak),
+            "memory_live_bytes": memory.live_bytes(),
+            "data_wait_s": self._pending_wait,
+            "data_wait_fraction": self._pending_wait / wall if wall > 0 else 0.0,
+            "elapsed_s": gp["elapsed_s"],
+            "goodput": gp["goodput"],
+            "badput_s": gp["badput_s"],
+        }
+        for sink in self.sinks:
+            sink.write(record)
+        self.last = record
+        self.records += 1
+        self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
+        self._t_last = time.perf_counter()  # writing the record is not step time
+        return record
+
+    def summary(self) -> dict:
+        """Run-level numbers for the loop's summary: means over every recorded step."""
+        step_time = self._seconds / self._timed_steps if self._timed_steps else float("nan")
+        f = self.analysis.fields
+        peak = flops.Peak(f["peak_flops_per_device"], f["peak_flops_source"])
+        gp = self.goodput.summary()
+        return {
+            "step_time_s": step_time,
+            "tokens_per_s": self._valid_tokens / self._seconds if self._seconds else float("nan"),
+            "mfu": flops.utilisation(f["model_flops_per_step"], step_time, f["n_devices"], peak),
+            "model_flops_per_step": f["model_flops_per_step"],
+            "memory_peak_bytes": f["memory_peak_bytes"],
+            "comm_bytes_per_step": f["comm_bytes_per_step"],
+            "compile_time_s": f["compile_time_s"],
+            "goodput": gp["goodput"],
+        }
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
