@@ -31,7 +31,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import collectives
