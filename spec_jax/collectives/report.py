@@ -76,8 +76,12 @@ def figure(rows: list[Row]):
     import matplotlib.pyplot as plt
 
     ops = list(dict.fromkeys(r.op for r in rows))
-    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.6), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    cols = min(3, len(ops))  # wrap into rows of three panels so six ops stay readable
+    rows_n = -(-len(ops) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.5 * cols, 3.6 * rows_n), squeeze=False)
+    for ax in axes.flat[len(ops):]:
+        ax.set_visible(False)
+    for ax, op in zip(axes.flat, ops):
         lines = dict.fromkeys((r.backend, r.dtype, r.redop) for r in rows if r.op == op)
         for backend, dtype, redop in lines:
             pts = sorted((r.size_bytes, r.busbw_gbps) for r in rows
