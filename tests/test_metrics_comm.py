@@ -1,0 +1,84 @@
+"""Communication bytes read from the compiled HLO against the analytic volume of each layout,
+and per-device peak memory against the fsdp degree (docs/metrics.md, sections 5 and 6)."""
+import pytest
+
+from metrics_jobs import compiled_layout, param_bytes, tiny_spec
+from spec_jax.metrics.comm import analyze_hlo, axes_of_groups, parse_replica_groups
+
+K = tiny_spec("data").batch.accumulation_steps  # micro-batches per step: 2
+SCALARS = 64  # loss sum, token count and the like reduced with the gradients: a few f32
+
+
+def test_replica_group_formats_from_real_hlo():
+    n = 8
+    explicit = "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true"
+    assert parse_replica_groups(explicit, n) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    iota = "replica_groups=[4,2]<=[4,2]T(1,0), dimensions={0}"
+    assert parse_replica_groups(iota, n) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    mesh = ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) "
+            "{'axis_0'}, dimensions={0}")
+    assert sorted(map(sorted, parse_replica_groups(mesh, n))) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    plain_mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_2'}, use_global"
+    assert parse_replica_groups(plain_mesh, n) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    shape = {"data": 2, "fsdp": 2, "tensor": 2}
+    assert axes_of_groups([[0, 2], [4, 6], [1, 3], [5, 7]], shape) == ("fsdp",)
+    assert axes_of_groups([[0, 1, 2, 3], [4, 5, 6, 7]], shape) == ("fsdp", "tensor")
+    assert axes_of_groups([[0, 7], [1, 6], [2, 5], [3, 4]], shape) == ("?",)
+
+
+def test_loop_trip_count_multiplies_and_reduce_scatter_counts_its_input():
+    hlo = """HloModule m
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %rs = f32[4]{0} reduce-scatter(%x), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+}
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ag = f32[16]{0} all-gather(%a), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+}
+"""
+    v = analyze_hlo(hlo, {"data": 2})
+    assert v.by_kind() == {"all-reduce": 3 * 32, "reduce-scatter": 3 * 32, "all-gather": 64}
+    assert v.by_axis() == {"data": 3 * 32 + 3 * 32 + 64}
+    assert v.bus_bytes == pytest.approx(3 * 32 * 1.0 + 3 * 32 * 0.5 + 64 * 0.5)
+
+
+def test_data_parallel_is_one_gradient_all_reduce_per_micro_batch():
+    job, _, volume, _ = compiled_layout("data")
+    p = param_bytes(job.state.params)
+    # The accumulator is replicated, so XLA reduces each micro-batch's gradient (K per step).
+    assert set(volume.by_kind()) == {"all-reduce"}
+    got = volume.by_kind_and_axis()["all-reduce"]["data"]
+    assert K * p <= got <= K * (p + SCALARS), (got, K * p)
+
+
+def test_fsdp_gathers_params_once_and_reduces_gradients_per_micro_batch():
+    job, _, volume, _ = compiled_layout("fsdp8")
+    p = param_bytes(job.state.params)
+    kinds = volume.by_kind_and_axis()
+    # Gathered weights are loop-invariant: XLA hoists the all-gather out of the micro-batch loop.
+    assert p <= kinds["all-gather"]["fsdp"] <= 1.01 * p
+    # The gradient reduce-scatter: XLA:CPU emits it as all-reduce + dynamic-slice (same S).
+    reduced = kinds.get("all-reduce", {}).get("fsdp", 0) + kinds.get("reduce-scatter", {}).get("fsdp", 0)
+    assert K * p <= reduced <= K * (p + SCALARS) * 1.01
+
+
+def test_tensor_parallel_all_reduces_activations():
+    job, _, volume, _ = compiled_layout("tensor")
+    spec = job.spec
+    m, b = spec.model, spec.batch
+    rows = b.micro // job.mesh_shape["data"]
+    act = rows * b.seq_len * m.d_model * 4
+    # Per micro-batch on `tensor`: forward: embedding (vocab-split table), attention out, MLP out;
+    # backward: input grads of head, mlp_in and of q, k, v separately -> 2 + 6 L activations,
+    # plus the vocab-split softmax's row reductions (a few rows x seq floats).
+    expected = K * (2 + 6 * m.n_layers) * act
+    kinds = volume.by_kind_and_axis()
+    assert expected <= kinds["all-reduce"]["tensor"] <= expected * 1.05
+    local = param_bytes(job.state.params, per_device=True)
+    assert K * local <= kinds["all-reduce"]["data"] <= K * (local + SCALARS) * 1.01
+
+
+def test_peak_memory_per_device_falls_as_fsdp_grows():
+    peaks = [compiled_layout(name)[3]["memory_peak_bytes"] for name in ("data", "fsdp2", "fsdp4", "fsdp8")]
+    assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks

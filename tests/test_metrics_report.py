@@ -1,0 +1,92 @@
+"""`trainspec report` (table, HTML, plots; truncated last line skipped with a warning) and
+`trainspec bench step` (interleaved specs side by side with ratios)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from metrics_jobs import TINY, tiny_spec
+from spec_jax.cli.main import main
+from spec_jax.metrics import flops
+from spec_jax.metrics.logger import MetricsLogger
+from spec_jax.metrics.report import read_jsonl
+from spec_jax.train import build_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(layout, run_dir, steps=4):
+    spec = tiny_spec(layout)
+    job = build_job(spec)
+    logger = MetricsLogger.for_run(spec, job.step, job.state, job.data.batch(0), run_dir, steps,
+                                   flops.for_spec(spec))
+    state = job.state
+    logger.start()
+    for step in range(1, steps + 1):
+        state, metrics = job.step(state, job.data.batch(step - 1))
+        logger.after_step(step, metrics)
+    logger.close()
+    return run_dir / spec.metrics.path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    return [_run("data", base / "data"), _run("fsdp8", base / "fsdp")]
+
+
+def test_report_compares_runs_with_table_html_and_plots(runs, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["report", *map(str, runs), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "data/metrics" in text and "fsdp/metrics" in text and "/ first" in text
+    page = (out / "index.html").read_text()
+    for png in ("loss", "tokens_per_s", "mfu", "memory", "step_time", "comm"):
+        assert f'src="{png}.png"' in page
+        assert (out / f"{png}.png").stat().st_size > 1000
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(runs, tmp_path):
+    good = runs[0].read_text()
+    crashed = tmp_path / "crashed.jsonl"
+    crashed.write_text(good + good.splitlines()[-1][:40])  # the writer died mid-line
+    with pytest.warns(UserWarning, match="truncated"):
+        records = read_jsonl(crashed)
+    assert len(records) == len(good.splitlines())
+    # A complete last line that is not a record is an error, not something to skip.
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(good + "{not json}\n")
+    assert main(["report", str(broken), "--out", str(tmp_path / "r")]) == 2
+
+
+def test_report_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not found" in err
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")  # the pre-v1 format
+    assert main(["report", str(other), "--out", str(tmp_path)]) == 2
+    assert "trainspec.metrics/1" in capsys.readouterr().err
+
+
+def test_bench_step_runs_specs_side_by_side(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    sets = [a for o in TINY for a in ("--set", o)]
+    argv = ["bench", "step", "--spec", str(ROOT / "examples/data.toml"), "--spec",
+            str(ROOT / "examples/fsdp.toml"), "--steps", "2", "--warmup", "1", "--json", str(out), *sets]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "fsdp.toml / " in text and "MFU" in text and "comm/step" in text
+    results = json.loads(out.read_text())
+    data, fsdp = results.values()
+    assert data["mesh"] == {"data": 8} and fsdp["mesh"] == {"data": 1, "fsdp": 8}
+    assert fsdp["memory_peak_bytes"] < data["memory_peak_bytes"]
+    assert len(data["step_times_s"]) == 2 and data["final_loss"] == pytest.approx(fsdp["final_loss"], rel=1e-3)
+
+
+def test_bench_step_rejects_different_models(tmp_path, capsys):
+    other = tmp_path / "wide.toml"
+    other.write_text((ROOT / "examples/data.toml").read_text() + "\n[model]\nd_model = 256\n")
+    argv = ["bench", "step", "--spec", str(ROOT / "examples/data.toml"), "--spec", str(other)]
+    assert main(argv) == 2
+    assert "[model] sections" in capsys.readouterr().err
