@@ -17,7 +17,12 @@ import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
+from spec_jax.checkpoint import Checkpointer
 from spec_jax.data import ByteBatches
+from spec_jax.health import HealthHalt, ReplicaMismatch
+from spec_jax.health.exclusion import exclude, largest_mesh
+from spec_jax.health.faults import Faults
+from spec_jax.health.guards import Guards
 from spec_jax.models.transformer import Transformer, next_token_loss
 from spec_jax.spec import Spec
 from spec_jax.step import WrappedStep, loss_step, wrap
@@ -101,6 +106,34 @@ def _write_json_atomically(path: Path, payload: dict) -> None:
     os.replace(tmp, path)  # a reader never sees a half-written summary
 
 
+def resume(spec: Spec, ckpt: Checkpointer, total_steps: int):
+    """(job, state, start): the job on the largest mesh the spec allows on the usable devices,
+    its state from the newest good checkpoint (resharded onto that mesh) or fresh, and the data
+    position to continue from."""
+    job = build_job(spec, largest_mesh(spec), total_steps=total_steps)
+    state, meta = ckpt.restore_latest_or(job.state)
+    start = meta["data_position"] if meta else 0
+    job.step.reset_guard(start)
+    return job, state, start, (meta or {}).get("skipped_steps", 0)
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Cut metric records past `step` (work redone after a resume) in place, so that a sink
+    open in append mode keeps writing at the new end."""
+    if not path.exists():
+        return
+    keep = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) > step:
+                    break
+            except ValueError:  # a line torn by a kill: drop it and what follows
+                break
+            keep += len(line)
+    os.truncate(path, keep)
+
+
 def run(
     spec: Spec,
     run_dir: Path,
@@ -108,11 +141,17 @@ def run(
     spec_label: str = "default",
     progress: bool = True,
     summary_json: Path | None = None,
+    faults: Faults | None = None,
 ) -> dict[str, Any]:
-    """Train for `steps` (default `train.steps`); write metrics JSONL; return the summary."""
+    """Train to step `steps` (default `train.steps`), resuming from the newest good checkpoint
+    in `run_dir`; write metrics JSONL and checkpoints; return the summary."""
     steps = steps or spec.train.steps
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = build_job(spec, total_steps=steps)
+    ckpt = Checkpointer(spec, run_dir)
+    total_steps = ckpt.saved_total_steps() or steps  # a resumed run keeps its LR schedule
+    job, state, start, skipped_before = resume(spec, ckpt, total_steps)
+    guards = Guards(spec, job, faults, skipped_before)
+    rollbacks: list[dict] = []
     interval = spec.metrics.interval
     rows = local_rows(spec.batch.global_batch)
     tokens_per_step = spec.batch.global_batch * spec.batch.seq_len
@@ -121,39 +160,75 @@ def run(
     metrics_path = run_dir / spec.metrics.path
     losses: dict[int, float] = {}
     timed_steps, timed_seconds = 0, 0.0
-    state = job.state
-    with open(metrics_path, "w") as sink:
-        t_last, pending = None, 0
-        for step in range(1, steps + 1):
-            state, metrics = job.step(state, job.data.batch(step - 1, rows))
-            pending += 1
-            if step == 1 or step % interval == 0 or step == steps:
-                loss = float(metrics["loss"])  # the only host sync: once per interval
-                now = time.perf_counter()
-                losses[step] = loss
-                record = {"step": step, "loss": loss}
-                if t_last is not None:  # step 1 includes compilation: not a step time
-                    dt = (now - t_last) / pending
-                    timed_steps += pending
-                    timed_seconds += now - t_last
-                    record |= {"step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-                t_last, pending = now, 0
-                bar.update(step - bar.n)
-                bar.set_postfix(
-                    loss=f"{loss:.3f}",
-                    tok_s=f"{record.get('tokens_per_s', 0):.0f}",
-                )
+    _drop_records_after(metrics_path, start)
+    bar.update(start)
+    with open(metrics_path, "a") as sink:
+        t_last, pending, step = None, 0, start
+        try:
+            while step < steps:
+                step += 1
+                with guards.timed(step):
+                    batch = guards.batch(step, job.data.batch(step - 1, rows))
+                    state, metrics = job.step(state, batch)
+                state = guards.inject(step, state)
+                pending += 1
+                if step == start + 1 or step % interval == 0 or step == steps:
+                    loss = float(metrics["loss"])  # the only host sync: once per interval
+                    now = time.perf_counter()
+                    losses[step] = loss
+                    record = {"step": step, "loss": loss, **guards.at_sync()}
+                    if t_last is not None:  # step 1 includes compilation: not a step time
+                        dt = (now - t_last) / pending
+                        timed_steps += pending
+                        timed_seconds += now - t_last
+                        record |= {"step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()
+                    t_last, pending = now, 0
+                    bar.update(step - bar.n)
+                    bar.set_postfix(
+                        loss=f"{loss:.3f}",
+                        tok_s=f"{record.get('tokens_per_s', 0):.0f}",
+                    )
+                try:  # a checkpoint must never hold a corrupted replica: check before saving
+                    if guards.fingerprint_due(step) or ckpt.due(step, steps):
+                        guards.check_replicas(step, state, ckpt.last_saved)
+                except ReplicaMismatch as err:
+                    if spec.health.fingerprints.policy == "halt":
+                        raise
+                    # roll back: drop the diverged devices, resume from the last checkpoint
+                    rollbacks.append({"step": step, "excluded": err.devices, "reason": str(err)})
+                    spec = exclude(spec, err.devices)
+                    ckpt.wait()
+                    job, state, step, skipped_before = resume(spec, ckpt, total_steps)
+                    guards = Guards(spec, job, faults, skipped_before)
+                    sink.flush()
+                    _drop_records_after(metrics_path, step)
+                    t_last, pending = None, 0
+                    continue
+                if ckpt.due(step, steps):
+                    guards.check_nonfinite()  # never checkpoint a state the NaN guard froze
+                    ckpt.save(step, state, total_steps, guards.skipped)
+        except HealthHalt as halt:
+            if not isinstance(halt, ReplicaMismatch):  # the guard froze the last good state
+                ckpt.save(halt.last_good_step, state, total_steps, guards.skipped)
+            ckpt.wait()
+            raise
     bar.close()
     jax.block_until_ready(state)
+    ckpt.wait()  # the final checkpoint is complete before the summary says so
     step_time = timed_seconds / timed_steps if timed_steps else float("nan")
     summary = {
-        "initial_loss": losses[1],
+        "initial_loss": losses[min(losses)],  # the first step this session ran
         "final_loss": losses[steps],
         "tokens_per_s": tokens_per_step / step_time if timed_steps else float("nan"),
         "step_time_s": step_time,
         "steps": steps,
+        "resumed_from": start,
+        "last_checkpoint": ckpt.last_saved,
+        "rollbacks": rollbacks,
+        "excluded_devices": list(spec.mesh.exclude_devices),
+        **guards.summary(),
         "mesh": job.mesh_shape,
         "accumulation_steps": spec.batch.accumulation_steps,
         "spec": spec_label,

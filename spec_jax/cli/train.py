@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
@@ -11,7 +12,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train the reference model under a spec")
     p.add_argument("--spec", type=Path, help="spec file (TOML); default: the built-in spec")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: train.steps)")
-    p.add_argument("--run-dir", type=Path, default=Path("runs/default"), help="output directory")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/default"),
+                   help="output directory; a run directory with checkpoints is resumed from the "
+                   "newest good one (on the current devices' mesh)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
         help="override one spec field (repeatable), e.g. --set mesh.axes.fsdp.size=2",
@@ -19,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--summary-json", type=Path, help="also write the summary to this JSON file")
     p.add_argument("--host-devices", type=_positive_int,
                    help="CPU devices to present (default 8, or as XLA_FLAGS says)")
+    p.add_argument("--exclude-devices", type=_device_ids, default=[], metavar="ID,ID,...",
+                   help="device ids not to use (added to mesh.exclude_devices); the mesh shrinks "
+                   "to the largest that still satisfies the spec")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -33,21 +39,42 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _device_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected device ids like 3,5, got {text!r}") from None
+
+
 def run(args) -> int:
     ensure_host_devices(args.host_devices)
+    from spec_jax.distributed import initialize_from_env
+
+    initialize_from_env()  # a no-op unless launched as one process of several
     from spec_jax.spec import DEFAULT_SPEC_PATH, load_spec
     from spec_jax.train import run as train
 
     spec_path = args.spec or DEFAULT_SPEC_PATH
+    from spec_jax.health import HealthHalt
+    from spec_jax.health.exclusion import exclude
+    from spec_jax.health.faults import Faults
+
     spec = load_spec(Path(spec_path), args.overrides)
-    summary = train(
-        spec,
-        args.run_dir,
-        steps=args.steps,
-        spec_label=str(spec_path),
-        progress=not args.quiet,
-        summary_json=args.summary_json,
-    )
+    if args.exclude_devices:
+        spec = exclude(spec, args.exclude_devices)
+    try:
+        summary = train(
+            spec,
+            args.run_dir,
+            steps=args.steps,
+            spec_label=str(spec_path),
+            progress=not args.quiet,
+            summary_json=args.summary_json,
+            faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
+        )
+    except HealthHalt as halt:  # one clear line; the last good state is checkpointed
+        print(f"trainspec: halted: {halt}", file=sys.stderr)
+        return 3
     _print_summary(summary)
     return 0
 

@@ -1,0 +1,55 @@
+"""Device exclusion: rebuild the mesh without bad devices, as large as the spec allows.
+
+Bad devices come from the user (`mesh.exclude_devices`, `trainspec train --exclude-devices`) or
+from a detector (replica fingerprints name the diverged devices). The spec's fixed axis sizes
+and the batch divisibility stay constraints; what may shrink is the device count: the largest n
+of the usable devices for which the spec still resolves (the `-1` axis absorbs the change) and
+the micro-batch still splits evenly is used, the rest idle.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from spec_jax import layout
+from spec_jax.errors import UserInputError
+from spec_jax.mesh import build_mesh, check_batch, resolve_mesh, usable_devices
+from spec_jax.spec import Spec, load_spec
+
+
+def exclude(spec: Spec, device_ids: Iterable[int]) -> Spec:
+    """`spec` with `device_ids` added to `mesh.exclude_devices`."""
+    data = spec.to_dict()
+    data["mesh"]["exclude_devices"] = sorted(set(spec.mesh.exclude_devices) | set(device_ids))
+    return load_spec(data)
+
+
+def _checked_mesh(spec: Spec, devices: Sequence[jax.Device]) -> Mesh:
+    mesh = build_mesh(spec, devices)
+    check_batch(spec, resolve_mesh(spec, len(devices)), layout.batch_axes(spec, mesh))
+    return mesh
+
+
+def largest_mesh(spec: Spec, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The spec's mesh over the largest prefix of the usable devices that satisfies it.
+
+    Without excluded devices this is `build_mesh` (a spec that does not fit all devices is the
+    user's error, reported as such, never silently shrunk). With exclusions, if no prefix fits,
+    the error is the one for all usable devices.
+    """
+    if not spec.mesh.exclude_devices:
+        return _checked_mesh(spec, list(jax.devices() if devices is None else devices))
+    usable = usable_devices(spec, devices)
+    # build_mesh applies exclude_devices itself; the candidates are already filtered
+    unfiltered = spec.model_copy(update={"mesh": spec.mesh.model_copy(update={"exclude_devices": []})})
+    if not usable:
+        raise UserInputError(f"mesh.exclude_devices: all {len(spec.mesh.exclude_devices)} devices are excluded")
+    errors = []
+    for n in range(len(usable), 0, -1):
+        try:
+            return _checked_mesh(unfiltered, usable[:n])
+        except UserInputError as err:
+            errors.append(err)
+    raise errors[0]
