@@ -22,6 +22,13 @@
 #include "handlers.h"
 #include "rendezvous.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace trainspec {
@@ -33,6 +40,14 @@ namespace {
 constexpr size_t kSmallTotalBytes = 256 * 1024;
 // Group sizes beyond this are certainly a bug (a process has far fewer devices).
 constexpr int64_t kMaxGroupSize = 4096;
+// Outputs at least this large are written with non-temporal stores: they do not fit in cache
+// anyway, and a normal store first reads the line it overwrites (read-for-ownership), which
+// costs as much memory traffic as the write itself.
+constexpr size_t kStreamBytes = 1 << 20;
+// Outputs at least this large are fresh mmap()ed memory (glibc's mmap threshold is at most
+// 32 MiB), and first-touch page faults on 4 KiB pages dominate the collective: asking for
+// transparent huge pages before anyone writes into them cuts the faults 512-fold.
+constexpr size_t kHugePageBytes = 32 << 20;
 
 enum ReduceOp : int64_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
 const char* ReduceOpName(int64_t op) {
@@ -43,6 +58,65 @@ const char* ReduceOpName(int64_t op) {
     case kMin: return "min";
     default: return "?";
   }
+}
+
+// ---- stores ---------------------------------------------------------------------------------
+
+// Copies `bytes` from src (in cache) to dst, bypassing the cache where dst is 16-byte aligned.
+// Non-temporal stores are weakly ordered: callers finish with StoreFence() before other
+// members may read dst.
+void StreamCopy(void* dst, const void* src, size_t bytes) {
+#if defined(__SSE2__)
+  auto* d = static_cast<uint8_t*>(dst);
+  auto* s = static_cast<const uint8_t*>(src);
+  const size_t head = std::min(bytes, (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
+  std::memcpy(d, s, head);
+  size_t i = head;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + i, s + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+void StoreFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// Copies a large block, streaming when it is large enough not to stay in cache.
+void CopyOut(void* dst, const void* src, size_t bytes, bool stream) {
+  if (bytes == 0) return;
+  if (stream) {
+    StreamCopy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
+// Hint that a large output about to be written should be backed by huge pages (see
+// kHugePageBytes). Only the 2 MiB-aligned interior is advised; failure is harmless.
+void AdviseHugePages(void* out, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes < kHugePageBytes) return;
+  constexpr uintptr_t kHuge = 2 << 20;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(out) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(out) + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)out;
+  (void)bytes;
+#endif
 }
 
 // ---- element types -------------------------------------------------------------------------
@@ -139,12 +213,14 @@ struct MinOp {
 
 // out[d][i] = combine(src[0][i], ..., src[n-1][i]) in rank order for every destination d.
 // Works through blocks that stay in L1 so that writing several destinations re-reads the
-// accumulator, not the sources.
+// rounded block, not the sources.
 template <typename T, typename Op>
-void Reduce(const T* const* srcs, int n, T* const* dsts, int m, size_t count, Op op, bool mean) {
+void Reduce(const T* const* srcs, int n, T* const* dsts, int m, size_t count, Op op, bool mean,
+            bool stream) {
   using Acc = typename Num<T>::Acc;
   constexpr size_t kBlock = 2048;
   Acc acc[kBlock];
+  T rounded[kBlock];
   const Acc divisor = static_cast<Acc>(n);
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);
@@ -157,19 +233,18 @@ void Reduce(const T* const* srcs, int n, T* const* dsts, int m, size_t count, Op
     if (mean) {
       for (size_t i = 0; i < len; ++i) acc[i] = acc[i] / divisor;
     }
-    for (int d = 0; d < m; ++d) {
-      T* dp = dsts[d] + base;
-      for (size_t i = 0; i < len; ++i) dp[i] = Num<T>::Store(acc[i]);
-    }
+    for (size_t i = 0; i < len; ++i) rounded[i] = Num<T>::Store(acc[i]);
+    for (int d = 0; d < m; ++d) CopyOut(dsts[d] + base, rounded, len * sizeof(T), stream);
   }
 }
 
 template <typename T>
-void ReduceByOp(int64_t op, const T* const* srcs, int n, T* const* dsts, int m, size_t count) {
+void ReduceByOp(int64_t op, const T* const* srcs, int n, T* const* dsts, int m, size_t count,
+                bool stream) {
   switch (op) {
-    case kMax: Reduce(srcs, n, dsts, m, count, MaxOp{}, false); break;
-    case kMin: Reduce(srcs, n, dsts, m, count, MinOp{}, false); break;
-    default: Reduce(srcs, n, dsts, m, count, AddOp{}, op == kMean); break;
+    case kMax: Reduce(srcs, n, dsts, m, count, MaxOp{}, false, stream); break;
+    case kMin: Reduce(srcs, n, dsts, m, count, MinOp{}, false, stream); break;
+    default: Reduce(srcs, n, dsts, m, count, AddOp{}, op == kMean, stream); break;
   }
 }
 
@@ -222,7 +297,8 @@ std::string ShapeString(const std::vector<int64_t>& d) {
 // elements is contiguous on both sides.
 void CopyBox(const uint8_t* src, const std::vector<int64_t>& src_strides, int64_t src_offset,
              uint8_t* dst, const std::vector<int64_t>& dst_strides, int64_t dst_offset,
-             const std::vector<int64_t>& shape, size_t contiguous_from, size_t elem_bytes) {
+             const std::vector<int64_t>& shape, size_t contiguous_from, size_t elem_bytes,
+             bool stream) {
   const size_t run = static_cast<size_t>(Product(shape, contiguous_from, shape.size())) *
                      elem_bytes;
   if (run == 0) return;
@@ -236,7 +312,7 @@ void CopyBox(const uint8_t* src, const std::vector<int64_t>& src_strides, int64_
       so += idx[i] * src_strides[i];
       doff += idx[i] * dst_strides[i];
     }
-    std::memcpy(dst + doff * elem_bytes, src + so * elem_bytes, run);
+    CopyOut(dst + doff * elem_bytes, src + so * elem_bytes, run, stream);
     size_t axis = contiguous_from;
     while (axis > 0) {  // odometer increment over the outer axes
       --axis;
@@ -314,9 +390,16 @@ Plan PlanFor(size_t total_bytes) {
 
 ffi::Error Run(const Call& c, const Signature& sig, const ffi::AnyBuffer& x,
                ffi::Result<ffi::AnyBuffer>& out, size_t total_bytes, const Share& share) {
+  AdviseHugePages(out->untyped_data(), out->size_bytes());  // before any member writes to it
+  // The fence makes this member's non-temporal stores visible before Meet() announces that
+  // its share is done.
+  const Share fenced = [&share](const std::vector<Member>& m, int r) {
+    share(m, r);
+    StoreFence();
+  };
   std::string err = Meet(c.op, c.key, c.rank, c.n, sig, Member{x.untyped_data(),
                                                               out->untyped_data()},
-                         c.timeout_ms, PlanFor(total_bytes), share);
+                         c.timeout_ms, PlanFor(total_bytes), fenced);
   if (!err.empty()) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }
@@ -350,10 +433,11 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
   // member's output: reduce-scatter and all-gather in one pass, with no staging buffer.
   const size_t slice = (count + n - 1) / n;
   const size_t chunk = (slice + 15) / 16 * 16;
+  const bool stream = out->size_bytes() >= kStreamBytes;
   Share share;
   VisitDtype(x.element_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    share = [count, chunk, n, reduce_op](const std::vector<Member>& m, int r) {
+    share = [count, chunk, n, reduce_op, stream](const std::vector<Member>& m, int r) {
       const size_t lo = std::min(count, static_cast<size_t>(r) * chunk);
       const size_t hi = std::min(count, lo + chunk);
       if (lo == hi) return;
@@ -363,7 +447,7 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
         srcs[s] = static_cast<const T*>(m[s].in) + lo;
         dsts[s] = static_cast<T*>(m[s].out) + lo;
       }
-      ReduceByOp<T>(reduce_op, srcs.data(), n, dsts.data(), n, hi - lo);
+      ReduceByOp<T>(reduce_op, srcs.data(), n, dsts.data(), n, hi - lo, stream);
     };
   });
   const Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), {reduce_op}};
@@ -409,10 +493,11 @@ ffi::Error ReduceScatterImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer
   const size_t inner = Product(in_dims, d + 1, in_dims.size());
   const size_t row = dim / c.n * inner;  // one member's part of one outer row
   const int n = c.n;
+  const bool stream = out->size_bytes() >= kStreamBytes;
   Share share;
   VisitDtype(x.element_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    share = [outer, dim, inner, row, n, reduce_op](const std::vector<Member>& m, int r) {
+    share = [outer, dim, inner, row, n, reduce_op, stream](const std::vector<Member>& m, int r) {
       if (row == 0) return;
       std::vector<const T*> srcs(n);
       for (size_t o = 0; o < outer; ++o) {
@@ -420,7 +505,7 @@ ffi::Error ReduceScatterImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer
           srcs[s] = static_cast<const T*>(m[s].in) + o * dim * inner + r * row;
         }
         T* dst = static_cast<T*>(m[r].out) + o * row;
-        ReduceByOp<T>(reduce_op, srcs.data(), n, &dst, 1, row);
+        ReduceByOp<T>(reduce_op, srcs.data(), n, &dst, 1, row, stream);
       }
     };
   });
@@ -455,13 +540,13 @@ ffi::Error AllGatherImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
   const size_t block = static_cast<size_t>(Product(in_dims, axis, in_dims.size())) *
                        ffi::ByteWidth(x.element_type());  // one member's part of an outer row
   const int n = c.n;
-  Share share = [outer, block, n](const std::vector<Member>& m, int r) {
-    if (block == 0) return;
+  const bool stream = out->size_bytes() >= kStreamBytes;
+  Share share = [outer, block, n, stream](const std::vector<Member>& m, int r) {
     uint8_t* dst = static_cast<uint8_t*>(m[r].out);
     for (size_t o = 0; o < outer; ++o) {
       for (int s = 0; s < n; ++s) {
-        std::memcpy(dst + (o * n + s) * block, static_cast<const uint8_t*>(m[s].in) + o * block,
-                    block);
+        CopyOut(dst + (o * n + s) * block, static_cast<const uint8_t*>(m[s].in) + o * block,
+                block, stream);
       }
     }
   };
@@ -506,12 +591,13 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank
   const size_t contiguous_from = static_cast<size_t>(std::max(split_axis, concat_axis));
   const size_t elem = ffi::ByteWidth(x.element_type());
   const int n = c.n;
+  const bool stream = out->size_bytes() >= kStreamBytes;
   Share share = [=](const std::vector<Member>& m, int r) {
     for (int s = 0; s < n; ++s) {
       CopyBox(static_cast<const uint8_t*>(m[s].in), in_strides,
               r * chunk[split_axis] * in_strides[split_axis], static_cast<uint8_t*>(m[r].out),
               out_strides, s * chunk[concat_axis] * out_strides[concat_axis], chunk,
-              contiguous_from, elem);
+              contiguous_from, elem, stream);
     }
   };
   const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims,
@@ -537,8 +623,9 @@ ffi::Error BroadcastImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
   }
   if (Dims(x) != Dims(*out)) return Invalid(kOp, "output shape differs from input shape");
   const size_t bytes = x.size_bytes();
-  Share share = [bytes, root](const std::vector<Member>& m, int r) {
-    if (bytes) std::memcpy(m[r].out, m[root].in, bytes);
+  const bool stream = bytes >= kStreamBytes;
+  Share share = [bytes, root, stream](const std::vector<Member>& m, int r) {
+    CopyOut(m[r].out, m[root].in, bytes, stream);
   };
   const Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), {root}};
   return Run(c, sig, x, out, bytes * c.n, share);
@@ -572,12 +659,13 @@ ffi::Error PermuteImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
   }
   if (Dims(x) != Dims(*out)) return Invalid(kOp, "output shape differs from input shape");
   const size_t bytes = x.size_bytes();
-  Share share = [bytes, src](const std::vector<Member>& m, int r) {
+  const bool stream = bytes >= kStreamBytes;
+  Share share = [bytes, src, stream](const std::vector<Member>& m, int r) {
     if (bytes == 0) return;
     if (src[r] < 0) {
       std::memset(m[r].out, 0, bytes);  // like lax.ppermute: ranks nobody sends to get zeros
     } else {
-      std::memcpy(m[r].out, m[src[r]].in, bytes);
+      CopyOut(m[r].out, m[src[r]].in, bytes, stream);
     }
   };
   Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), src};
