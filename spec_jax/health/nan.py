@@ -57,6 +57,8 @@ def guarded(policy: NanSpec, guard, old_state, new_state, metrics):
         "consecutive": jnp.where(was_tripped, guard["consecutive"], consecutive),
         "tripped_at": jnp.where(trips, step, guard["tripped_at"]),
     }
+    if "valid_tokens" in metrics:  # a dropped step trained on no tokens (throughput, goodput)
+        metrics = {**metrics, "valid_tokens": jnp.where(take, metrics["valid_tokens"], 0.0)}
     return state, guard, {**metrics, "nonfinite": (~finite).astype(jnp.int32),
                           "skipped_steps": guard["skipped"]}
 
