@@ -134,6 +134,13 @@ def _drop_records_after(path: Path, step: int) -> None:
     os.truncate(path, keep)
 
 
+def _recorded_losses(path: Path) -> dict[int, float]:
+    if not path.exists():
+        return {}
+    records = (json.loads(line) for line in path.read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
+
+
 def run(
     spec: Spec,
     run_dir: Path,
@@ -158,9 +165,9 @@ def run(
 
     bar = _progress_bar(steps, progress)
     metrics_path = run_dir / spec.metrics.path
-    losses: dict[int, float] = {}
     timed_steps, timed_seconds = 0, 0.0
     _drop_records_after(metrics_path, start)
+    losses = _recorded_losses(metrics_path)  # steps before a resume (all, if it was complete)
     bar.update(start)
     with open(metrics_path, "a") as sink:
         t_last, pending, step = None, 0, start
@@ -219,7 +226,7 @@ def run(
     ckpt.wait()  # the final checkpoint is complete before the summary says so
     step_time = timed_seconds / timed_steps if timed_steps else float("nan")
     summary = {
-        "initial_loss": losses[min(losses)],  # the first step this session ran
+        "initial_loss": losses[min(losses)],
         "final_loss": losses[steps],
         "tokens_per_s": tokens_per_step / step_time if timed_steps else float("nan"),
         "step_time_s": step_time,

@@ -118,3 +118,11 @@ def test_resume_with_other_model_is_one_line_naming_the_field(tmp_path):
     other = tiny_spec("checkpoint.interval=1", "model.d_ff=128")
     with pytest.raises(UserInputError, match=r"^model\.d_ff: .* 64, the spec says 128"):
         Checkpointer(other, tmp_path).restore_latest_or(build_job(other).state)
+
+
+def test_rerun_of_a_finished_run_resumes_at_its_end(tmp_path):
+    spec = tiny_spec("checkpoint.interval=2", "checkpoint.async_save=false")
+    first = run(spec, tmp_path, steps=4, progress=False)
+    again = run(spec, tmp_path, steps=4, progress=False)
+    assert again["resumed_from"] == 4
+    assert (again["initial_loss"], again["final_loss"]) == (first["initial_loss"], first["final_loss"])
