@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,8 @@ from spec_jax.health import HealthHalt, ReplicaMismatch
 from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
 from spec_jax.health.guards import Guards
+from spec_jax.metrics import MetricsLogger
+from spec_jax.metrics.flops import for_spec as model_flops
 from spec_jax.models.transformer import Transformer, next_token_loss
 from spec_jax.spec import Spec
 from spec_jax.step import WrappedStep, loss_step, wrap
@@ -159,44 +162,40 @@ def run(
     job, state, start, skipped_before = resume(spec, ckpt, total_steps)
     guards = Guards(spec, job, faults, skipped_before)
     rollbacks: list[dict] = []
-    interval = spec.metrics.interval
     rows = local_rows(spec.batch.global_batch)
-    tokens_per_step = spec.batch.global_batch * spec.batch.seq_len
 
     bar = _progress_bar(steps, progress)
     metrics_path = run_dir / spec.metrics.path
-    timed_steps, timed_seconds = 0, 0.0
     _drop_records_after(metrics_path, start)
     losses = _recorded_losses(metrics_path)  # steps before a resume (all, if it was complete)
     bar.update(start)
-    with open(metrics_path, "a") as sink:
-        t_last, pending, step = None, 0, start
+    # Compiles the step once and measures it (FLOPs, memory, comm); records per interval. The
+    # batch it compiles with is the first step's input, fed to it below (never fetched twice).
+    prefetched = job.data.batch(start, rows)
+    metrics_log = MetricsLogger.for_run(spec, job.step, state, prefetched, run_dir, steps,
+                                        model_flops(spec), first_step=start + 1, append=True)
+    with contextlib.closing(metrics_log):
+        step = start
+        metrics_log.start()
         try:
             while step < steps:
                 step += 1
                 with guards.timed(step):
-                    batch = guards.batch(step, job.data.batch(step - 1, rows))
+                    t_data = time.perf_counter()
+                    host_batch = prefetched or job.data.batch(step - 1, rows)
+                    prefetched = None
+                    data_wait = time.perf_counter() - t_data
+                    batch = guards.batch(step, host_batch)
                     state, metrics = job.step(state, batch)
                 state = guards.inject(step, state)
-                pending += 1
-                if step == start + 1 or step % interval == 0 or step == steps:
-                    loss = float(metrics["loss"])  # the only host sync: once per interval
-                    now = time.perf_counter()
-                    losses[step] = loss
-                    record = {"step": step, "loss": loss, **guards.at_sync()}
-                    if t_last is not None:  # step 1 includes compilation: not a step time
-                        dt = (now - t_last) / pending
-                        timed_steps += pending
-                        timed_seconds += now - t_last
-                        record |= {"step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                    t_last, pending = now, 0
+                # Host sync only when a record is due (metrics.interval, first and last step).
+                record = metrics_log.after_step(step, metrics, data_wait, extra=guards.at_sync)
+                if record is not None:
+                    losses[step] = record["loss"] if record["loss"] is not None else float("nan")
                     bar.update(step - bar.n)
-                    bar.set_postfix(
-                        loss=f"{loss:.3f}",
-                        tok_s=f"{record.get('tokens_per_s', 0):.0f}",
-                    )
+                    bar.set_postfix(loss=f"{losses[step]:.3f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}",
+                                    mfu=f"{100 * (record['mfu'] or 0):.1f}%")
                 try:  # a checkpoint must never hold a corrupted replica: check before saving
                     if guards.fingerprint_due(step) or ckpt.due(step, steps):
                         guards.check_replicas(step, state, ckpt.last_saved)
@@ -209,9 +208,10 @@ def run(
                     ckpt.wait()
                     job, state, step, skipped_before = resume(spec, ckpt, total_steps)
                     guards = Guards(spec, job, faults, skipped_before)
-                    sink.flush()
                     _drop_records_after(metrics_path, step)
-                    t_last, pending = None, 0
+                    prefetched = job.data.batch(step, rows)
+                    metrics_log.restart(spec, job.step, state, prefetched, step + 1,
+                                        model_flops(spec))
                     continue
                 if ckpt.due(step, steps):
                     guards.check_nonfinite()  # never checkpoint a state the NaN guard froze
@@ -224,12 +224,10 @@ def run(
     bar.close()
     jax.block_until_ready(state)
     ckpt.wait()  # the final checkpoint is complete before the summary says so
-    step_time = timed_seconds / timed_steps if timed_steps else float("nan")
     summary = {
         "initial_loss": losses[min(losses)],
         "final_loss": losses[steps],
-        "tokens_per_s": tokens_per_step / step_time if timed_steps else float("nan"),
-        "step_time_s": step_time,
+        **metrics_log.summary(),  # tokens_per_s, step_time_s, mfu, memory, comm, goodput
         "steps": steps,
         "resumed_from": start,
         "last_checkpoint": ckpt.last_saved,

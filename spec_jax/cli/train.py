@@ -87,7 +87,13 @@ def _print_summary(summary: dict) -> None:
         f"  loss           {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}\n"
         f"  tokens/s       {summary['tokens_per_s']:.0f}\n"
         f"  step time      {summary['step_time_s'] * 1e3:.1f} ms (mean, compile excluded)\n"
+        f"  MFU            {_percent(summary.get('mfu'))} (docs/metrics.md; "
+        f"compile {summary.get('compile_time_s') or 0:.1f} s, goodput {_percent(summary.get('goodput'))})\n"
         f"  spec           {summary['spec']}\n"
         f"  metrics        {summary['metrics_file']}"
     )
 
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,10 @@ class MetricsLogger:
     """Collects per-step device values and host timings; writes a record per interval."""
 
     def __init__(self, spec, sinks: list[Sink], analysis: StepAnalysis, total_steps: int,
-                 goodput: Goodput | None = None):
+                 goodput: Goodput | None = None, first_step: int = 1):
         self.spec, self.sinks, self.analysis = spec, sinks, analysis
         self.total_steps, self.interval = total_steps, spec.metrics.interval
+        self.first_step = first_step  # always recorded (1, or the step after a resume)
         self.goodput = goodput or Goodput()
         self.tokens_per_step = flops.tokens_per_step(spec)
         self.last: dict | None = None
@@ -90,21 +92,34 @@ class MetricsLogger:
 
     @classmethod
     def for_run(cls, spec, wrapped_step, state, first_batch, run_dir: Path, total_steps: int,
-                model_flops: flops.TransformerFlops | None = None, goodput: Goodput | None = None):
+                model_flops: flops.TransformerFlops | None = None, goodput: Goodput | None = None,
+                first_step: int = 1, append: bool = False):
         """Analyse (and compile) the step, open the spec's sinks under `run_dir`."""
         goodput = goodput or Goodput()
         analysis = analyze_step(wrapped_step, state, first_batch, model_flops)
-        return cls(spec, sinks_for(spec, run_dir), analysis, total_steps, goodput)
+        return cls(spec, sinks_for(spec, run_dir, append), analysis, total_steps, goodput,
+                   first_step)
+
+    def restart(self, spec, wrapped_step, state, batch, first_step: int,
+                model_flops: flops.TransformerFlops | None = None) -> None:
+        """After a rollback onto another step/mesh: analyse the new step, time afresh."""
+        self.spec, self.first_step = spec, first_step
+        self.analysis = analyze_step(wrapped_step, state, batch, model_flops)
+        self.goodput.add("compilation", self.analysis.fields["compile_time_s"])
+        self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
+        self._t_last = None
 
     def start(self) -> None:
         """Call right before the first step: intervals are timed from here."""
         self._t_last = time.perf_counter()
 
     def due(self, step: int) -> bool:
-        return step == 1 or step % self.interval == 0 or step == self.total_steps
+        return step == self.first_step or step % self.interval == 0 or step == self.total_steps
 
-    def after_step(self, step: int, metrics: dict, data_wait_s: float = 0.0) -> dict | None:
-        """Note one finished step; returns the record when one is written, else None."""
+    def after_step(self, step: int, metrics: dict, data_wait_s: float = 0.0,
+                   extra: Callable[[], dict] | None = None) -> dict | None:
+        """Note one finished step; returns the record when one is written, else None.
+        `extra()` (e.g. health fields) is called only when a record is due and merged in."""
         if self._t_last is None:
             self.start()
         self._pending_steps += 1
@@ -113,9 +128,9 @@ class MetricsLogger:
             self._pending_tokens.append(metrics["valid_tokens"])  # a reference: no sync
         if not self.due(step):
             return None
-        return self._record(step, metrics)
+        return self._record(step, metrics, extra() if extra else {})
 
-    def _record(self, step: int, metrics: dict) -> dict:
+    def _record(self, step: int, metrics: dict, extra: dict) -> dict:
         loss, grad_norm, tokens = jax.device_get(  # the interval's one host sync
             (metrics.get("loss"), metrics.get("grad_norm"), self._pending_tokens))
         now = time.perf_counter()
@@ -149,6 +164,7 @@ class MetricsLogger:
             "elapsed_s": gp["elapsed_s"],
             "goodput": gp["goodput"],
             "badput_s": gp["badput_s"],
+            **extra,
         }
         for sink in self.sinks:
             sink.write(record)
