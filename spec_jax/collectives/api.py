@@ -27,12 +27,16 @@ from spec_jax.errors import UserInputError
 BACKEND_MODULES = {
     "xla": "spec_jax.collectives.xla",
     "ext": "spec_jax.collectives.ext",
+    "hierarchical": "spec_jax.collectives.hierarchical",
 }
 
 # The guarantee level each backend declares (definitions: docs/collectives.md, "Guarantee
 # levels (normative)"). xla: XLA documents no reduction order, and NCCL picks ring or tree
 # algorithms by size and topology, so no bitwise promise can be made for it in general.
-GUARANTEE_LEVELS = {"xla": "nondeterministic", "ext": "deterministic"}
+# hierarchical: its cross-process stage is the native runtime (gloo, NCCL), so it can promise no
+# more than xla does, although its in-process stages are ext's rank-order sums.
+GUARANTEE_LEVELS = {"xla": "nondeterministic", "ext": "deterministic",
+                    "hierarchical": "nondeterministic"}
 
 ALL_REDUCE_OPS = ("sum", "mean", "max", "min")
 REDUCE_SCATTER_OPS = ("sum", "mean")

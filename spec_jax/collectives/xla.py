@@ -8,7 +8,9 @@ pmax/pmin have none in lax, so max/min are not differentiable on this backend.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _ALL_REDUCE = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
@@ -63,11 +65,30 @@ def broadcast(x, axis_name, root=0, *, timeout_s=None):
     out, d = x, 1
     while d < n:
         perm = [((root + r) % n, (root + r + d) % n) for r in range(min(d, n - d))]
-        received = lax.ppermute(out, axis_name, perm)
+        received = _ppermute(out, axis_name, perm)
         out = jnp.where((rank_from_root >= d) & (rank_from_root < 2 * d), received, out)
         d *= 2
     return out
 
 
-def permute(x, axis_name, perm, *, timeout_s=None):
+def _ppermute(x, axis_name, perm):
+    """lax.ppermute with ranks row-major in the order of `axis_name`, as the API (and
+    lax.axis_index) rank a group. Observed on jax 0.10.2: for a tuple of axes, ppermute numbers
+    the members row-major in *mesh* order whatever the tuple's order, so a group ("c", "r") of a
+    ("r", "c") mesh sent to the wrong members. Translate the pairs into mesh order."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    mesh_order = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in names)
+    if len(names) > 1 and mesh_order != names:
+        sizes = {a: lax.axis_size(a) for a in names}
+
+        def in_mesh_order(rank):
+            coords = dict(zip(names, np.unravel_index(rank, [sizes[a] for a in names])))
+            return int(np.ravel_multi_index([coords[a] for a in mesh_order],
+                                            [sizes[a] for a in mesh_order]))
+
+        perm = [(in_mesh_order(s), in_mesh_order(d)) for s, d in perm]
     return lax.ppermute(x, axis_name, perm)
+
+
+def permute(x, axis_name, perm, *, timeout_s=None):
+    return _ppermute(x, axis_name, perm)

@@ -1,0 +1,105 @@
+"""One process of the conformance suite run across processes (test_multiprocess_conformance.py).
+
+Run under `trainspec launch --nprocs 2 -- python multiprocess_worker.py BACKEND`: each process
+presents 4 CPU devices, joins the jax.distributed job from the TRAINSPEC_* variables, and calls
+the suite's own test functions (same cases, same NumPy references, same tolerances) on meshes
+whose first axis `p` is the process. Every process runs the same checks in the same order (the
+collectives are SPMD across processes) and fetches whole results (`_host`), so both reach the
+same verdicts. Prints one `RESULT` line; exits 1 if any check failed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+from spec_jax.distributed import initialize_from_env  # noqa: E402
+
+assert initialize_from_env(), "run me under `trainspec launch --nprocs 2`"
+assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
+
+import pytest  # noqa: E402
+
+import test_collectives_conformance as suite  # noqa: E402
+
+Layout = suite.Layout
+# Meshes over the 8 devices of both processes; jax.devices() lists process 0's devices first,
+# so the leading axis `p` is the process (checked below). The group of each layout decides the
+# path through the hierarchical backend: both stages, in-process only (ext), across only (lax).
+LAYOUTS = [
+    Layout("both", (2, 4), ("p", "l"), ("p", "l")),           # the full hierarchy, n = 8
+    Layout("both_3d", (2, 2, 2), ("p", "a", "b"), ("p", "b")),  # part of the local axes, n = 4
+    Layout("both_reversed", (2, 4), ("p", "l"), ("l", "p")),  # rank order != mesh order
+    Layout("local", (2, 4), ("p", "l"), ("l",)),
+    Layout("across", (2, 4), ("p", "l"), ("p",)),
+]
+# The suite's fixed-layout tests use LAYOUTS[0] (16-bit sums, integer means, bits) and
+# LAYOUTS[1] (vmap): point them at the hierarchical layouts.
+suite.LAYOUTS = LAYOUTS
+
+
+def checks(backend):
+    """(name, thunk) for every check, the same list in every process."""
+    for lay in LAYOUTS:
+        dtypes = suite.DTYPES if lay.name == "both" else ["float32"]
+        for case in suite.CASES:
+            for dtype in dtypes:
+                if not (dtype == "int32" and suite._needs_float(case)):
+                    yield (f"forward {case.id} {dtype} {lay.name}", lay,
+                           lambda c=case, d=dtype, l=lay: suite.test_matches_reference(backend, c, d, l))
+    for lay in LAYOUTS[:3]:
+        for case in suite.LINEAR_CASES:
+            yield (f"gradient {case.id} {lay.name}", lay,
+                   lambda c=case, l=lay: suite.test_gradient_matches_analytic(backend, c, l))
+    for case in suite.CASES:
+        yield (f"vmap {case.id}", LAYOUTS[1],
+               lambda c=case: suite.test_vmap_inside_shard_map(backend, c))
+        if case.op in ("all_gather", "broadcast", "permute", "all_to_all"):
+            yield (f"bits {case.id}", LAYOUTS[0],
+                   lambda c=case: suite.test_data_movement_preserves_bits(backend, c))
+    for op in ("all_reduce", "reduce_scatter"):
+        for dtype in ("bfloat16", "float16"):
+            yield (f"16-bit {op} {dtype}", LAYOUTS[0],
+                   lambda o=op, d=dtype: suite.test_16bit_sums_accumulate_in_f32(backend, o, d))
+        yield (f"int mean {op}", LAYOUTS[0],
+               lambda o=op: suite.test_mean_of_integers_is_rejected(backend, o))
+        yield (f"determinism {op}", LAYOUTS[0],
+               lambda o=op: suite.test_deterministic_backends_are_bitwise_repeatable(backend, o))
+    for illegal in suite.ILLEGAL:
+        yield (f"illegal {illegal[0]} {illegal[3]}", LAYOUTS[0],
+               lambda i=illegal: suite.test_rejects_illegal_calls(backend, *i, LAYOUTS[0]))
+
+
+def main(backend: str) -> int:
+    procs = [[d.process_index for d in row] for row in suite._mesh((2, 4), ("p", "l")).devices]
+    assert procs == [[0] * 4, [1] * 4], f"axis p is not the process: {procs}"
+    passed, skipped, failed = 0, 0, []
+    t0 = time.perf_counter()
+    for name, lay, check in checks(backend):
+        # The hierarchical backend reads which axes are in-process from the concrete mesh.
+        try:
+            with jax.set_mesh(suite._mesh(lay.mesh_shape, lay.mesh_axes)):
+                check()
+            passed += 1
+        except pytest.skip.Exception:
+            skipped += 1
+        except BaseException as err:  # noqa: BLE001  pytest.fail raises a BaseException
+            failed.append(name)
+            print(f"FAIL {name}: {str(err).splitlines()[0][:300]}", flush=True)
+            if not isinstance(err, (AssertionError, pytest.fail.Exception)):
+                traceback.print_exc()
+    print(f"RESULT backend={backend} process={jax.process_index()} passed={passed} "
+          f"skipped={skipped} failed={len(failed)} seconds={time.perf_counter() - t0:.0f}",
+          flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "hierarchical"))
