@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spec_jax import layout
 from spec_jax.health import nan as nan_guard
 from spec_jax.errors import UserInputError
-from spec_jax.mesh import build_mesh, check_batch, resolve_mesh
+from spec_jax.mesh import build_mesh, check_batch, check_hierarchical, resolve_mesh
 from spec_jax.spec import Spec
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
@@ -130,6 +130,7 @@ class WrappedStep:
         self.rules = layout.flax_rules(spec)
         resolved = resolve_mesh(spec, self.mesh.devices.size)
         check_batch(spec, resolved, layout.batch_axes(spec, self.mesh))
+        check_hierarchical(spec, self.mesh)
         k = spec.batch.accumulation_steps
         if k > 1 and not isinstance(step_fn, LossStep):
             raise UserInputError(
@@ -206,7 +207,10 @@ class WrappedStep:
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps
         precision = _Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
-        if spec.collectives.backend != "xla" and self.data_axes:
+        # Reduce across replicas once per step, explicitly, when accumulating (a replicated
+        # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
+        # or when the spec names a collectives backend other than XLA's own.
+        if self.data_axes and (k > 1 or spec.collectives.backend != "xla"):
             return self._replica_reduced_step_fn(precision)
 
         def constrain(micro):  # keep each micro-batch split over the batch shards
@@ -225,8 +229,8 @@ class WrappedStep:
         return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
 
     def _replica_reduced_step_fn(self, precision: _Precision):
-        """The step with the cross-replica gradient sum made explicit, through the spec's
-        collectives backend (`collectives.backend`, e.g. the xla_ext custom calls).
+        """The step with the cross-replica gradient sum made explicit: once per step, through
+        the spec's collectives backend (`collectives.backend`: lax, or the xla_ext custom calls).
 
         Each data-parallel replica's sums are computed by `vmap` over a leading replica axis
         (bound to the data mesh axes, so each replica stays on its own devices and the model
@@ -282,6 +286,8 @@ class WrappedStep:
 
     def lower(self, state, batch):
         """The lowered step for `batch` (host or global arrays), for cost and memory analysis."""
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+            batch = self.shard_batch(batch)  # host rows are this process's part, not the batch
         if self._jitted is None:
             self._jitted = self._build(batch)
         if self.guard is None:
