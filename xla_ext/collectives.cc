@@ -20,13 +20,11 @@
 #include <vector>
 
 #include "handlers.h"
+#include "reduce_kernels.h"
 #include "rendezvous.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
-#endif
-#if defined(__SSE2__)
-#include <emmintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
@@ -62,38 +60,6 @@ const char* ReduceOpName(int64_t op) {
 
 // ---- stores ---------------------------------------------------------------------------------
 
-// Copies `bytes` from src (in cache) to dst, bypassing the cache where dst is 16-byte aligned.
-// Non-temporal stores are weakly ordered: callers finish with StoreFence() before other
-// members may read dst.
-void StreamCopy(void* dst, const void* src, size_t bytes) {
-#if defined(__SSE2__)
-  auto* d = static_cast<uint8_t*>(dst);
-  auto* s = static_cast<const uint8_t*>(src);
-  const size_t head = std::min(bytes, (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
-  std::memcpy(d, s, head);
-  size_t i = head;
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
-  }
-  std::memcpy(d + i, s + i, bytes - i);
-#else
-  std::memcpy(dst, src, bytes);
-#endif
-}
-
-void StoreFence() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
-
 // Copies a large block, streaming when it is large enough not to stay in cache.
 void CopyOut(void* dst, const void* src, size_t bytes, bool stream) {
   if (bytes == 0) return;
@@ -121,153 +87,29 @@ void AdviseHugePages(void* out, size_t bytes) {
 
 // ---- element types -------------------------------------------------------------------------
 
-struct Bf16 {
-  uint16_t bits;
-};
-struct F16 {
-  uint16_t bits;
-};
-
-inline float BitsToFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t FloatToBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// Num<T>: how a stored element is widened to the accumulator and rounded back.
-template <typename T>
-struct Num {
-  using Acc = T;
-  static Acc Load(T v) { return v; }
-  static T Store(Acc a) { return a; }
-};
-
-template <>
-struct Num<Bf16> {
-  using Acc = float;
-  static float Load(Bf16 v) { return BitsToFloat(static_cast<uint32_t>(v.bits) << 16); }
-  static Bf16 Store(float a) {
-    uint32_t u = FloatToBits(a);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
-    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    return Bf16{static_cast<uint16_t>(u >> 16)};
-  }
-};
-
-template <>
-struct Num<F16> {
-  using Acc = float;
-  static float Load(F16 v) {
-    const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000u) << 16;
-    const uint32_t exp = (v.bits >> 10) & 0x1Fu;
-    const uint32_t mant = v.bits & 0x3FFu;
-    if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in float
-      return BitsToFloat(sign | FloatToBits(static_cast<float>(mant) * 0x1.0p-24f));
-    }
-    if (exp == 31) return BitsToFloat(sign | 0x7F800000u | (mant << 13));
-    return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
-  }
-  // Round to nearest even via float arithmetic: scaling by 2^112 and back moves the rounding
-  // point onto the f16 mantissa (overflow becomes inf), adding a power of two that is aligned
-  // with the f16 exponent lets the FPU do the rounding (subnormals included).
-  static F16 Store(float a) {
-    const uint32_t w = FloatToBits(a);
-    const uint32_t shl1 = w + w;
-    const uint32_t sign = w & 0x80000000u;
-    float base = (std::fabs(a) * 0x1.0p+112f) * 0x1.0p-110f;
-    uint32_t bias = shl1 & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    base = BitsToFloat((bias >> 1) + 0x07800000u) + base;
-    const uint32_t bits = FloatToBits(base);
-    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
-    return F16{static_cast<uint16_t>((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign))};
-  }
-};
-
-struct AddOp {
-  template <typename A>
-  A operator()(A a, A b) const {
-    return a + b;
-  }
-  int32_t operator()(int32_t a, int32_t b) const {  // two's-complement wrap, like XLA
-    return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
-  }
-};
-struct MaxOp {
-  template <typename A>
-  A operator()(A a, A b) const {
-    return (a > b || a != a) ? a : b;  // a != a: keep a NaN accumulator
-  }
-};
-struct MinOp {
-  template <typename A>
-  A operator()(A a, A b) const {
-    return (a < b || a != a) ? a : b;
-  }
-};
-
-// out[d][i] = combine(src[0][i], ..., src[n-1][i]) in rank order for every destination d.
-// Works through blocks that stay in L1 so that writing several destinations re-reads the
-// rounded block, not the sources.
-template <typename T, typename Op>
-void Reduce(const T* const* srcs, int n, T* const* dsts, int m, size_t count, Op op, bool mean,
-            bool stream) {
-  using Acc = typename Num<T>::Acc;
-  constexpr size_t kBlock = 2048;
-  Acc acc[kBlock];
-  T rounded[kBlock];
-  const Acc divisor = static_cast<Acc>(n);
-  for (size_t base = 0; base < count; base += kBlock) {
-    const size_t len = std::min(kBlock, count - base);
-    const T* s0 = srcs[0] + base;
-    for (size_t i = 0; i < len; ++i) acc[i] = Num<T>::Load(s0[i]);
-    for (int s = 1; s < n; ++s) {
-      const T* sp = srcs[s] + base;
-      for (size_t i = 0; i < len; ++i) acc[i] = op(acc[i], Num<T>::Load(sp[i]));
-    }
-    if (mean) {
-      for (size_t i = 0; i < len; ++i) acc[i] = acc[i] / divisor;
-    }
-    for (size_t i = 0; i < len; ++i) rounded[i] = Num<T>::Store(acc[i]);
-    for (int d = 0; d < m; ++d) CopyOut(dsts[d] + base, rounded, len * sizeof(T), stream);
-  }
-}
-
-template <typename T>
-void ReduceByOp(int64_t op, const T* const* srcs, int n, T* const* dsts, int m, size_t count,
-                bool stream) {
-  switch (op) {
-    case kMax: Reduce(srcs, n, dsts, m, count, MaxOp{}, false, stream); break;
-    case kMin: Reduce(srcs, n, dsts, m, count, MinOp{}, false, stream); break;
-    default: Reduce(srcs, n, dsts, m, count, AddOp{}, op == kMean, stream); break;
-  }
-}
-
-template <typename T>
-struct Tag {
-  using type = T;
-};
-
-// Calls f(Tag<T>{}) for the supported element types; false for any other.
-template <typename F>
-bool VisitDtype(ffi::DataType dtype, F&& f) {
+bool ToElemType(ffi::DataType dtype, ElemType* t) {
   switch (dtype) {
-    case ffi::DataType::F32: f(Tag<float>{}); return true;
-    case ffi::DataType::F64: f(Tag<double>{}); return true;
-    case ffi::DataType::S32: f(Tag<int32_t>{}); return true;
-    case ffi::DataType::BF16: f(Tag<Bf16>{}); return true;
-    case ffi::DataType::F16: f(Tag<F16>{}); return true;
+    case ffi::DataType::F32: *t = ElemType::kF32; return true;
+    case ffi::DataType::F64: *t = ElemType::kF64; return true;
+    case ffi::DataType::S32: *t = ElemType::kS32; return true;
+    case ffi::DataType::BF16: *t = ElemType::kBF16; return true;
+    case ffi::DataType::F16: *t = ElemType::kF16; return true;
     default: return false;
   }
 }
 
+RedOp ToRedOp(int64_t op) {
+  switch (op) {
+    case kMean: return RedOp::kMean;
+    case kMax: return RedOp::kMax;
+    case kMin: return RedOp::kMin;
+    default: return RedOp::kSum;
+  }
+}
+
 bool IsSupported(ffi::DataType dtype) {
-  return VisitDtype(dtype, [](auto) {});
+  ElemType t;
+  return ToElemType(dtype, &t);
 }
 
 // ---- shapes --------------------------------------------------------------------------------
@@ -431,25 +273,27 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
   const int n = c.n;
   // Each member reduces one contiguous slice (cache-line aligned) and writes it into every
   // member's output: reduce-scatter and all-gather in one pass, with no staging buffer.
-  const size_t slice = (count + n - 1) / n;
-  const size_t chunk = (slice + 15) / 16 * 16;
+  // Slices are whole multiples of 128 bytes (the kernel's step), so every slice starts on a
+  // cache line and only the last one has a tail.
+  const size_t elem = ffi::ByteWidth(x.element_type());
+  const size_t per_step = 128 / elem;
+  const size_t chunk = ((count + n - 1) / n + per_step - 1) / per_step * per_step;
   const bool stream = out->size_bytes() >= kStreamBytes;
-  Share share;
-  VisitDtype(x.element_type(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    share = [count, chunk, n, reduce_op, stream](const std::vector<Member>& m, int r) {
-      const size_t lo = std::min(count, static_cast<size_t>(r) * chunk);
-      const size_t hi = std::min(count, lo + chunk);
-      if (lo == hi) return;
-      std::vector<const T*> srcs(n);
-      std::vector<T*> dsts(n);
-      for (int s = 0; s < n; ++s) {
-        srcs[s] = static_cast<const T*>(m[s].in) + lo;
-        dsts[s] = static_cast<T*>(m[s].out) + lo;
-      }
-      ReduceByOp<T>(reduce_op, srcs.data(), n, dsts.data(), n, hi - lo, stream);
-    };
-  });
+  ElemType type;
+  ToElemType(x.element_type(), &type);
+  const RedOp op = ToRedOp(reduce_op);
+  Share share = [count, chunk, elem, n, type, op, stream](const std::vector<Member>& m, int r) {
+    const size_t lo = std::min(count, static_cast<size_t>(r) * chunk);
+    const size_t hi = std::min(count, lo + chunk);
+    if (lo == hi) return;
+    std::vector<const void*> srcs(n);
+    std::vector<void*> dsts(n);
+    for (int s = 0; s < n; ++s) {
+      srcs[s] = static_cast<const uint8_t*>(m[s].in) + lo * elem;
+      dsts[s] = static_cast<uint8_t*>(m[s].out) + lo * elem;
+    }
+    ReduceInto(type, op, srcs.data(), n, dsts.data(), n, hi - lo, stream);
+  };
   const Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), {reduce_op}};
   return Run(c, sig, x, out, x.size_bytes() * n, share);
 }
@@ -494,21 +338,24 @@ ffi::Error ReduceScatterImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer
   const size_t row = dim / c.n * inner;  // one member's part of one outer row
   const int n = c.n;
   const bool stream = out->size_bytes() >= kStreamBytes;
-  Share share;
-  VisitDtype(x.element_type(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    share = [outer, dim, inner, row, n, reduce_op, stream](const std::vector<Member>& m, int r) {
-      if (row == 0) return;
-      std::vector<const T*> srcs(n);
-      for (size_t o = 0; o < outer; ++o) {
-        for (int s = 0; s < n; ++s) {
-          srcs[s] = static_cast<const T*>(m[s].in) + o * dim * inner + r * row;
-        }
-        T* dst = static_cast<T*>(m[r].out) + o * row;
-        ReduceByOp<T>(reduce_op, srcs.data(), n, &dst, 1, row, stream);
+  const size_t elem = ffi::ByteWidth(x.element_type());
+  ElemType type;
+  ToElemType(x.element_type(), &type);
+  const RedOp op = ToRedOp(reduce_op);
+  // Member r reduces block r of every input straight into its own output: each input byte is
+  // read once and each output byte written once.
+  Share share = [outer, dim, inner, row, elem, n, type, op, stream](const std::vector<Member>& m,
+                                                                    int r) {
+    if (row == 0) return;
+    std::vector<const void*> srcs(n);
+    for (size_t o = 0; o < outer; ++o) {
+      for (int s = 0; s < n; ++s) {
+        srcs[s] = static_cast<const uint8_t*>(m[s].in) + (o * dim * inner + r * row) * elem;
       }
-    };
-  });
+      void* dst = static_cast<uint8_t*>(m[r].out) + o * row * elem;
+      ReduceInto(type, op, srcs.data(), n, &dst, 1, row, stream);
+    }
+  };
   const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims, {reduce_op, d}};
   return Run(c, sig, x, out, x.size_bytes(), share);
 }
