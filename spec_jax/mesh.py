@@ -87,12 +87,37 @@ def check_batch(spec: Spec, resolved: ResolvedMesh, batch_axes: Sequence[str]) -
         )
 
 
+def check_hierarchical(spec: Spec, mesh: Mesh) -> None:
+    """`collectives.backend = "hierarchical"` reduces over the in-process and the cross-process
+    part of the data axes in separate stages, so each data axis must lie either inside one
+    process or entirely across processes (every step along it changes process)."""
+    if spec.collectives.backend != "hierarchical":
+        return
+    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    for i, name in enumerate(mesh.axis_names):
+        size = mesh.devices.shape[i]
+        if name not in spec.mesh.axes_with_role("data") or size == 1:
+            continue
+        along = np.moveaxis(procs, i, -1).reshape(-1, size)
+        distinct = {len(set(row)) for row in along.tolist()}
+        if distinct not in ({1}, {size}):
+            raise UserInputError(
+                f"mesh.axes.{name}: collectives.backend = \"hierarchical\" needs the "
+                f"cross-process part of a data axis as an axis of its own, but '{name}' "
+                f"(size {size}) spans several processes and several devices in each; split it, "
+                f"e.g. mesh.axes.replica = {{role = \"data\", size = P, dcn = P}} before "
+                f"mesh.axes.{name} = {{size = -1}} for P processes (docs/scale-out.md)"
+            )
+
+
 def build_mesh(spec: Spec, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The spec's mesh over `devices` (default: all devices, less `mesh.exclude_devices`)."""
     devices = usable_devices(spec, devices)
     resolved = resolve_mesh(spec, len(devices))
-    if math.prod(resolved.dcn) > 1:
-        n_processes = len({d.process_index for d in devices})
+    n_processes = len({d.process_index for d in devices})
+    # In one process the dcn factors are laid out within it (docs/spec.md): a multi-host spec
+    # runs unchanged, and computes the same, on one machine.
+    if math.prod(resolved.dcn) > 1 and n_processes > 1:
         if n_processes != math.prod(resolved.dcn):
             raise UserInputError(
                 f"mesh.axes: dcn factors multiply to {math.prod(resolved.dcn)}, but the devices "

@@ -141,9 +141,10 @@ class RematSpec(_Section):
 
 
 class CollectivesSpec(_Section):
-    backend: Literal["xla", "ext"] = Field(
-        "xla", description="Implementation of the collectives: `xla` (native) or `ext` (the "
-        "xla_ext custom calls; the gradient reduction over the data axes goes through it)."
+    backend: Literal["xla", "ext", "hierarchical"] = Field(
+        "xla", description="Implementation of the collectives: `xla` (native), `ext` (the "
+        "xla_ext custom calls; the gradient reduction over the data axes goes through it) or "
+        "`hierarchical` (ext within a process, native across processes; docs/scale-out.md)."
     )
     timeout_s: float = Field(
         120.0, gt=0, description="A collective whose peers do not all arrive fails after this."

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -20,6 +21,8 @@ from flax.training.train_state import TrainState
 
 from spec_jax.checkpoint import Checkpointer
 from spec_jax.data import ByteBatches
+from spec_jax.distributed import is_writer
+from spec_jax.errors import UserInputError
 from spec_jax.health import HealthHalt, ReplicaMismatch
 from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
@@ -96,11 +99,32 @@ def build_job(spec: Spec, mesh=None, total_steps: int | None = None) -> Job:
     return Job(spec, model, step, data, state)
 
 
-def local_rows(global_batch: int) -> slice:
-    """This process's rows of the global batch (all of them in a single process)."""
-    per_process = global_batch // jax.process_count()
-    start = jax.process_index() * per_process
-    return slice(start, start + per_process)
+def local_rows(job: Job) -> slice:
+    """This process's rows of the global batch: the rows its devices hold under the batch
+    sharding (not "block p of P": which rows a process holds follows the mesh and the layout).
+    They must be one contiguous block of whole sequences, the form the data source builds and
+    `jax.make_array_from_process_local_data` takes."""
+    spec = job.spec
+    shape = (spec.batch.global_batch, spec.batch.seq_len)
+    held = job.step.batch_sharding(2).addressable_devices_indices_map(shape).values()
+    rows, cols = set(), set()
+    for index in held:
+        rows.update(range(*index[0].indices(shape[0])[:2]))
+        cols.update(range(*index[1].indices(shape[1])[:2]))
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo or len(cols) != shape[1]:
+        raise UserInputError(
+            f"layout.rules.batch: process {jax.process_index()} holds {len(rows)} rows of the "
+            f"batch between {lo} and {hi} and {len(cols)} of {shape[1]} positions, not one "
+            "contiguous block of whole sequences; list the cross-process mesh axes first in "
+            "the batch rule and do not split `length` across processes")
+    return slice(lo, hi)
+
+
+# Steps dispatched ahead of the host with a custom-call collectives backend. The CPU runtime
+# deadlocked with ~100 executions of an ext-collective program in flight, and was fine with
+# 10 (docs/xla_ext.md); XLA's own collectives are left to run ahead up to the metrics interval.
+MAX_STEPS_IN_FLIGHT = 8
 
 
 def _write_json_atomically(path: Path, payload: dict) -> None:
@@ -162,12 +186,17 @@ def run(
     job, state, start, skipped_before = resume(spec, ckpt, total_steps)
     guards = Guards(spec, job, faults, skipped_before)
     rollbacks: list[dict] = []
-    rows = local_rows(spec.batch.global_batch)
+    rows = local_rows(job)
+    writer = is_writer()  # process 0 writes the job's files: metrics, summary (not checkpoints)
+    in_flight: collections.deque = collections.deque()
 
-    bar = _progress_bar(steps, progress)
+    bar = _progress_bar(steps, progress and writer)
     metrics_path = run_dir / spec.metrics.path
-    _drop_records_after(metrics_path, start)
-    losses = _recorded_losses(metrics_path)  # steps before a resume (all, if it was complete)
+    if writer:
+        _drop_records_after(metrics_path, start)
+    # Steps before a resume (all, if it was complete). Other processes know only their own
+    # run's records: they neither write nor read the writer's file (it may be on another host).
+    losses = _recorded_losses(metrics_path) if writer else {}
     bar.update(start)
     # Compiles the step once and measures it (FLOPs, memory, comm); records per interval. The
     # batch it compiles with is the first step's input, fed to it below (never fetched twice).
@@ -187,6 +216,10 @@ def run(
                     data_wait = time.perf_counter() - t_data
                     batch = guards.batch(step, host_batch)
                     state, metrics = job.step(state, batch)
+                if spec.collectives.backend != "xla":
+                    in_flight.append(metrics["loss"])
+                    if len(in_flight) > MAX_STEPS_IN_FLIGHT:
+                        in_flight.popleft().block_until_ready()
                 state = guards.inject(step, state)
                 # Host sync only when a record is due (metrics.interval, first and last step).
                 record = metrics_log.after_step(step, metrics, data_wait, extra=guards.at_sync)
@@ -208,7 +241,9 @@ def run(
                     ckpt.wait()
                     job, state, step, skipped_before = resume(spec, ckpt, total_steps)
                     guards = Guards(spec, job, faults, skipped_before)
-                    _drop_records_after(metrics_path, step)
+                    if writer:
+                        _drop_records_after(metrics_path, step)
+                    rows = local_rows(job)
                     prefetched = job.data.batch(step, rows)
                     metrics_log.restart(spec, job.step, state, prefetched, step + 1,
                                         model_flops(spec))
@@ -225,8 +260,9 @@ def run(
     jax.block_until_ready(state)
     ckpt.wait()  # the final checkpoint is complete before the summary says so
     summary = {
-        "initial_loss": losses[min(losses)],
-        "final_loss": losses[steps],
+        # None only on a non-writer process resumed at the end (it recorded nothing itself)
+        "initial_loss": losses[min(losses)] if losses else None,
+        "final_loss": losses.get(steps),
         **metrics_log.summary(),  # tokens_per_s, step_time_s, mfu, memory, comm, goodput
         "steps": steps,
         "resumed_from": start,
@@ -239,7 +275,7 @@ def run(
         "spec": spec_label,
         "metrics_file": str(metrics_path),
     }
-    if summary_json is not None:
+    if summary_json is not None and writer:
         _write_json_atomically(Path(summary_json), summary)
     return summary
 

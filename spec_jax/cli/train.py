@@ -75,7 +75,10 @@ def run(args) -> int:
     except HealthHalt as halt:  # one clear line; the last good state is checkpointed
         print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3
-    _print_summary(summary)
+    from spec_jax.distributed import is_writer
+
+    if is_writer():  # once per job, not once per process
+        _print_summary(summary)
     return 0
 
 

@@ -22,6 +22,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax.fingerprint import fingerprint
@@ -74,7 +75,10 @@ class ReplicaFingerprints:
         """uint32[*mesh.shape, leaves, 2]: each device's fingerprint of each of its shards."""
         if self._fn is None:
             self._fn = self._build(state)
-        return np.asarray(self._fn(state))
+        fps = self._fn(state)
+        if jax.process_count() > 1:  # the other processes' devices: fetch the whole array
+            return np.asarray(multihost_utils.process_allgather(fps, tiled=True))
+        return np.asarray(fps)
 
     def compare(self, fps: np.ndarray) -> list[Divergence]:
         """Copies of the same shard that differ from the majority of their copies."""

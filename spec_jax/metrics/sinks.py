@@ -66,6 +66,10 @@ class TensorBoardSink:
 
 
 def sinks_for(spec, run_dir: Path, append: bool = False) -> list[Sink]:
+    from spec_jax.distributed import is_writer
+
+    if not is_writer():  # one writer per job (process 0): every process computes the records
+        return []
     sinks: list[Sink] = [JsonlSink(run_dir / spec.metrics.path, append)]
     if spec.metrics.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
