@@ -1,0 +1,205 @@
+"""`trainspec train` as 2 processes x 4 CPU devices (jax.distributed over gloo, `trainspec launch`).
+
+Each launched job pays process start-up and compilation (~10-30 s on the shared 2-core VM), so
+the jobs are few, tiny (one layer, d_model 32) and short (8 steps).
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from spec_jax.errors import UserInputError
+from spec_jax.mesh import check_hierarchical
+from spec_jax.spec import load_spec
+from spec_jax.train import local_rows, run
+
+# A multi-host layout: the cross-process part of data parallelism is an axis of its own
+# (`replica`, dcn = 2: one per process), listed first so each process holds one contiguous
+# block of the batch. In one process the same spec lays both axes out in-process.
+SPEC = """
+seed = 0
+[mesh.axes.replica]
+role = "data"
+size = 2
+dcn = 2
+[mesh.axes.data]
+size = -1
+[model]
+d_model = 32
+d_ff = 64
+n_layers = 1
+[batch]
+seq_len = 32
+global_batch = 16
+micro_batch = 8
+[metrics]
+interval = 1
+[checkpoint]
+interval = 0
+"""
+STEPS = 8
+KILL_BOUND_S = 30  # launch's grace (2 s) + the survivor's exit + polling, with load margin
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "two_hosts.toml"
+    path.write_text(SPEC)
+    return path
+
+
+def _launch(spec_file, run_dir, *train_args, nprocs=2, **popen):
+    command = [sys.executable, "-m", "spec_jax.cli.main", "launch", "--nprocs", str(nprocs),
+               "--grace", "2", "--", sys.executable, "-m", "spec_jax.cli.main", "train",
+               "--host-devices", "4", "--quiet", "--spec", str(spec_file), "--run-dir",
+               str(run_dir), *train_args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+def _finish(job, timeout=300):
+    out, _ = job.communicate(timeout=timeout)
+    assert job.returncode == 0, out[-4000:]
+    return out
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir):
+    records = _records(run_dir)
+    steps = [r["step"] for r in records]
+    # One writer: each step once (two writers doubled every line), in order.
+    assert steps == list(range(1, STEPS + 1)), steps
+    return np.array([r["loss"] for r in records])
+
+
+@pytest.fixture(scope="module")
+def one_process(spec_file, tmp_path_factory):
+    """The reference: the same spec in this process, on its 8 devices, xla backend."""
+    run_dir = tmp_path_factory.mktemp("one_process")
+    run(load_spec(spec_file), run_dir, steps=STEPS, progress=False)
+    return _losses(run_dir)
+
+
+# Tolerance: every run sums the same float32 per-token losses and gradients; only the order of
+# the cross-device sums differs (XLA's in one process, gloo's across two, ext's rank order), a
+# relative 1e-7 per step. Eight Adam steps grow that to the ~2e-7 observed (1x8 vs 2x4);
+# rtol 1e-5 leaves 50x margin. A wrong data split is 300x above it: with both processes on
+# block 0 (measured) the losses of steps 1-3 moved by 7e-3, 3e-3 and 3e-3 relative.
+RTOL = 1e-5
+
+
+def test_two_processes_follow_one_process_and_hierarchical_follows_xla(
+        spec_file, one_process, tmp_path):
+    xla = tmp_path / "xla"
+    out = _finish(_launch(spec_file, xla, "--steps", str(STEPS), "--summary-json",
+                          str(tmp_path / "summary.json")))
+    np.testing.assert_allclose(_losses(xla), one_process, rtol=RTOL)
+    assert one_process[-1] < one_process[0]  # it trains
+    # Process 0 alone reports: one summary line, one summary file.
+    assert len(re.findall(r"^\[rank (\d)\] trained \d+ steps", out, re.M)) == 1
+    assert "[rank 0] trained" in out
+    assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == _losses(xla)[-1]
+
+    # hierarchical, checkpointed at steps 3, 6 and 8, follows xla. Then the job resumes from
+    # step 3 (the later checkpoints removed, as if lost) and redoes steps 4-8: orbax's
+    # multi-process save and restore and the data position must reproduce the same curve.
+    hier = tmp_path / "hierarchical"
+    backend = ["--steps", str(STEPS), "--set", "collectives.backend=hierarchical",
+               "--set", "checkpoint.interval=3"]
+    _finish(_launch(spec_file, hier, *backend))
+    np.testing.assert_allclose(_losses(hier), _losses(xla), rtol=RTOL)
+    assert sorted(os.listdir(hier / "checkpoints"), key=int) == ["3", "6", "8"]
+    for lost in ("6", "8"):
+        shutil.rmtree(hier / "checkpoints" / lost)
+    _finish(_launch(spec_file, hier, *backend, "--summary-json", str(tmp_path / "resumed.json")))
+    assert json.loads((tmp_path / "resumed.json").read_text())["resumed_from"] == 3
+    np.testing.assert_allclose(_losses(hier), _losses(xla), rtol=RTOL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_rank_stops_a_training_job(spec_file, tmp_path):
+    """kill -9 of rank 1 mid-run (after step 2 is recorded): launch stops rank 0, which would
+    otherwise wait in its next collective, and exits 137 within the bound; no rank is left."""
+    run_dir = tmp_path / "killed"
+    job = _launch(spec_file, run_dir, "--steps", "10000", "--set",
+                  "collectives.backend=hierarchical")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.2)
+    pids = [int(m.group(1)) for line in list(lines)
+            if (m := re.match(r"\[launch\] rank \d+ pid (\d+)", line))]
+    assert len(pids) == 2, lines
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    code = job.wait(timeout=KILL_BOUND_S + 30)
+    elapsed = time.monotonic() - t0
+    reader.join(timeout=5)
+    assert code == 137, "".join(lines)[-4000:]
+    assert elapsed < KILL_BOUND_S, elapsed
+    assert not any(_alive(pid) for pid in pids), "a rank outlived the job"
+    assert any("rank 1 exited with -9; stopping the others" in line for line in lines)
+
+
+# ---- checks that need no second process -----------------------------------------------------
+
+
+def _fake_mesh(processes, names):
+    """What check_hierarchical reads of a mesh: devices (with process_index) and axis names."""
+    devices = np.vectorize(lambda p: SimpleNamespace(process_index=int(p)), otypes=[object])(
+        np.asarray(processes))
+    return SimpleNamespace(devices=devices, axis_names=names)
+
+
+def test_hierarchical_needs_the_cross_process_part_as_its_own_axis():
+    spec = load_spec(None, ["collectives.backend=hierarchical", "mesh.axes.data.dcn=2"])
+    one_axis = _fake_mesh(np.repeat([0, 1], 4).reshape(8, 1, 1), ("data", "fsdp", "tensor"))
+    with pytest.raises(UserInputError, match=r"mesh.axes.data: .*hierarchical.*replica"):
+        check_hierarchical(spec, one_axis)
+    split = load_spec(SPEC, ["collectives.backend=hierarchical"])
+    check_hierarchical(split, _fake_mesh(np.repeat([0, 1], 4).reshape(2, 4), ("replica", "data")))
+    check_hierarchical(load_spec(None, ["mesh.axes.data.dcn=2"]), one_axis)  # xla: no constraint
+
+
+class _FakeSharding:
+    def __init__(self, row_blocks):
+        self.row_blocks = row_blocks
+
+    def addressable_devices_indices_map(self, shape):
+        return {i: (slice(a, b), slice(None)) for i, (a, b) in enumerate(self.row_blocks)}
+
+
+def _job(row_blocks):
+    spec = load_spec(None, ["batch.global_batch=16", "batch.seq_len=8"])
+    step = SimpleNamespace(batch_sharding=lambda ndim: _FakeSharding(row_blocks))
+    return SimpleNamespace(spec=spec, step=step)
+
+
+def test_local_rows_come_from_the_batch_sharding():
+    assert local_rows(_job([(8, 10), (10, 12), (12, 16)])) == slice(8, 16)  # not block p
+    with pytest.raises(UserInputError, match="not one contiguous block"):
+        local_rows(_job([(0, 2), (4, 6)]))  # interleaved with another process's rows
