@@ -43,7 +43,8 @@ def _register_collectives(kinds) -> None:
         "collectives", help="nccl-tests-style sweep of the collectives, backends side by side",
         description="Time each collective over a range of sizes for each backend; print size, "
                     "count, type, redop, root and per backend time (us), algbw, busbw (GB/s, "
-                    "GB = 1e9 B, nccl-tests' factors) and #wrong, then the ext/xla time ratio.")
+                    "GB = 1e9 B, nccl-tests' factors) and #wrong, then each backend's time over xla's. "
+                    "Under `trainspec launch` every process measures and process 0 reports.")
     p.add_argument("-b", "--min-bytes", default="4K", help=f"smallest size (default 4K); {_SIZE_HELP}")
     p.add_argument("-e", "--max-bytes", default="4M", help="largest size (default 4M)")
     p.add_argument("-f", "--step-factor", type=_at_least(2), default=4, help="size multiplier (default 4)")
@@ -77,6 +78,9 @@ def _choices(values, allowed, what) -> list[str]:
 
 def run_collectives(args) -> int:
     ensure_host_devices(args.host_devices)  # before anything asks jax for devices
+    from spec_jax.distributed import initialize_from_env, is_writer
+
+    initialize_from_env()  # under `trainspec launch`: one process of the job
     from spec_jax.collectives import api, bench, report
 
     sizes = bench.size_sweep(bench.parse_size(args.min_bytes, "-b/--min-bytes"),
@@ -89,16 +93,19 @@ def run_collectives(args) -> int:
     for backend in backends:
         api.get_backend(backend)  # an unavailable backend fails now, not after an hour of xla
 
+    writer = is_writer()  # every process measures (the ops are collective); process 0 reports
     table = report.Table(backends)
-    print(table.preamble(), flush=True)
+    if writer:
+        print(table.preamble(), flush=True)
     rows = bench.sweep(ops, dtypes, backends, sizes, args.redop, args.iters, args.warmup,
-                       progress=lambda row: _print(table.add(row)))
-    if args.json:
-        args.json.write_text(json.dumps([report.as_dict(r) for r in rows], indent=1) + "\n")
-    if args.plot:
-        report.plot(rows, args.plot)
-    wrong = sum(r.wrong for r in rows)
-    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+                       progress=lambda row: _print(table.add(row)) if writer else None)
+    wrong = sum(r.wrong for r in rows)  # the same in every process (results fetched whole)
+    if writer:
+        if args.json:
+            args.json.write_text(json.dumps([report.as_dict(r) for r in rows], indent=1) + "\n")
+        if args.plot:
+            report.plot(rows, args.plot)
+        print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     return 0 if wrong == 0 else 1
 
 

@@ -18,12 +18,15 @@ Definitions (nccl-tests doc/PERFORMANCE.md):
              exact in every dtype and the tolerance is 0 ULP, except mean, which allows 1 ULP
              (division by a group size that is not a power of two rounds).
 The group is a 1-D mesh over all devices; permute is the cyclic shift r -> r+1 (nccl-tests'
-sendrecv); broadcast uses root 0.
+sendrecv); broadcast uses root 0. Under `trainspec launch` (several processes) the mesh is
+(process, device): xla and hierarchical are measured over all devices of all processes, ext,
+whose rendezvous is in-process, over the devices of each process (`group_size` in the rows).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 import statistics
 import time
@@ -89,6 +92,7 @@ class Row:
     algbw_gbps: float
     busbw_gbps: float
     wrong: int
+    group_size: int | None = None  # set across processes, where ext's group is one process
 
     @property
     def root(self) -> int:
@@ -100,7 +104,7 @@ def _value(i, rank, dtype):
     return ((i + 3 * rank) % 13 - 6).astype(dtype)
 
 
-def _call(op: str, redop: str, backend: str, n: int):
+def _call(op: str, redop: str, backend: str, n: int, group=AXIS):
     """The op under test on a member's 1-D operand."""
     kwargs = {"backend": backend}
     if op in REDOPS:
@@ -108,8 +112,8 @@ def _call(op: str, redop: str, backend: str, n: int):
     if op == "permute":
         kwargs["perm"] = [(r, (r + 1) % n) for r in range(n)]
     if op == "all_to_all":
-        return lambda x: collectives.all_to_all(x, AXIS, 0, 0, **kwargs)
-    return lambda x: getattr(collectives, op)(x, AXIS, **kwargs)
+        return lambda x: collectives.all_to_all(x, group, 0, 0, **kwargs)
+    return lambda x: getattr(collectives, op)(x, group, **kwargs)
 
 
 def _expected(op: str, redop: str, count: int, rank, n: int, dtype):
@@ -142,8 +146,31 @@ def _mismatches(out, want, redop):
                    > ulp.astype(jnp.float32))
 
 
+PROCESS_AXIS = "p"
+
+
 def _mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), (AXIS,))
+    """One process: a 1-D mesh over its devices. Several (under `trainspec launch`): a
+    (process, device) mesh, jax.devices() listing each process's devices together."""
+    if jax.process_count() == 1:
+        return Mesh(np.array(jax.devices()), (AXIS,))
+    return Mesh(np.array(jax.devices()).reshape(jax.process_count(), -1), (PROCESS_AXIS, AXIS))
+
+
+def group_of(backend: str, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a backend is measured over: all of them, except that `ext` (an in-process
+    rendezvous) spans only the devices of one process when there are several."""
+    if backend == "ext" and PROCESS_AXIS in mesh.axis_names:
+        return (AXIS,)
+    return tuple(mesh.axis_names)
+
+
+def _host(result) -> np.ndarray:
+    """Every process fetches the whole result (it spans all processes' devices)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(result, tiled=True))
+    return np.asarray(result)
 
 
 def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
@@ -153,30 +180,41 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
     processes on a shared machine falls on both alike and their ratio stays fair."""
     backends = [backends] if isinstance(backends, str) else list(backends)
     mesh = _mesh()
-    n = mesh.size
+    spec = P(tuple(mesh.axis_names))  # one device per member, row-major over the mesh
+    groups = {b: group_of(b, mesh) for b in backends}
+    sizes = {b: math.prod(mesh.shape[a] for a in groups[b]) for b in backends}
     itemsize = jnp.dtype(dtype).itemsize
-    count = max(n, size_bytes // itemsize // n * n)
-    in_count = count // n if op == "all_gather" else count
+    n_max = max(sizes.values())  # a multiple of every group size (groups nest)
+    count = max(n_max, size_bytes // itemsize // n_max * n_max)
     shard = lambda f: jax.jit(jax.shard_map(  # noqa: E731
-        f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+        f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
-    with jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext():
-        ranks = jax.device_put(np.arange(n, dtype=np.int32), NamedSharding(mesh, P(AXIS)))
-        x = shard(lambda r: _value(jnp.arange(in_count), r[0], dtype))(ranks)
-        runs = {b: shard(_call(op, redop, b, n)) for b in backends}
+    with contextlib.ExitStack() as scope:
+        if dtype == "float64":
+            scope.enter_context(jax.enable_x64(True))
+        scope.enter_context(jax.set_mesh(mesh))  # hierarchical reads the processes off it
+        # A member's rank in its group: the group is the whole mesh or its minor axis.
+        ranks = {b: jax.device_put(np.arange(mesh.size, dtype=np.int32) % sizes[b],
+                                   NamedSharding(mesh, spec)) for b in backends}
+        xs = {b: shard(lambda r, n=sizes[b]: _value(
+            jnp.arange(count // n if op == "all_gather" else count), r[0], dtype))(ranks[b])
+            for b in backends}
+        runs = {b: shard(_call(op, redop, b, sizes[b], groups[b])) for b in backends}
         outs = {}
         for b, run in runs.items():
             for _ in range(warmup):
-                outs[b] = run(x).block_until_ready()
+                outs[b] = run(xs[b]).block_until_ready()
         times = {b: [] for b in backends}
         for _ in range(iters):
             for b, run in runs.items():
                 start = time.perf_counter()
-                outs[b] = run(x).block_until_ready()
+                outs[b] = run(xs[b]).block_until_ready()
                 times[b].append(time.perf_counter() - start)
-        check = shard(lambda o, r: _mismatches(
-            o, _expected(op, redop, count, r[0], n, dtype), redop)[None])
-        wrong = {b: int(np.sum(np.asarray(check(out, ranks)))) for b, out in outs.items()}
+        wrong = {}
+        for b, out in outs.items():
+            check = shard(lambda o, r, n=sizes[b]: _mismatches(
+                o, _expected(op, redop, count, r[0], n, dtype), redop)[None])
+            wrong[b] = int(np.sum(_host(check(out, ranks[b]))))
 
     size = count * itemsize
     rows = []
@@ -184,7 +222,8 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
         seconds = statistics.median(times[b])
         algbw = size / seconds / 1e9
         rows.append(Row(op, dtype, redop if op in REDOPS else "none", size, count, b,
-                        seconds * 1e6, algbw, algbw * bus_factor(op, n), wrong[b]))
+                        seconds * 1e6, algbw, algbw * bus_factor(op, sizes[b]), wrong[b],
+                        sizes[b] if jax.process_count() > 1 else None))
     return rows
 
 

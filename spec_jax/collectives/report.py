@@ -11,7 +11,8 @@ JSON_KEYS = ("op", "dtype", "redop", "size_bytes", "count", "backend", "time_us"
 
 def as_dict(row: Row) -> dict:
     d = dataclasses.asdict(row)
-    return {k: d[k] for k in JSON_KEYS}
+    extra = ("group_size",) if row.group_size is not None else ()  # only across processes
+    return {k: d[k] for k in JSON_KEYS + extra}
 
 
 class Table:
@@ -19,21 +20,27 @@ class Table:
 
     def __init__(self, backends):
         self.backends = list(backends)
-        self.ratio = "ext" in self.backends and "xla" in self.backends
+        # Each other backend's time over xla's, measured side by side.
+        self.ratios = [b for b in self.backends if b != "xla"] if "xla" in self.backends else []
         self._pending: dict[tuple, dict[str, Row]] = {}
         self._op = None
 
     def preamble(self) -> str:
         import jax
-        return (f"# trainspec bench collectives: {jax.device_count()} {jax.devices()[0].platform} "
+        text = (f"# trainspec bench collectives: {jax.device_count()} {jax.devices()[0].platform} "
                 f"devices, jax {jax.__version__}; size = bytes per device (nccl-tests); "
                 f"time = median (us); algbw, busbw in GB/s (1e9 B)")
+        if jax.process_count() > 1:
+            text += (f"\n# {jax.process_count()} processes x {jax.local_device_count()} devices: "
+                     f"ext within each process (group of {jax.local_device_count()}), the others "
+                     f"across all {jax.device_count()} devices")
+        return text
 
     def header(self) -> list[str]:
         left = f"#{'size':>11} {'count':>10} {'type':>9} {'redop':>6} {'root':>5}"
         per = "".join(f" |{b + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
                       for b in self.backends)
-        return [left + per + (f" | {'ext/xla':>7}" if self.ratio else "")]
+        return [left + per + "".join(f" | {b[:4] + '/xla':>8}" for b in self.ratios)]
 
     def add(self, row: Row) -> list[str]:
         key = (row.op, row.dtype, row.redop, row.size_bytes)
@@ -55,8 +62,8 @@ class Table:
         for b in self.backends:
             x = by_backend[b]
             text += f" |{x.time_us:>12.1f} {x.algbw_gbps:>7.3f} {x.busbw_gbps:>7.3f} {x.wrong:>6}"
-        if self.ratio:
-            text += f" | {by_backend['ext'].time_us / by_backend['xla'].time_us:>7.2f}"
+        for b in self.ratios:
+            text += f" | {by_backend[b].time_us / by_backend['xla'].time_us:>8.2f}"
         return text
 
 
