@@ -39,6 +39,10 @@ namespace {
 // (one wake-up per call); above it the members work in parallel. Measured on 2 cores / 8
 // devices, see docs/xla_ext.md.
 constexpr size_t kSmallTotalBytes = 256 * 1024;
+// Reductions are cut into about this many units per member (see UnitElems), each at least
+// kMinUnitBytes of output.
+constexpr size_t kUnitsPerMember = 4;
+constexpr size_t kMinUnitBytes = 64 * 1024;
 // Group sizes beyond this are certainly a bug (a process has far fewer devices).
 constexpr int64_t kMaxGroupSize = 4096;
 // Outputs at least this large are written with non-temporal stores: they do not fit in cache
@@ -271,22 +275,33 @@ ffi::Error Prepare(const char* op, ffi::RunId run_id, ffi::AnyBuffer x, ffi::Any
 }
 
 Plan PlanFor(size_t total_bytes) {
-  return total_bytes <= kSmallTotalBytes ? Plan::kLastArriverForAll : Plan::kEachForItself;
+  return total_bytes <= kSmallTotalBytes ? Plan::kLastArriverForAll : Plan::kShared;
+}
+
+// Elements per unit of a reduction producing `count` elements in a group of n: about
+// kUnitsPerMember units per member so that running members can take over the work of
+// descheduled ones, none under kMinUnitBytes (the cost of taking a unit stays negligible),
+// and a whole number of kernel steps (128 bytes) so that units start on cache lines.
+size_t UnitElems(size_t count, int n, size_t elem) {
+  const size_t step = 128 / elem;
+  size_t unit = (count + kUnitsPerMember * n - 1) / (kUnitsPerMember * n);
+  unit = std::max(unit, kMinUnitBytes / elem);
+  return (unit + step - 1) / step * step;
 }
 
 ffi::Error Run(const Call& c, const Signature& sig, const ffi::AnyBuffer& x,
-               ffi::Result<ffi::AnyBuffer>& out, size_t total_bytes, const Share& share) {
+               ffi::Result<ffi::AnyBuffer>& out, size_t total_bytes, size_t units,
+               const Share& share) {
   AdviseHugePages(out->untyped_data(), out->size_bytes());  // before any member writes to it
   PrefaultOutput(out->untyped_data(), out->size_bytes());
-  // The fence makes this member's non-temporal stores visible before Meet() announces that
-  // its share is done.
-  const Share fenced = [&share](const std::vector<Member>& m, int r) {
-    share(m, r);
+  // The fence makes a unit's non-temporal stores visible before Meet() counts it as done.
+  const Share fenced = [&share](const std::vector<Member>& m, size_t unit) {
+    share(m, unit);
     StoreFence();
   };
   std::string err = Meet(c.op, c.key, c.rank, c.n, sig, Member{x.untyped_data(),
                                                               out->untyped_data()},
-                         c.timeout_ms, PlanFor(total_bytes), fenced);
+                         c.timeout_ms, PlanFor(total_bytes), units, fenced);
   if (!err.empty()) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }
@@ -318,19 +333,20 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
   const int n = c.n;
   // Each member reduces one contiguous slice (cache-line aligned) and writes it into every
   // member's output: reduce-scatter and all-gather in one pass, with no staging buffer.
-  // Slices are whole multiples of 128 bytes (the kernel's step), so every slice starts on a
-  // cache line and only the last one has a tail.
+  // Unit u reduces elements [u * unit, (u + 1) * unit) of all inputs (rank order) and writes
+  // them into every member's output: reduce-scatter and all-gather in one pass, reading each
+  // input once and writing each output once, with no staging buffer.
   const size_t elem = ffi::ByteWidth(x.element_type());
-  const size_t per_step = 128 / elem;
-  const size_t chunk = ((count + n - 1) / n + per_step - 1) / per_step * per_step;
+  const size_t unit = UnitElems(count, n, elem);
+  const size_t units = (count + unit - 1) / unit;
   const bool stream = out->size_bytes() >= kStreamBytes;
   ElemType type;
   ToElemType(x.element_type(), &type);
   const RedOp op = ToRedOp(reduce_op);
-  Share share = [count, chunk, elem, n, type, op, stream](const std::vector<Member>& m, int r) {
-    const size_t lo = std::min(count, static_cast<size_t>(r) * chunk);
-    const size_t hi = std::min(count, lo + chunk);
-    if (lo == hi) return;
+  Share share = [count, unit, elem, n, type, op, stream](const std::vector<Member>& m,
+                                                          size_t u) {
+    const size_t lo = u * unit;
+    const size_t hi = std::min(count, lo + unit);
     std::vector<const void*> srcs(n);
     std::vector<void*> dsts(n);
     for (int s = 0; s < n; ++s) {
@@ -340,7 +356,7 @@ ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
     ReduceInto(type, op, srcs.data(), n, dsts.data(), n, hi - lo, stream);
   };
   const Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), {reduce_op}};
-  return Run(c, sig, x, out, x.size_bytes() * n, share);
+  return Run(c, sig, x, out, x.size_bytes() * n, units, share);
 }
 
 // ---- reduce_scatter ------------------------------------------------------------------------
@@ -387,22 +403,29 @@ ffi::Error ReduceScatterImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer
   ElemType type;
   ToElemType(x.element_type(), &type);
   const RedOp op = ToRedOp(reduce_op);
-  // Member r reduces block r of every input straight into its own output: each input byte is
-  // read once and each output byte written once.
-  Share share = [outer, dim, inner, row, elem, n, type, op, stream](const std::vector<Member>& m,
-                                                                    int r) {
-    if (row == 0) return;
+  // Block b of every input is reduced straight into member b's output: each input byte is
+  // read once and each output byte written once. With the scatter dimension leading (outer
+  // == 1) a block is one contiguous run, cut into pieces so that units stay small; otherwise
+  // a unit is one member's block in every outer row.
+  const size_t piece = outer == 1 ? UnitElems(n * row, n, elem) : row;
+  const size_t pieces = outer == 1 && row > 0 ? (row + piece - 1) / piece : 1;
+  const size_t units = row == 0 ? 0 : static_cast<size_t>(n) * pieces;
+  Share share = [outer, dim, inner, row, piece, pieces, elem, n, type, op, stream](
+                    const std::vector<Member>& m, size_t u) {
+    const size_t b = u / pieces;
+    const size_t lo = (u % pieces) * piece;
+    const size_t len = std::min(row, lo + piece) - lo;
     std::vector<const void*> srcs(n);
     for (size_t o = 0; o < outer; ++o) {
       for (int s = 0; s < n; ++s) {
-        srcs[s] = static_cast<const uint8_t*>(m[s].in) + (o * dim * inner + r * row) * elem;
+        srcs[s] = static_cast<const uint8_t*>(m[s].in) + (o * dim * inner + b * row + lo) * elem;
       }
-      void* dst = static_cast<uint8_t*>(m[r].out) + o * row * elem;
-      ReduceInto(type, op, srcs.data(), n, &dst, 1, row, stream);
+      void* dst = static_cast<uint8_t*>(m[b].out) + (o * row + lo) * elem;
+      ReduceInto(type, op, srcs.data(), n, &dst, 1, len, stream);
     }
   };
   const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims, {reduce_op, d}};
-  return Run(c, sig, x, out, x.size_bytes(), share);
+  return Run(c, sig, x, out, x.size_bytes(), units, share);
 }
 
 // ---- all_gather ----------------------------------------------------------------------------
@@ -433,7 +456,7 @@ ffi::Error AllGatherImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
                        ffi::ByteWidth(x.element_type());  // one member's part of an outer row
   const int n = c.n;
   const bool stream = out->size_bytes() >= kStreamBytes;
-  Share share = [outer, block, n, stream](const std::vector<Member>& m, int r) {
+  Share share = [outer, block, n, stream](const std::vector<Member>& m, size_t r) {
     uint8_t* dst = static_cast<uint8_t*>(m[r].out);
     for (size_t o = 0; o < outer; ++o) {
       for (int s = 0; s < n; ++s) {
@@ -443,7 +466,7 @@ ffi::Error AllGatherImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
     }
   };
   const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims, {axis}};
-  return Run(c, sig, x, out, out->size_bytes() * n, share);
+  return Run(c, sig, x, out, out->size_bytes() * n, n, share);
 }
 
 // ---- all_to_all ----------------------------------------------------------------------------
@@ -484,7 +507,7 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank
   const size_t elem = ffi::ByteWidth(x.element_type());
   const int n = c.n;
   const bool stream = out->size_bytes() >= kStreamBytes;
-  Share share = [=](const std::vector<Member>& m, int r) {
+  Share share = [=](const std::vector<Member>& m, size_t r) {
     for (int s = 0; s < n; ++s) {
       CopyBox(static_cast<const uint8_t*>(m[s].in), in_strides,
               r * chunk[split_axis] * in_strides[split_axis], static_cast<uint8_t*>(m[r].out),
@@ -494,7 +517,7 @@ ffi::Error AllToAllImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank
   };
   const Signature sig{static_cast<int>(x.element_type()), in_dims, out_dims,
                       {split_axis, concat_axis}};
-  return Run(c, sig, x, out, x.size_bytes() * n, share);
+  return Run(c, sig, x, out, x.size_bytes() * n, n, share);
 }
 
 // ---- broadcast -----------------------------------------------------------------------------
@@ -516,11 +539,11 @@ ffi::Error BroadcastImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer ran
   if (Dims(x) != Dims(*out)) return Invalid(kOp, "output shape differs from input shape");
   const size_t bytes = x.size_bytes();
   const bool stream = bytes >= kStreamBytes;
-  Share share = [bytes, root, stream](const std::vector<Member>& m, int r) {
+  Share share = [bytes, root, stream](const std::vector<Member>& m, size_t r) {
     CopyOut(m[r].out, m[root].in, bytes, stream);
   };
   const Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), {root}};
-  return Run(c, sig, x, out, bytes * c.n, share);
+  return Run(c, sig, x, out, bytes * c.n, c.n, share);
 }
 
 // ---- permute -------------------------------------------------------------------------------
@@ -552,7 +575,7 @@ ffi::Error PermuteImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
   if (Dims(x) != Dims(*out)) return Invalid(kOp, "output shape differs from input shape");
   const size_t bytes = x.size_bytes();
   const bool stream = bytes >= kStreamBytes;
-  Share share = [bytes, src, stream](const std::vector<Member>& m, int r) {
+  Share share = [bytes, src, stream](const std::vector<Member>& m, size_t r) {
     if (bytes == 0) return;
     if (src[r] < 0) {
       std::memset(m[r].out, 0, bytes);  // like lax.ppermute: ranks nobody sends to get zeros
@@ -561,7 +584,7 @@ ffi::Error PermuteImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer rank,
     }
   };
   Signature sig{static_cast<int>(x.element_type()), Dims(x), Dims(*out), src};
-  return Run(c, sig, x, out, bytes * c.n, share);
+  return Run(c, sig, x, out, bytes * c.n, c.n, share);
 }
 
 }  // namespace

@@ -95,7 +95,8 @@ struct Instance {
   int arrivals = 0;
   int inside = 0;  // members that joined and have not left yet
   std::atomic<uint32_t> phase{kCollecting};
-  std::atomic<uint32_t> finished{0};
+  std::atomic<size_t> next_unit{0};   // kShared: the next unit nobody has taken yet
+  std::atomic<size_t> units_done{0};
   std::string failure;  // written under the registry mutex before phase becomes kFailed
 };
 
@@ -215,7 +216,7 @@ uint32_t WaitForPhase(Instance* inst, uint32_t a, uint32_t b, Clock::time_point 
 
 std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
                  const Signature& signature, Member self, int64_t timeout_ms, Plan plan,
-                 const Share& share) {
+                 size_t units, const Share& share) {
   const std::string who = Describe(op_name, key, group_size);
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   Registry& reg = GetRegistry();
@@ -290,32 +291,46 @@ std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group
     return refused;
   }
 
+  auto finish = [inst]() {
+    inst->phase.store(kDone, std::memory_order_release);
+    WakeAll(&inst->phase);
+  };
   uint32_t phase;
   if (plan == Plan::kLastArriverForAll) {
     if (last) {
-      for (int r = 0; r < group_size; ++r) share(inst->members, r);
-      inst->phase.store(kDone, std::memory_order_release);
-      WakeAll(&inst->phase);
+      for (size_t u = 0; u < units; ++u) share(inst->members, u);
+      finish();
       phase = kDone;
     } else {
       phase = WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
     }
   } else {
     if (last) {
-      WakeAll(&inst->phase);
+      if (units == 0) {
+        finish();
+      } else {
+        WakeAll(&inst->phase);
+      }
       phase = kAllArrived;
     } else {
       phase = WaitForPhase(inst, kAllArrived, kDone, deadline, who, timeout_ms);
     }
-    if (phase != kFailed) {
-      share(inst->members, rank);
-      if (inst->finished.fetch_add(1, std::memory_order_acq_rel) + 1 ==
-          static_cast<uint32_t>(group_size)) {
-        inst->phase.store(kDone, std::memory_order_release);
-        WakeAll(&inst->phase);
-      } else {
-        phase = WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
+    bool finished_last = false;
+    if (phase == kAllArrived) {
+      for (;;) {
+        const size_t u = inst->next_unit.fetch_add(1, std::memory_order_relaxed);
+        if (u >= units) break;
+        share(inst->members, u);
+        if (inst->units_done.fetch_add(1, std::memory_order_acq_rel) + 1 == units) {
+          finish();
+          finished_last = true;
+        }
       }
+    }
+    if (phase == kAllArrived && !finished_last && units > 0) {
+      phase = WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
+    } else if (phase == kAllArrived) {
+      phase = kDone;
     }
   }
   std::string failure = phase == kFailed ? inst->failure : std::string();

@@ -53,25 +53,29 @@ struct Signature {
   bool operator!=(const Signature& o) const { return !(*this == o); }
 };
 
-// How the data movement is divided among the members once all have arrived.
+// How the data movement is divided among the members once all have arrived. The work is cut
+// into `units` independent pieces (which piece writes which bytes is fixed by the op, never by
+// who runs it, so results do not depend on scheduling).
 enum class Plan {
-  // The last member to arrive does everyone's share, then releases the others: one wake-up
-  // per meeting, best when the data is small and synchronisation dominates.
+  // The last member to arrive does every unit, then releases the others: one wake-up per
+  // meeting, best when the data is small and synchronisation dominates.
   kLastArriverForAll,
-  // Every member does its own share in parallel, then all wait until all are done (a member's
-  // buffers may still be in use by the others): two synchronisation points, best for large data.
-  kEachForItself,
+  // The last member wakes the others and every member takes units from a shared counter until
+  // none is left, then all wait until all units are done (a member's buffers may still be in
+  // use by the others). Members that are running do the work: on a machine with fewer cores
+  // than devices, a member that is not scheduled does not hold up a fixed share.
+  kShared,
 };
 
-// `share(members, rank)` moves the data that is `rank`'s responsibility; members[r] are the
-// buffers of rank r. It must not fail: everything that can be checked is checked before.
-using Share = std::function<void(const std::vector<Member>& members, int rank)>;
+// `share(members, unit)` moves the data of one unit; members[r] are the buffers of rank r. It
+// must not fail: everything that can be checked is checked before.
+using Share = std::function<void(const std::vector<Member>& members, size_t unit)>;
 
 // Joins the meeting as `rank` of `group_size`; returns "" on success, otherwise a message
 // that names the op, the call site and (on timeout) the ranks that never arrived.
 std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
                  const Signature& signature, Member self, int64_t timeout_ms, Plan plan,
-                 const Share& share);
+                 size_t units, const Share& share);
 
 // Number of slots currently held (0 when no collective is in flight); for leak tests.
 int64_t LiveRendezvousCount();
