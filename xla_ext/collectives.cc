@@ -10,6 +10,9 @@
 // Determinism: every reduction combines the members' values in rank order 0, 1, ..., n-1,
 // whoever computes it and whichever member arrived first, so results are bitwise identical
 // run to run. bf16/f16 are accumulated in float32 and rounded once (round to nearest even).
+// The kernels (reduce_kernels.h) are dispatched at run time per ISA and give the same bits on
+// all of them. The work is cut into units whose bytes depend only on the shapes; members take
+// them from a shared counter (rendezvous.h), so who runs a unit never changes its result.
 // max/min propagate NaN, like jnp.maximum/jnp.minimum.
 #include <algorithm>
 #include <atomic>
