@@ -134,7 +134,7 @@ def _write_json_atomically(path: Path, payload: dict) -> None:
 
 
 def resume(spec: Spec, ckpt: Checkpointer, total_steps: int):
-    """(job, state, start): the job on the largest mesh the spec allows on the usable devices,
+    """(job, state, start, skipped steps so far): the job on the largest mesh the spec allows on the usable devices,
     its state from the newest good checkpoint (resharded onto that mesh) or fresh, and the data
     position to continue from."""
     job = build_job(spec, largest_mesh(spec), total_steps=total_steps)
@@ -168,6 +168,140 @@ def _recorded_losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
 
 
+class _Session:
+    """One `trainspec train` invocation: the job, its state, and the guards around the loop.
+
+    Each concern is one method, so that `train` reads top to bottom; a rollback re-enters
+    `_resume` on the remaining devices.
+    """
+
+    def __init__(self, spec: Spec, run_dir: Path, steps: int, faults: Faults | None, progress: bool):
+        self.spec, self.steps, self.faults = spec, steps, faults
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = Checkpointer(spec, run_dir)
+        self.total_steps = self.ckpt.saved_total_steps() or steps  # a resume keeps its LR schedule
+        self.writer = is_writer()  # process 0 writes the job's files (not checkpoints: orbax)
+        self.metrics_path = run_dir / spec.metrics.path
+        self.rollbacks: list[dict] = []
+        self.in_flight: collections.deque = collections.deque()
+        self._resume(spec)
+        self.start = self.step
+        # Steps before a resume (all, if it was complete). Other processes know only their own
+        # run's records: they neither write nor read the writer's file (it may be on another host).
+        self.losses = _recorded_losses(self.metrics_path) if self.writer else {}
+        self.bar = _progress_bar(steps, progress and self.writer)
+        self.bar.update(self.step)
+        # Compiles the step once and measures it (FLOPs, memory, comm); records per interval.
+        self.metrics_log = MetricsLogger.for_run(
+            spec, self.job.step, self.state, self.prefetched, run_dir, steps, model_flops(spec),
+            first_step=self.step + 1, append=True)
+
+    def _resume(self, spec: Spec) -> None:
+        """Job on the largest mesh the spec allows, state from the newest good checkpoint
+        (resharded onto that mesh) or fresh, and the data position to continue from."""
+        self.spec = spec
+        self.job, self.state, self.step, skipped = resume(spec, self.ckpt, self.total_steps)
+        self.guards = Guards(spec, self.job, self.faults, skipped)
+        self.rows = local_rows(self.job)
+        if self.writer:
+            _drop_records_after(self.metrics_path, self.step)
+        # The first batch is fetched now: the metrics logger compiles the step with it, and the
+        # loop feeds it to the first step (each batch is fetched exactly once).
+        self.prefetched = self.job.data.batch(self.step, self.rows)
+
+    def _next_batch(self):
+        """(this step's batch, seconds the host waited for it)."""
+        t0 = time.perf_counter()
+        host_batch = self.prefetched or self.job.data.batch(self.step - 1, self.rows)
+        self.prefetched = None
+        data_wait = time.perf_counter() - t0
+        return self.guards.batch(self.step, host_batch), data_wait
+
+    def _bound_steps_in_flight(self, metrics) -> None:
+        if self.spec.collectives.backend != "xla":
+            self.in_flight.append(metrics["loss"])
+            if len(self.in_flight) > MAX_STEPS_IN_FLIGHT:
+                self.in_flight.popleft().block_until_ready()
+
+    def _record(self, metrics, data_wait: float) -> None:
+        """Host sync only when a record is due (metrics.interval, first and last step)."""
+        record = self.metrics_log.after_step(self.step, metrics, data_wait, extra=self.guards.at_sync)
+        if record is None:
+            return
+        loss = record["loss"] if record["loss"] is not None else float("nan")
+        self.losses[self.step] = loss
+        self.bar.update(self.step - self.bar.n)
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             mfu=f"{100 * (record['mfu'] or 0):.1f}%")
+
+    def _rolled_back_after_divergence(self) -> bool:
+        """Compare replica fingerprints when due (always before a checkpoint, which must never
+        hold a corrupted replica). On a mismatch under `rollback`: exclude the diverged
+        devices and resume from the last checkpoint on the rest; returns whether it did."""
+        if not (self.guards.fingerprint_due(self.step) or self.ckpt.due(self.step, self.steps)):
+            return False
+        try:
+            self.guards.check_replicas(self.step, self.state, self.ckpt.last_saved)
+            return False
+        except ReplicaMismatch as err:
+            if self.spec.health.fingerprints.policy == "halt":
+                raise
+            self.rollbacks.append({"step": self.step, "excluded": err.devices, "reason": str(err)})
+            self.ckpt.wait()
+            self._resume(exclude(self.spec, err.devices))
+            self.metrics_log.restart(self.spec, self.job.step, self.state, self.prefetched,
+                                     self.step + 1, model_flops(self.spec))
+            return True
+
+    def _checkpoint_if_due(self) -> None:
+        if self.ckpt.due(self.step, self.steps):
+            self.guards.check_nonfinite()  # never checkpoint a state the NaN guard froze
+            self.ckpt.save(self.step, self.state, self.total_steps, self.guards.skipped)
+
+    def train(self) -> None:
+        with contextlib.closing(self.metrics_log):
+            self.metrics_log.start()
+            try:
+                while self.step < self.steps:
+                    self.step += 1
+                    with self.guards.timed(self.step):
+                        batch, data_wait = self._next_batch()
+                        self.state, metrics = self.job.step(self.state, batch)
+                    self._bound_steps_in_flight(metrics)
+                    self.state = self.guards.inject(self.step, self.state)
+                    self._record(metrics, data_wait)
+                    if self._rolled_back_after_divergence():
+                        continue
+                    self._checkpoint_if_due()
+            except HealthHalt as halt:
+                if not isinstance(halt, ReplicaMismatch):  # the guard froze the last good state
+                    self.ckpt.save(halt.last_good_step, self.state, self.total_steps,
+                                   self.guards.skipped)
+                self.ckpt.wait()
+                raise
+        self.bar.close()
+        jax.block_until_ready(self.state)
+        self.ckpt.wait()  # the final checkpoint is complete before the summary says so
+
+    def summary(self, spec_label: str) -> dict[str, Any]:
+        return {
+            # None only on a non-writer process resumed at the end (it recorded nothing itself)
+            "initial_loss": self.losses[min(self.losses)] if self.losses else None,
+            "final_loss": self.losses.get(self.steps),
+            **self.metrics_log.summary(),  # tokens_per_s, step_time_s, mfu, memory, comm, goodput
+            "steps": self.steps,
+            "resumed_from": self.start,
+            "last_checkpoint": self.ckpt.last_saved,
+            "rollbacks": self.rollbacks,
+            "excluded_devices": list(self.spec.mesh.exclude_devices),
+            **self.guards.summary(),
+            "mesh": self.job.mesh_shape,
+            "accumulation_steps": self.spec.batch.accumulation_steps,
+            "spec": spec_label,
+            "metrics_file": str(self.metrics_path),
+        }
+
+
 def run(
     spec: Spec,
     run_dir: Path,
@@ -179,103 +313,10 @@ def run(
 ) -> dict[str, Any]:
     """Train to step `steps` (default `train.steps`), resuming from the newest good checkpoint
     in `run_dir`; write metrics JSONL and checkpoints; return the summary."""
-    steps = steps or spec.train.steps
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(spec, run_dir)
-    total_steps = ckpt.saved_total_steps() or steps  # a resumed run keeps its LR schedule
-    job, state, start, skipped_before = resume(spec, ckpt, total_steps)
-    guards = Guards(spec, job, faults, skipped_before)
-    rollbacks: list[dict] = []
-    rows = local_rows(job)
-    writer = is_writer()  # process 0 writes the job's files: metrics, summary (not checkpoints)
-    in_flight: collections.deque = collections.deque()
-
-    bar = _progress_bar(steps, progress and writer)
-    metrics_path = run_dir / spec.metrics.path
-    if writer:
-        _drop_records_after(metrics_path, start)
-    # Steps before a resume (all, if it was complete). Other processes know only their own
-    # run's records: they neither write nor read the writer's file (it may be on another host).
-    losses = _recorded_losses(metrics_path) if writer else {}
-    bar.update(start)
-    # Compiles the step once and measures it (FLOPs, memory, comm); records per interval. The
-    # batch it compiles with is the first step's input, fed to it below (never fetched twice).
-    prefetched = job.data.batch(start, rows)
-    metrics_log = MetricsLogger.for_run(spec, job.step, state, prefetched, run_dir, steps,
-                                        model_flops(spec), first_step=start + 1, append=True)
-    with contextlib.closing(metrics_log):
-        step = start
-        metrics_log.start()
-        try:
-            while step < steps:
-                step += 1
-                with guards.timed(step):
-                    t_data = time.perf_counter()
-                    host_batch = prefetched or job.data.batch(step - 1, rows)
-                    prefetched = None
-                    data_wait = time.perf_counter() - t_data
-                    batch = guards.batch(step, host_batch)
-                    state, metrics = job.step(state, batch)
-                if spec.collectives.backend != "xla":
-                    in_flight.append(metrics["loss"])
-                    if len(in_flight) > MAX_STEPS_IN_FLIGHT:
-                        in_flight.popleft().block_until_ready()
-                state = guards.inject(step, state)
-                # Host sync only when a record is due (metrics.interval, first and last step).
-                record = metrics_log.after_step(step, metrics, data_wait, extra=guards.at_sync)
-                if record is not None:
-                    losses[step] = record["loss"] if record["loss"] is not None else float("nan")
-                    bar.update(step - bar.n)
-                    bar.set_postfix(loss=f"{losses[step]:.3f}",
-                                    tok_s=f"{record['tokens_per_s']:.0f}",
-                                    mfu=f"{100 * (record['mfu'] or 0):.1f}%")
-                try:  # a checkpoint must never hold a corrupted replica: check before saving
-                    if guards.fingerprint_due(step) or ckpt.due(step, steps):
-                        guards.check_replicas(step, state, ckpt.last_saved)
-                except ReplicaMismatch as err:
-                    if spec.health.fingerprints.policy == "halt":
-                        raise
-                    # roll back: drop the diverged devices, resume from the last checkpoint
-                    rollbacks.append({"step": step, "excluded": err.devices, "reason": str(err)})
-                    spec = exclude(spec, err.devices)
-                    ckpt.wait()
-                    job, state, step, skipped_before = resume(spec, ckpt, total_steps)
-                    guards = Guards(spec, job, faults, skipped_before)
-                    if writer:
-                        _drop_records_after(metrics_path, step)
-                    rows = local_rows(job)
-                    prefetched = job.data.batch(step, rows)
-                    metrics_log.restart(spec, job.step, state, prefetched, step + 1,
-                                        model_flops(spec))
-                    continue
-                if ckpt.due(step, steps):
-                    guards.check_nonfinite()  # never checkpoint a state the NaN guard froze
-                    ckpt.save(step, state, total_steps, guards.skipped)
-        except HealthHalt as halt:
-            if not isinstance(halt, ReplicaMismatch):  # the guard froze the last good state
-                ckpt.save(halt.last_good_step, state, total_steps, guards.skipped)
-            ckpt.wait()
-            raise
-    bar.close()
-    jax.block_until_ready(state)
-    ckpt.wait()  # the final checkpoint is complete before the summary says so
-    summary = {
-        # None only on a non-writer process resumed at the end (it recorded nothing itself)
-        "initial_loss": losses[min(losses)] if losses else None,
-        "final_loss": losses.get(steps),
-        **metrics_log.summary(),  # tokens_per_s, step_time_s, mfu, memory, comm, goodput
-        "steps": steps,
-        "resumed_from": start,
-        "last_checkpoint": ckpt.last_saved,
-        "rollbacks": rollbacks,
-        "excluded_devices": list(spec.mesh.exclude_devices),
-        **guards.summary(),
-        "mesh": job.mesh_shape,
-        "accumulation_steps": spec.batch.accumulation_steps,
-        "spec": spec_label,
-        "metrics_file": str(metrics_path),
-    }
-    if summary_json is not None and writer:
+    session = _Session(spec, run_dir, steps or spec.train.steps, faults, progress)
+    session.train()
+    summary = session.summary(spec_label)
+    if summary_json is not None and session.writer:
         _write_json_atomically(Path(summary_json), summary)
     return summary
 
