@@ -30,8 +30,7 @@ BACKEND_MODULES = {
     "hierarchical": "spec_jax.collectives.hierarchical",
 }
 
-# The guarantee level each backend declares (definitions: docs/collectives.md, "Guarantee
-# levels (normative)"). xla: XLA documents no reduction order, and NCCL picks ring or tree
+# The guarantee level each backend declares (definitions: docs/spec.md, section 4). xla: XLA documents no reduction order, and NCCL picks ring or tree
 # algorithms by size and topology, so no bitwise promise can be made for it in general.
 # hierarchical: its cross-process stage is the native runtime (gloo, NCCL), so it can promise no
 # more than xla does, although its in-process stages are ext's rank-order sums.
