@@ -28,6 +28,7 @@ from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
 from spec_jax.health.guards import Guards
 from spec_jax.metrics import MetricsLogger
+from spec_jax.metrics.goodput import Goodput
 from spec_jax.metrics.flops import for_spec as model_flops
 from spec_jax.models.transformer import Transformer, next_token_loss
 from spec_jax.spec import Spec
@@ -133,17 +134,6 @@ def _write_json_atomically(path: Path, payload: dict) -> None:
     os.replace(tmp, path)  # a reader never sees a half-written summary
 
 
-def resume(spec: Spec, ckpt: Checkpointer, total_steps: int):
-    """(job, state, start, skipped steps so far): the job on the largest mesh the spec allows on the usable devices,
-    its state from the newest good checkpoint (resharded onto that mesh) or fresh, and the data
-    position to continue from."""
-    job = build_job(spec, largest_mesh(spec), total_steps=total_steps)
-    state, meta = ckpt.restore_latest_or(job.state)
-    start = meta["data_position"] if meta else 0
-    job.step.reset_guard(start)
-    return job, state, start, (meta or {}).get("skipped_steps", 0)
-
-
 def _drop_records_after(path: Path, step: int) -> None:
     """Cut metric records past `step` (work redone after a resume) in place, so that a sink
     open in append mode keeps writing at the new end."""
@@ -184,6 +174,7 @@ class _Session:
         self.metrics_path = run_dir / spec.metrics.path
         self.rollbacks: list[dict] = []
         self.in_flight: collections.deque = collections.deque()
+        self.goodput = Goodput()  # from here: initialisation and restore count as badput
         self._resume(spec)
         self.start = self.step
         # Steps before a resume (all, if it was complete). Other processes know only their own
@@ -194,14 +185,22 @@ class _Session:
         # Compiles the step once and measures it (FLOPs, memory, comm); records per interval.
         self.metrics_log = MetricsLogger.for_run(
             spec, self.job.step, self.state, self.prefetched, run_dir, steps, model_flops(spec),
-            first_step=self.step + 1, append=True)
+            goodput=self.goodput, first_step=self.step + 1, append=True)
 
     def _resume(self, spec: Spec) -> None:
         """Job on the largest mesh the spec allows, state from the newest good checkpoint
         (resharded onto that mesh) or fresh, and the data position to continue from."""
         self.spec = spec
-        self.job, self.state, self.step, skipped = resume(spec, self.ckpt, self.total_steps)
-        self.guards = Guards(spec, self.job, self.faults, skipped)
+        t0 = time.perf_counter()
+        self.job = build_job(spec, largest_mesh(spec), total_steps=self.total_steps)
+        t1 = time.perf_counter()
+        self.state, meta = self.ckpt.restore_latest_or(self.job.state)
+        self.goodput.add("initialization", t1 - t0)
+        self.goodput.add("checkpoint_restore" if meta else "initialization",
+                         time.perf_counter() - t1)
+        self.step = meta["data_position"] if meta else 0
+        self.job.step.reset_guard(self.step)
+        self.guards = Guards(spec, self.job, self.faults, (meta or {}).get("skipped_steps", 0))
         self.rows = local_rows(self.job)
         if self.writer:
             _drop_records_after(self.metrics_path, self.step)
@@ -247,16 +246,25 @@ class _Session:
             if self.spec.health.fingerprints.policy == "halt":
                 raise
             self.rollbacks.append({"step": self.step, "excluded": err.devices, "reason": str(err)})
-            self.ckpt.wait()
+            self._timed_checkpoint_io(self.ckpt.wait)
+            diverged_at = self.step
             self._resume(exclude(self.spec, err.devices))
+            self.goodput.lose_steps(diverged_at - self.step)
             self.metrics_log.restart(self.spec, self.job.step, self.state, self.prefetched,
                                      self.step + 1, model_flops(self.spec))
             return True
 
+    def _timed_checkpoint_io(self, io, *args) -> None:
+        """Run a checkpoint call; the time the loop is held up by it is checkpoint badput."""
+        t0 = time.perf_counter()
+        io(*args)
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+
     def _checkpoint_if_due(self) -> None:
         if self.ckpt.due(self.step, self.steps):
             self.guards.check_nonfinite()  # never checkpoint a state the NaN guard froze
-            self.ckpt.save(self.step, self.state, self.total_steps, self.guards.skipped)
+            self._timed_checkpoint_io(
+                self.ckpt.save, self.step, self.state, self.total_steps, self.guards.skipped)
 
     def train(self) -> None:
         with contextlib.closing(self.metrics_log):
@@ -281,7 +289,8 @@ class _Session:
                 raise
         self.bar.close()
         jax.block_until_ready(self.state)
-        self.ckpt.wait()  # the final checkpoint is complete before the summary says so
+        # The final checkpoint is complete before the summary says so.
+        self._timed_checkpoint_io(self.ckpt.wait)
 
     def summary(self, spec_label: str) -> dict[str, Any]:
         return {

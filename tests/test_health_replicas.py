@@ -71,3 +71,4 @@ def test_bitflip_rolls_back_onto_the_other_devices(tmp_path):
     assert summary["excluded_devices"] == [5]
     assert summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
     assert summary["last_checkpoint"] == 10
+    assert summary["badput_s"]["lost_progress"] > 0  # steps 5-6, done and thrown away

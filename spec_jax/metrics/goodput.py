@@ -35,11 +35,16 @@ class Goodput:
         self.data_wait_s = 0.0
         self._interval_times: list[float] = []  # per-step time of each interval, waits removed
         self._interval_steps: list[int] = []
+        self.lost_steps = 0  # steps done, then thrown away by a rollback (and done again)
 
     def add(self, category: str, seconds: float) -> None:
         if category not in self.badput:
             raise ValueError(f"unknown badput category {category!r}; one of {BADPUT}")
         self.badput[category] += seconds
+
+    def lose_steps(self, steps: int) -> None:
+        """`steps` finished steps were discarded (rolled back): their time is lost progress."""
+        self.lost_steps += steps
 
     def interval(self, steps: int, wall_s: float, data_wait_s: float) -> None:
         self.steps += steps
@@ -51,10 +56,12 @@ class Goodput:
     def summary(self, now: float | None = None) -> dict:
         total = (time.perf_counter() if now is None else now) - self.start
         ideal = ideal_step_time(self._interval_times)
-        productive = ideal * self.steps if ideal is not None else 0.0
+        ideal_s = ideal if ideal is not None else 0.0
+        productive = ideal_s * (self.steps - self.lost_steps)
         badput = dict(self.badput)
+        badput["lost_progress"] += ideal_s * self.lost_steps
         badput["data_loading"] += self.data_wait_s
-        badput["slow_steps"] += max(self.loop_s - self.data_wait_s - productive, 0.0)
+        badput["slow_steps"] += max(self.loop_s - self.data_wait_s - ideal_s * self.steps, 0.0)
         accounted = productive + sum(badput.values())
         badput["other"] += max(total - accounted, 0.0)
         return {

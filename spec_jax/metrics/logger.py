@@ -189,6 +189,7 @@ class MetricsLogger:
             "comm_bytes_per_step": f["comm_bytes_per_step"],
             "compile_time_s": f["compile_time_s"],
             "goodput": gp["goodput"],
+            "badput_s": gp["badput_s"],
         }
 
     def close(self) -> None:
