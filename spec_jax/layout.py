@@ -68,7 +68,7 @@ def to_partition_spec(logical: P, shape: Sequence[int], rules, mesh: Mesh) -> P:
 
 def _add_data_axes(pspec: P, shape: Sequence[int], data_axes: tuple[str, ...], mesh: Mesh) -> P:
     """ZeRO-1: shard the first free, evenly divisible dimension over the data axes too."""
-    free = tuple(a for a in data_axes if mesh.shape[a] > 1 and a not in _used_axes(pspec))
+    free = tuple(a for a in data_axes if mesh.shape[a] > 1 and a not in mesh_axes_of(pspec))
     if not free:
         return pspec
     n = math.prod(mesh.shape[a] for a in free)
@@ -80,7 +80,8 @@ def _add_data_axes(pspec: P, shape: Sequence[int], data_axes: tuple[str, ...], m
     return pspec
 
 
-def _used_axes(pspec: P) -> set[str]:
+def mesh_axes_of(pspec: P) -> set[str]:
+    """Every mesh axis a PartitionSpec shards over."""
     used = set()
     for entry in pspec:
         if entry is not None:

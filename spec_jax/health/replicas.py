@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from spec_jax import layout
 from spec_jax.fingerprint import fingerprint
 
 
@@ -38,14 +39,6 @@ class Divergence:
     def describe(self) -> str:
         who = ", ".join(f"replica {r} (device {d})" for r, d in zip(self.replicas, self.devices))
         return f"{who} diverged on {self.leaf} ({self.copies} copies of the shard)"
-
-
-def _axes_of(pspec: P) -> set[str]:
-    used = set()
-    for entry in pspec:
-        if entry is not None:
-            used.update((entry,) if isinstance(entry, str) else entry)
-    return used
 
 
 class ReplicaFingerprints:
@@ -86,7 +79,7 @@ class ReplicaFingerprints:
         ids = np.vectorize(lambda d: d.id)(self.mesh.devices)
         found = []
         for i, (path, pspec) in enumerate(zip(self.paths, self.pspecs)):
-            split = _axes_of(pspec)
+            split = layout.mesh_axes_of(pspec)
             groups = collections.defaultdict(list)  # shard (coords on split axes) -> its copies
             for coords in itertools.product(*(range(n) for n in self.mesh.devices.shape)):
                 shard = tuple(c for c, a in zip(coords, names) if a in split)
