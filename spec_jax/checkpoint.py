@@ -59,7 +59,8 @@ def check_compatible(saved: dict, spec: Spec, where: Path) -> None:
 
 
 def abstract_like(state):
-    """Shape, dtype and sharding of each leaf: the target orbax restores (and reshards) into."""
+    """Shape, dtype and sharding of each leaf: the target orbax restores (and reshards) into.
+    `state` may be concrete arrays or already abstract (ShapeDtypeStructs with shardings)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
@@ -126,8 +127,8 @@ class Checkpointer:
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
-    def restore(self, step: int, template_state):
-        """(state, meta) of `step`, resharded onto the shardings of `template_state`.
+    def restore(self, step: int, target):
+        """(state, meta) of `step`, resharded onto the shardings of `target` (see abstract_like).
 
         The meta is read and checked first: a checkpoint of another model must be reported as
         such (UserInputError), not fail as an unreadable state."""
@@ -136,20 +137,16 @@ class Checkpointer:
             raise ValueError(f"meta of step {step} is not a trainspec v{FORMAT} checkpoint")
         check_compatible(meta["spec"], self.spec, self.directory)
         restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(template_state))),
-        )
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(target))))
         return restored.state, meta
 
-    def restore_latest_or(self, template_state) -> tuple[Any, dict | None]:
-        """The newest good checkpoint resharded like `template_state`, or (template, None).
-
-        `template_state` is the freshly initialised state of the current job: its shardings are
-        the target mesh's, and it is what a run without checkpoints starts from.
-        """
+    def restore_latest(self, target) -> tuple[Any, dict | None]:
+        """The newest good checkpoint resharded like `target`, or (None, None) when there is
+        none. `target` carries the current job's shardings: the abstract state its step
+        planned, so that nothing is initialised only to be overwritten."""
         for step in self.good_steps():
             try:
-                state, meta = self.restore(step, template_state)
+                state, meta = self.restore(step, target)
             except UserInputError:
                 raise
             except Exception as err:  # noqa: BLE001  unreadable = not good; try the older one
@@ -158,14 +155,14 @@ class Checkpointer:
                 continue
             self.last_saved = step
             return state, meta
-        return template_state, None
+        return None, None
 
     def saved_total_steps(self) -> int | None:
         """The run length the newest good checkpoint was planned for (its LR schedule), if any."""
         for step in self.good_steps():
             try:
                 meta = self.read_meta(step)
-            except Exception:  # noqa: BLE001  same rule as restore_latest_or
+            except Exception:  # noqa: BLE001  same rule as restore_latest
                 continue
             check_compatible(meta["spec"], self.spec, self.directory)
             return int(meta["total_steps"])

@@ -8,6 +8,7 @@ Two ways in, one machinery (docs/wrapping.md):
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Callable
@@ -27,6 +28,11 @@ from spec_jax.mesh import build_mesh, check_batch, check_hierarchical, resolve_m
 from spec_jax.spec import Spec
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
+
+# Steps dispatched ahead of the host with a custom-call collectives backend. The CPU runtime
+# deadlocked with ~100 executions of an ext-collective program in flight, and was fine with
+# 10 (docs/xla_ext.md); XLA's own collectives are left to run ahead.
+MAX_STEPS_IN_FLIGHT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +147,9 @@ class WrappedStep:
         self._jitted = None
         self._compiled = None  # set by compile(): the executable that then runs every step
         self.guard = None  # health.nan guard record, carried from step to step on device
+        # Metrics of the steps still running, oldest first (only for custom-call backends).
+        self._in_flight: collections.deque | None = (
+            collections.deque() if spec.collectives.backend != "xla" else None)
 
     @contextlib.contextmanager
     def context(self):
@@ -319,6 +328,10 @@ class WrappedStep:
         with self.context():
             run = self._compiled or self._jitted
             state, self.guard, metrics = run(state, self.guard, batch)
+        if self._in_flight is not None:
+            self._in_flight.append(metrics)
+            if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+                jax.block_until_ready(self._in_flight.popleft())
         return state, metrics
 
 

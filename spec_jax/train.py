@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -27,6 +26,7 @@ from spec_jax.health import HealthHalt, ReplicaMismatch
 from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
 from spec_jax.health.guards import Guards
+from spec_jax.layout import strip_boxes
 from spec_jax.metrics import MetricsLogger
 from spec_jax.metrics.goodput import Goodput
 from spec_jax.metrics.flops import for_spec as model_flops
@@ -51,15 +51,25 @@ def make_optimizer(spec: Spec, total_steps: int) -> optax.GradientTransformation
 
 @dataclasses.dataclass
 class Job:
+    """The wrapped step with its state planned. `state` is built by `init_state()` (or comes
+    from a checkpoint restored into `abstract_state`), never both."""
+
     spec: Spec
     model: Transformer
     step: WrappedStep
     data: ByteBatches
-    state: Any
+    abstract_state: Any  # shapes, dtypes and target shardings of the state: nothing computed
+    init_fn: Any
+    state: Any = None
 
     @property
     def mesh_shape(self) -> dict[str, int]:
         return {name: int(size) for name, size in self.step.mesh.shape.items()}
+
+    def init_state(self):
+        """A fresh state, initialised sharded (it is never whole on one device)."""
+        self.state = self.step.init(self.init_fn, jax.random.key(self.spec.seed))
+        return self.state
 
 
 def _components(spec: Spec, total_steps: int):
@@ -87,17 +97,22 @@ def _components(spec: Spec, total_steps: int):
 
 def build_abstract_job(spec: Spec, mesh=None):
     """(wrapped step with its state shardings planned, abstract state): nothing is computed."""
-    _, loss_fn, init_state = _components(spec, spec.train.steps)
-    step = wrap(loss_step(loss_fn), spec, mesh)
-    return step, step.plan(init_state, jax.random.key(spec.seed))
+    job = build_job(spec, mesh, init=False)
+    return job.step, job.abstract_state
 
 
-def build_job(spec: Spec, mesh=None, total_steps: int | None = None) -> Job:
+def build_job(spec: Spec, mesh=None, total_steps: int | None = None, init: bool = True) -> Job:
+    """The reference job; its state initialised unless `init` is false (a restore fills it)."""
     model, loss_fn, init_state = _components(spec, total_steps or spec.train.steps)
     step = wrap(loss_step(loss_fn), spec, mesh)
-    state = step.init(init_state, jax.random.key(spec.seed))
+    boxed = step.plan(init_state, jax.random.key(spec.seed))
+    abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype, sharding=sharding), strip_boxes(boxed), step.state_shardings)
     data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
-    return Job(spec, model, step, data, state)
+    job = Job(spec, model, step, data, abstract, init_state)
+    if init:
+        job.init_state()
+    return job
 
 
 def local_rows(job: Job) -> slice:
@@ -122,115 +137,81 @@ def local_rows(job: Job) -> slice:
     return slice(lo, hi)
 
 
-# Steps dispatched ahead of the host with a custom-call collectives backend. The CPU runtime
-# deadlocked with ~100 executions of an ext-collective program in flight, and was fine with
-# 10 (docs/xla_ext.md); XLA's own collectives are left to run ahead up to the metrics interval.
-MAX_STEPS_IN_FLIGHT = 8
-
-
 def _write_json_atomically(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, path)  # a reader never sees a half-written summary
 
 
-def _drop_records_after(path: Path, step: int) -> None:
-    """Cut metric records past `step` (work redone after a resume) in place, so that a sink
-    open in append mode keeps writing at the new end."""
-    if not path.exists():
-        return
-    keep = 0
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                if json.loads(line).get("step", 0) > step:
-                    break
-            except ValueError:  # a line torn by a kill: drop it and what follows
-                break
-            keep += len(line)
-    os.truncate(path, keep)
+class _Feed:
+    """This process's rows of each step's batch. The first batch is fetched at once: the
+    metrics logger compiles the step with it, and the first step then uses it (each batch is
+    fetched exactly once)."""
 
+    def __init__(self, job: Job, position: int):
+        self.data, self.rows = job.data, local_rows(job)
+        self.first = self._prefetched = self.data.batch(position, self.rows)
 
-def _recorded_losses(path: Path) -> dict[int, float]:
-    if not path.exists():
-        return {}
-    records = (json.loads(line) for line in path.read_text().splitlines())
-    return {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
+    def batch(self, index: int):
+        """(batch `index`, seconds the host waited for it)."""
+        t0 = time.perf_counter()
+        host_batch = self._prefetched if self._prefetched is not None else self.data.batch(index, self.rows)
+        self._prefetched = None
+        return host_batch, time.perf_counter() - t0
 
 
 class _Session:
     """One `trainspec train` invocation: the job, its state, and the guards around the loop.
 
     Each concern is one method, so that `train` reads top to bottom; a rollback re-enters
-    `_resume` on the remaining devices.
+    `_resume` on the remaining devices. `faults` is the test hook (health.faults): nothing is
+    injected unless a test passes one.
     """
 
     def __init__(self, spec: Spec, run_dir: Path, steps: int, faults: Faults | None, progress: bool):
-        self.spec, self.steps, self.faults = spec, steps, faults
+        self.steps, self.faults = steps, faults or Faults()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = Checkpointer(spec, run_dir)
         self.total_steps = self.ckpt.saved_total_steps() or steps  # a resume keeps its LR schedule
-        self.writer = is_writer()  # process 0 writes the job's files (not checkpoints: orbax)
-        self.metrics_path = run_dir / spec.metrics.path
+        self.metrics_file = run_dir / spec.metrics.path
         self.rollbacks: list[dict] = []
-        self.in_flight: collections.deque = collections.deque()
         self.goodput = Goodput()  # from here: initialisation and restore count as badput
         self._resume(spec)
         self.start = self.step
-        # Steps before a resume (all, if it was complete). Other processes know only their own
-        # run's records: they neither write nor read the writer's file (it may be on another host).
-        self.losses = _recorded_losses(self.metrics_path) if self.writer else {}
-        self.bar = _progress_bar(steps, progress and self.writer)
+        self.bar = _progress_bar(steps, progress and is_writer())
         self.bar.update(self.step)
         # Compiles the step once and measures it (FLOPs, memory, comm); records per interval.
+        # Process 0 writes the job's files; the other processes' loggers have no sinks.
         self.metrics_log = MetricsLogger.for_run(
-            spec, self.job.step, self.state, self.prefetched, run_dir, steps, model_flops(spec),
-            goodput=self.goodput, first_step=self.step + 1, append=True)
+            spec, self.job.step, self.state, self.feed.first, run_dir, steps, model_flops(spec),
+            goodput=self.goodput, resume_after=self.step)
 
     def _resume(self, spec: Spec) -> None:
         """Job on the largest mesh the spec allows, state from the newest good checkpoint
-        (resharded onto that mesh) or fresh, and the data position to continue from."""
-        self.spec = spec
+        (restored straight into the planned shardings) or, only when there is none, fresh;
+        and the data position to continue from."""
         t0 = time.perf_counter()
-        self.job = build_job(spec, largest_mesh(spec), total_steps=self.total_steps)
+        self.job = build_job(spec, largest_mesh(spec), total_steps=self.total_steps, init=False)
         t1 = time.perf_counter()
-        self.state, meta = self.ckpt.restore_latest_or(self.job.state)
+        self.state, meta = self.ckpt.restore_latest(self.job.abstract_state)
+        if meta is None:
+            self.state = self.job.init_state()
         self.goodput.add("initialization", t1 - t0)
         self.goodput.add("checkpoint_restore" if meta else "initialization",
                          time.perf_counter() - t1)
         self.step = meta["data_position"] if meta else 0
         self.job.step.reset_guard(self.step)
-        self.guards = Guards(spec, self.job, self.faults, (meta or {}).get("skipped_steps", 0))
-        self.rows = local_rows(self.job)
-        if self.writer:
-            _drop_records_after(self.metrics_path, self.step)
-        # The first batch is fetched now: the metrics logger compiles the step with it, and the
-        # loop feeds it to the first step (each batch is fetched exactly once).
-        self.prefetched = self.job.data.batch(self.step, self.rows)
-
-    def _next_batch(self):
-        """(this step's batch, seconds the host waited for it)."""
-        t0 = time.perf_counter()
-        host_batch = self.prefetched or self.job.data.batch(self.step - 1, self.rows)
-        self.prefetched = None
-        data_wait = time.perf_counter() - t0
-        return self.guards.batch(self.step, host_batch), data_wait
-
-    def _bound_steps_in_flight(self, metrics) -> None:
-        if self.spec.collectives.backend != "xla":
-            self.in_flight.append(metrics["loss"])
-            if len(self.in_flight) > MAX_STEPS_IN_FLIGHT:
-                self.in_flight.popleft().block_until_ready()
+        self.guards = Guards(spec, self.job, (meta or {}).get("skipped_steps", 0))
+        self.feed = _Feed(self.job, self.step)
 
     def _record(self, metrics, data_wait: float) -> None:
         """Host sync only when a record is due (metrics.interval, first and last step)."""
         record = self.metrics_log.after_step(self.step, metrics, data_wait, extra=self.guards.at_sync)
         if record is None:
             return
-        loss = record["loss"] if record["loss"] is not None else float("nan")
-        self.losses[self.step] = loss
         self.bar.update(self.step - self.bar.n)
-        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+        self.bar.set_postfix(loss=f"{self.metrics_log.losses[self.step]:.3f}",
+                             tok_s=f"{record['tokens_per_s']:.0f}",
                              mfu=f"{100 * (record['mfu'] or 0):.1f}%")
 
     def _rolled_back_after_divergence(self) -> bool:
@@ -243,15 +224,15 @@ class _Session:
             self.guards.check_replicas(self.step, self.state, self.ckpt.last_saved)
             return False
         except ReplicaMismatch as err:
-            if self.spec.health.fingerprints.policy == "halt":
+            if self.job.spec.health.fingerprints.policy == "halt":
                 raise
             self.rollbacks.append({"step": self.step, "excluded": err.devices, "reason": str(err)})
             self._timed_checkpoint_io(self.ckpt.wait)
             diverged_at = self.step
-            self._resume(exclude(self.spec, err.devices))
+            self._resume(exclude(self.job.spec, err.devices))
             self.goodput.lose_steps(diverged_at - self.step)
-            self.metrics_log.restart(self.spec, self.job.step, self.state, self.prefetched,
-                                     self.step + 1, model_flops(self.spec))
+            self.metrics_log.restart(self.job.spec, self.job.step, self.state, self.feed.first,
+                                     self.step + 1, model_flops(self.job.spec))
             return True
 
     def _timed_checkpoint_io(self, io, *args) -> None:
@@ -273,10 +254,11 @@ class _Session:
                 while self.step < self.steps:
                     self.step += 1
                     with self.guards.timed(self.step):
-                        batch, data_wait = self._next_batch()
+                        self.faults.delay(self.step)
+                        host_batch, data_wait = self.feed.batch(self.step - 1)
+                        batch = self.faults.batch(self.step, host_batch)
                         self.state, metrics = self.job.step(self.state, batch)
-                    self._bound_steps_in_flight(metrics)
-                    self.state = self.guards.inject(self.step, self.state)
+                    self.state = self.faults.state(self.step, self.state)
                     self._record(metrics, data_wait)
                     if self._rolled_back_after_divergence():
                         continue
@@ -293,21 +275,19 @@ class _Session:
         self._timed_checkpoint_io(self.ckpt.wait)
 
     def summary(self, spec_label: str) -> dict[str, Any]:
+        spec = self.job.spec
         return {
-            # None only on a non-writer process resumed at the end (it recorded nothing itself)
-            "initial_loss": self.losses[min(self.losses)] if self.losses else None,
-            "final_loss": self.losses.get(self.steps),
-            **self.metrics_log.summary(),  # tokens_per_s, step_time_s, mfu, memory, comm, goodput
+            **self.metrics_log.summary(),  # losses, tokens_per_s, step_time_s, mfu, memory, ...
             "steps": self.steps,
             "resumed_from": self.start,
             "last_checkpoint": self.ckpt.last_saved,
             "rollbacks": self.rollbacks,
-            "excluded_devices": list(self.spec.mesh.exclude_devices),
+            "excluded_devices": list(spec.mesh.exclude_devices),
             **self.guards.summary(),
             "mesh": self.job.mesh_shape,
-            "accumulation_steps": self.spec.batch.accumulation_steps,
+            "accumulation_steps": spec.batch.accumulation_steps,
             "spec": spec_label,
-            "metrics_file": str(self.metrics_path),
+            "metrics_file": str(self.metrics_file),
         }
 
 
@@ -325,7 +305,7 @@ def run(
     session = _Session(spec, run_dir, steps or spec.train.steps, faults, progress)
     session.train()
     summary = session.summary(spec_label)
-    if summary_json is not None and session.writer:
+    if summary_json is not None and is_writer():
         _write_json_atomically(Path(summary_json), summary)
     return summary
 

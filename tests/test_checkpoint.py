@@ -10,7 +10,7 @@ from spec_jax.checkpoint import Checkpointer
 from spec_jax.data import ByteBatches
 from spec_jax.errors import UserInputError
 from spec_jax.health.faults import Faults, InjectedCrash
-from spec_jax.train import build_job, run
+from spec_jax.train import Job, build_job, run
 
 from tiny import tiny_spec
 
@@ -83,10 +83,10 @@ def test_restore_into_other_layout_is_exact(tmp_path):
     ckpt.wait()
     from spec_jax.mesh import build_mesh
     spec_t = tiny_spec(*SPEC8[1:], "mesh.axes.fsdp.size=4")
-    target = build_job(spec_t, build_mesh(spec_t, jax.devices()[:4]))
-    state, meta = Checkpointer(spec_t, tmp_path).restore_latest_or(target.state)
+    target = build_job(spec_t, build_mesh(spec_t, jax.devices()[:4]), init=False)
+    state, meta = Checkpointer(spec_t, tmp_path).restore_latest(target.abstract_state)
     assert meta["step"] == 3 and meta["data_position"] == 3 and meta["spec"]["mesh"]["axes"]["fsdp"]["size"] == 2
-    for a, b, t in zip(jax.tree.leaves(state), jax.tree.leaves(job.state), jax.tree.leaves(target.state)):
+    for a, b, t in zip(jax.tree.leaves(state), jax.tree.leaves(job.state), jax.tree.leaves(target.abstract_state)):
         assert a.sharding == t.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -106,7 +106,7 @@ def test_unfinished_and_unreadable_checkpoints_are_never_taken(tmp_path):
     # a step directory that lists but does not read back (a truncated copy)
     shutil.copytree(root / "3", root / "4")
     shutil.rmtree(root / "4" / "state")
-    state, meta = Checkpointer(spec, tmp_path).restore_latest_or(job.state)
+    state, meta = Checkpointer(spec, tmp_path).restore_latest(job.abstract_state)
     assert meta["step"] == 3
 
 
@@ -117,12 +117,17 @@ def test_resume_with_other_model_is_one_line_naming_the_field(tmp_path):
     ckpt.wait()
     other = tiny_spec("checkpoint.interval=1", "model.d_ff=128")
     with pytest.raises(UserInputError, match=r"^model\.d_ff: .* 64, the spec says 128"):
-        Checkpointer(other, tmp_path).restore_latest_or(build_job(other).state)
+        Checkpointer(other, tmp_path).restore_latest(build_job(other, init=False).abstract_state)
 
 
-def test_rerun_of_a_finished_run_resumes_at_its_end(tmp_path):
+def test_rerun_of_a_finished_run_resumes_at_its_end(tmp_path, monkeypatch):
     spec = tiny_spec("checkpoint.interval=2", "checkpoint.async_save=false")
     first = run(spec, tmp_path, steps=4, progress=False)
+
+    def no_fresh_state(job):
+        raise AssertionError("a resume restores into the planned state; it initialises none")
+
+    monkeypatch.setattr(Job, "init_state", no_fresh_state)
     again = run(spec, tmp_path, steps=4, progress=False)
     assert again["resumed_from"] == 4
     assert (again["initial_loss"], again["final_loss"]) == (first["initial_loss"], first["final_loss"])

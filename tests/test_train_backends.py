@@ -1,11 +1,13 @@
 """`trainspec train` with collectives.backend = "ext" follows the xla backend's loss curve."""
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from spec_jax.spec import load_spec
-from spec_jax.train import run
+from spec_jax.step import MAX_STEPS_IN_FLIGHT
+from spec_jax.train import build_job, run
 
 SMALL = [
     "model.d_model=32", "model.d_ff=64", "model.n_layers=1", "batch.seq_len=32",
@@ -34,3 +36,17 @@ def test_ext_backend_loss_curve_matches_xla(tmp_path, axes):
     assert len(xla) == len(ext) == 8
     assert xla[-1] < xla[0]  # it trains
     np.testing.assert_allclose(ext, xla, rtol=1e-4)
+
+
+def test_wrapped_step_bounds_steps_in_flight_for_custom_call_backends(monkeypatch):
+    """The CPU runtime deadlocks with ~100 ext-collective executions in flight: the wrapped
+    step itself (not only the CLI loop) waits for the oldest step beyond the bound."""
+    spec = load_spec(None, SMALL + ["collectives.backend=ext", "mesh.axes.data.size=8"])
+    job = build_job(spec)
+    waited = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+    state = job.state
+    for i in range(MAX_STEPS_IN_FLIGHT + 3):
+        state, _ = job.step(state, job.data.batch(i))
+    assert len(waited) == 3

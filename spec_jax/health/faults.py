@@ -1,7 +1,9 @@
-"""Fault injection, to prove each guard catches its fault (tests, notebook 04).
+"""Fault injection: the train session's test hook, to prove each guard catches its fault
+(tests, notebook 04).
 
 `train.run(..., faults=Faults(...))` in process; a `trainspec train` subprocess reads the same
 fields as JSON from the TRAINSPEC_FAULTS environment variable. Nothing is injected by default.
+The session calls `delay`, `batch` and `state` at the points of the loop they name.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The training loop's health guards in one object, so `train.run` reads top to bottom.
+"""The training loop's health guards in one object, so the train session reads top to bottom.
 
-Per step: time it (stragglers), inject faults (tests only). At each sync the loop already makes
-(metrics interval): read the non-finite guard, gather step timings. Every
-`health.fingerprints.interval` steps and before every checkpoint: compare replica fingerprints.
+Per step: time it (stragglers). At each sync the loop already makes (metrics interval): read
+the non-finite guard, gather step timings. Every `health.fingerprints.interval` steps and
+before every checkpoint: compare replica fingerprints.
 """
 from __future__ import annotations
 
@@ -15,42 +15,30 @@ from jax.experimental import multihost_utils
 
 from spec_jax.health import nan as nan_guard
 from spec_jax.health.errors import ReplicaMismatch
-from spec_jax.health.faults import Faults
 from spec_jax.health.replicas import ReplicaFingerprints
 from spec_jax.health.stragglers import StragglerDetector
 from spec_jax.spec import Spec
 
 
 class Guards:
-    def __init__(self, spec: Spec, job, faults: Faults | None = None, skipped_before: int = 0):
+    def __init__(self, spec: Spec, job, skipped_before: int = 0):
         """`skipped_before`: non-finite steps skipped before the checkpoint this run resumed."""
-        self.spec, self.faults = spec, faults or Faults()
+        self.spec = spec
         self.skipped_before = skipped_before
         participants = [f"process {i}" for i in range(jax.process_count())]
         self.stragglers = StragglerDetector(spec.health.stragglers, participants)
         self.skipped = skipped_before
         self._times: list[tuple[int, float]] = []
-        self.bind(job)
-
-    def bind(self, job) -> None:
-        """Follow the job onto a new mesh (after a rollback onto fewer devices)."""
         self.job = job
         self.replicas = ReplicaFingerprints(job.step.mesh, job.spec.mesh.axes_with_role("data"))
 
     # -- per step -----------------------------------------------------------------------------
-    def batch(self, step: int, batch):
-        return self.faults.batch(step, batch)
-
     @contextlib.contextmanager
     def timed(self, step: int):
         """This process's own time for the step: data + dispatch, not the wait on its peers."""
         t0 = time.perf_counter()
-        self.faults.delay(step)
         yield
         self._times.append((step, time.perf_counter() - t0))
-
-    def inject(self, step: int, state):
-        return self.faults.state(step, state)
 
     # -- at syncs -----------------------------------------------------------------------------
     def at_sync(self) -> dict:

@@ -82,6 +82,7 @@ class MetricsLogger:
         self.goodput = goodput or Goodput()
         self.tokens_per_step = flops.tokens_per_step(spec)
         self.last: dict | None = None
+        self.losses: dict[int, float] = {}  # recorded losses by step, a resumed run's included
         self.records: int = 0
         self._pending_tokens: list = []
         self._pending_steps, self._pending_wait = 0, 0.0
@@ -93,17 +94,30 @@ class MetricsLogger:
     @classmethod
     def for_run(cls, spec, wrapped_step, state, first_batch, run_dir: Path, total_steps: int,
                 model_flops: flops.TransformerFlops | None = None, goodput: Goodput | None = None,
-                first_step: int = 1, append: bool = False):
-        """Analyse (and compile) the step, open the spec's sinks under `run_dir`."""
+                resume_after: int | None = None):
+        """Analyse (and compile) the step, open the spec's sinks under `run_dir`.
+
+        `resume_after`: the step a resumed run continues from; the sinks keep (and the logger
+        knows the losses of) the records up to it, and drop those after it."""
         goodput = goodput or Goodput()
         analysis = analyze_step(wrapped_step, state, first_batch, model_flops)
-        return cls(spec, sinks_for(spec, run_dir, append), analysis, total_steps, goodput,
-                   first_step)
+        sinks = sinks_for(spec, run_dir, append=resume_after is not None)
+        logger = cls(spec, sinks, analysis, total_steps, goodput, (resume_after or 0) + 1)
+        if resume_after is not None:
+            logger._rewind(resume_after)
+        return logger
+
+    def _rewind(self, step: int) -> None:
+        for sink in self.sinks:
+            self.losses.update(sink.rewind(step))
+        self.losses = {s: loss for s, loss in self.losses.items() if s <= step}
 
     def restart(self, spec, wrapped_step, state, batch, first_step: int,
                 model_flops: flops.TransformerFlops | None = None) -> None:
-        """After a rollback onto another step/mesh: analyse the new step, time afresh."""
+        """After a rollback onto another step/mesh: drop the records after `first_step - 1`,
+        analyse the new step, time afresh."""
         self.spec, self.first_step = spec, first_step
+        self._rewind(first_step - 1)
         self.analysis = analyze_step(wrapped_step, state, batch, model_flops)
         self.goodput.add("compilation", self.analysis.fields["compile_time_s"])
         self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
@@ -169,6 +183,7 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.write(record)
         self.last = record
+        self.losses[step] = float("nan") if record["loss"] is None else record["loss"]
         self.records += 1
         self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
         self._t_last = time.perf_counter()  # writing the record is not step time
@@ -181,6 +196,9 @@ class MetricsLogger:
         peak = flops.Peak(f["peak_flops_per_device"], f["peak_flops_source"])
         gp = self.goodput.summary()
         return {
+            # None only on a non-writer process resumed at the end (it recorded nothing itself)
+            "initial_loss": self.losses[min(self.losses)] if self.losses else None,
+            "final_loss": self.losses.get(self.total_steps),
             "step_time_s": step_time,
             "tokens_per_s": self._valid_tokens / self._seconds if self._seconds else float("nan"),
             "mfu": flops.utilisation(f["model_flops_per_step"], step_time, f["n_devices"], peak),

@@ -1,10 +1,11 @@
 """Where records go. JSONL always; TensorBoard when a writer (tensorboardX or torch) is installed.
 
-A sink is any object with `write(record: dict)` and `close()`.
+A sink is any object with `write(record: dict)`, `rewind(step)` and `close()`.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -13,6 +14,9 @@ from spec_jax.errors import UserInputError
 
 class Sink(Protocol):
     def write(self, record: dict) -> None: ...
+    def rewind(self, step: int) -> dict[int, float]:
+        """Forget records past `step` (work about to be redone after a resume or rollback);
+        returns the losses of the records kept, by step."""
     def close(self) -> None: ...
 
 
@@ -23,11 +27,32 @@ class JsonlSink:
     def __init__(self, path: Path, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a" if append else "w")  # append: a resumed run
+        # Always append mode, so that writes follow a `rewind`; a new run starts empty.
+        self._file = open(path, "a")
+        if not append:
+            self._file.truncate(0)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+
+    def rewind(self, step: int) -> dict[int, float]:
+        """Cut the file after the last record at or before `step`, in place: the file is open
+        in append mode, so the next record is written at the new end."""
+        kept, losses = 0, {}
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line torn by a kill: drop it and what follows
+                    break
+                if record.get("step", 0) > step:
+                    break
+                kept += len(line)
+                if record.get("loss") is not None:
+                    losses[record["step"]] = record["loss"]
+        os.truncate(self.path, kept)
+        return losses
 
     def close(self) -> None:
         self._file.close()
@@ -60,6 +85,9 @@ class TensorBoardSink:
         for key, value in record.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                 self._writer.add_scalar(f"trainspec/{key}", value, record["step"])
+
+    def rewind(self, step: int) -> dict[int, float]:
+        return {}  # event files are append-only; viewers show the redone steps' newer values
 
     def close(self) -> None:
         self._writer.close()
