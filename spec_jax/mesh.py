@@ -87,13 +87,18 @@ def check_batch(spec: Spec, resolved: ResolvedMesh, batch_axes: Sequence[str]) -
         )
 
 
+def process_grid(mesh: Mesh) -> np.ndarray:
+    """The process index of each device of `mesh`, laid out like the mesh."""
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
 def check_hierarchical(spec: Spec, mesh: Mesh) -> None:
     """`collectives.backend = "hierarchical"` reduces over the in-process and the cross-process
     part of the data axes in separate stages, so each data axis must lie either inside one
     process or entirely across processes (every step along it changes process)."""
     if spec.collectives.backend != "hierarchical":
         return
-    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    procs = process_grid(mesh)
     for i, name in enumerate(mesh.axis_names):
         size = mesh.devices.shape[i]
         if name not in spec.mesh.axes_with_role("data") or size == 1:

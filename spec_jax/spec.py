@@ -25,6 +25,7 @@ ROLES = ("data", "fsdp", "tensor")
 LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = Literal["float32", "bfloat16", "float16"]
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # the spec's default, and a collective's outside a spec
 
 
 class _Section(BaseModel):
@@ -147,7 +148,8 @@ class CollectivesSpec(_Section):
         "`hierarchical` (ext within a process, native across processes; docs/scale-out.md)."
     )
     timeout_s: float = Field(
-        120.0, gt=0, description="A collective whose peers do not all arrive fails after this."
+        DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0,
+        description="A collective whose peers do not all arrive fails after this."
     )
 
 

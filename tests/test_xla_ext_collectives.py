@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from spec_jax import collectives
 from spec_jax.collectives import ext
 
 DEVICES = np.array(jax.devices())
@@ -325,25 +326,33 @@ def test_invalid_operands_return_an_error_not_a_crash():
     assert _live_rendezvous_after_settling() == 0
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda v: ext.reduce_scatter(v, "d", scatter_dimension=1), "not divisible by the group size 8"),
-    (lambda v: ext.all_to_all(v, "d", 1, 0), "not divisible by the group size 8"),
-    (lambda v: ext.all_gather(v, "d", axis=2), "out of range"),
-    (lambda v: ext.all_reduce(v, "d", "prod"), "op must be one of"),
-    (lambda v: ext.broadcast(v, "d", 8), "root must be an int in"),
-    (lambda v: ext.permute(v, "d", [(0, 1), (2, 1)]), "destinations must be unique"),
-    (lambda v: ext.all_reduce(v.astype(jnp.uint8), "d"), "not supported"),
-    (lambda v: ext.all_reduce(v, "nope"), "not a manual axis"),
-    (lambda v: ext.all_reduce(v, "d", timeout_s=0), "timeout_s must be a positive number"),
+def _api(op, *args, **kwargs):  # the ext backend through the API, which validates for it
+    return lambda v: getattr(collectives, op)(v, *args, backend="ext", **kwargs)
+
+
+F32, I32, U8 = np.float32, np.int32, np.uint8
+
+
+@pytest.mark.parametrize("call,dtype,message", [
+    (_api("reduce_scatter", "d", scatter_dimension=1), F32, "not divisible by the group size 8"),
+    (_api("all_to_all", "d", 1, 0), F32, "not divisible by the group size 8"),
+    (_api("all_gather", "d", axis=2), F32, "out of range"),
+    (_api("all_reduce", "d", "prod"), F32, "op must be one of"),
+    (_api("all_reduce", "d", "mean"), I32, "needs a floating dtype"),
+    (_api("broadcast", "d", 8), F32, "root must be an int in"),
+    (_api("permute", "d", [(0, 1), (2, 1)]), F32, "destinations must be unique"),
+    (_api("all_reduce", "d"), U8, "not supported by the ext backend"),
+    (_api("all_reduce", "nope"), F32, "not a manual axis"),
+    (_api("all_reduce", "d", timeout_s=0), F32, "timeout_s must be a positive number"),
 ])
-def test_bad_arguments_raise_value_error_at_trace_time(call, message):
+def test_bad_arguments_raise_value_error_at_trace_time(call, dtype, message):
     with pytest.raises(ValueError, match=message):
-        _shard_map(call, MESH_1D).lower(_place(np.ones((8, 8, 3), np.float32), MESH_1D))
+        _shard_map(call, MESH_1D).lower(_place(np.ones((8, 8, 3), dtype), MESH_1D))
 
 
 def test_outside_shard_map_is_a_clear_error():
     with pytest.raises(ValueError, match="inside jax.shard_map"):
-        jax.jit(lambda v: ext.all_reduce(v, "d")).lower(np.ones(3, np.float32))
+        jax.jit(_api("all_reduce", "d")).lower(np.ones(3, np.float32))
 
 
 # ---- ordering -----------------------------------------------------------------------------------

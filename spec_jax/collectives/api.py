@@ -3,7 +3,8 @@
 Every op is called inside `jax.shard_map` over named mesh axes (a name, or a tuple of names for
 a group spanning several axes, ranked row-major like `lax.axis_index`). Semantics are those of the
 tiled lax collectives; the checks below run at trace time for every backend so that a bad call
-fails the same way whichever backend is chosen.
+fails the same way whichever backend is chosen. This module is the one place that validates: the
+backend modules are thin and trust the checked, normalised arguments it passes them.
 
 Backend selection, highest priority first: the `backend=` argument; the innermost
 `use_backend(...)` block (what the train step uses for the spec's `collectives.backend`); the
@@ -16,6 +17,7 @@ import contextvars
 import importlib
 from types import ModuleType
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -88,6 +90,37 @@ def guarantee_level(name: str) -> str:
 
 
 # ---- trace-time checks shared by all backends -------------------------------------------------
+# Backends receive axes in range as non-negative ints, root as an int, perm as a tuple of int
+# pairs, and an operand of a dtype in their SUPPORTED_DTYPES (where they declare one).
+
+# 16-bit floats, which every backend sums in float32 and rounds once (docs/spec.md).
+HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _check_group(name: str, axis_name) -> tuple[str, ...]:
+    """The group's axis names: distinct, and manual axes of the `shard_map` being traced."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"{name}: axis_name must be a name or a tuple of distinct names, "
+                         f"got {axis_name!r}")
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(a for a in mesh.axis_names if a in mesh.manual_axes)
+    missing = [a for a in names if a not in manual]
+    if missing:
+        raise ValueError(f"{name}: axis {missing} is not a manual axis here; call it inside "
+                         f"jax.shard_map over a mesh with axes {manual or '(none)'}")
+    return names
+
+
+def _check_dtype(name: str, x, impl: ModuleType):
+    """`x` as an array whose dtype the backend supports (`SUPPORTED_DTYPES`; absent: any)."""
+    x = jnp.asarray(x)
+    supported = getattr(impl, "SUPPORTED_DTYPES", None)
+    if supported is not None and x.dtype not in supported:
+        raise ValueError(f"{name}: dtype {x.dtype} is not supported by the "
+                         f"{impl.__name__.rsplit('.', 1)[-1]} backend "
+                         f"(supported: {', '.join(str(d) for d in supported)})")
+    return x
 
 
 def _check_timeout(timeout_s) -> None:
@@ -104,19 +137,28 @@ def _check_op(name: str, op: str, allowed: tuple[str, ...], x) -> None:
                          "use op='sum' and divide")
 
 
-def _check_axis(name: str, x, axis: int, what: str) -> int:
+def _check_axis(name: str, x, axis, what: str) -> int:
     ndim = jnp.ndim(x)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{name}: {what}={axis} is out of range for an operand of rank {ndim}")
-    return axis % ndim
+    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: {what}={axis!r} is out of range for an operand of rank {ndim}")
+    return int(axis) % ndim
 
 
-def _check_divisible(name: str, x, axis: int, what: str, axis_name) -> None:
+def _check_divisible(name: str, x, axis, what: str, axis_name) -> int:
     axis = _check_axis(name, x, axis, what)
     n, size = lax.axis_size(axis_name), jnp.shape(x)[axis]
     if size % n:
         raise ValueError(f"{name}: operand dimension {axis} ({what}) has size {size}, "
                          f"not divisible by the group size {n} of axis {axis_name!r}")
+    return axis
+
+
+def _checked(name: str, x, axis_name, timeout_s, backend):
+    """(backend module, operand) after the checks every op shares."""
+    impl = get_backend(backend)
+    _check_group(name, axis_name)
+    _check_timeout(timeout_s)
+    return impl, _check_dtype(name, x, impl)
 
 
 # ---- the op set -------------------------------------------------------------------------------
@@ -124,57 +166,55 @@ def _check_divisible(name: str, x, axis: int, what: str, axis_name) -> None:
 
 def all_reduce(x, axis_name, op="sum", *, timeout_s=None, backend=None):
     """Every member gets the reduction (sum, mean, max or min) of all members' `x`."""
+    impl, x = _checked("all_reduce", x, axis_name, timeout_s, backend)
     _check_op("all_reduce", op, ALL_REDUCE_OPS, x)
-    _check_timeout(timeout_s)
-    return get_backend(backend).all_reduce(x, axis_name, op, timeout_s=timeout_s)
+    return impl.all_reduce(x, axis_name, op, timeout_s=timeout_s)
 
 
 def reduce_scatter(x, axis_name, *, scatter_dimension=0, op="sum", timeout_s=None, backend=None):
     """Member k gets block k (along `scatter_dimension`) of the sum/mean over members."""
+    impl, x = _checked("reduce_scatter", x, axis_name, timeout_s, backend)
     _check_op("reduce_scatter", op, REDUCE_SCATTER_OPS, x)
-    _check_divisible("reduce_scatter", x, scatter_dimension, "scatter_dimension", axis_name)
-    _check_timeout(timeout_s)
-    return get_backend(backend).reduce_scatter(
-        x, axis_name, scatter_dimension=scatter_dimension, op=op, timeout_s=timeout_s
-    )
+    d = _check_divisible("reduce_scatter", x, scatter_dimension, "scatter_dimension", axis_name)
+    return impl.reduce_scatter(x, axis_name, scatter_dimension=d, op=op, timeout_s=timeout_s)
 
 
 def all_gather(x, axis_name, *, axis=0, timeout_s=None, backend=None):
     """Every member gets all members' `x` concatenated along `axis`, in rank order."""
-    _check_axis("all_gather", x, axis, "axis")
-    _check_timeout(timeout_s)
-    return get_backend(backend).all_gather(x, axis_name, axis=axis, timeout_s=timeout_s)
+    impl, x = _checked("all_gather", x, axis_name, timeout_s, backend)
+    a = _check_axis("all_gather", x, axis, "axis")
+    return impl.all_gather(x, axis_name, axis=a, timeout_s=timeout_s)
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, timeout_s=None, backend=None):
     """Member k gets block k (along `split_axis`) of every member, concatenated on `concat_axis`."""
-    _check_divisible("all_to_all", x, split_axis, "split_axis", axis_name)
-    _check_axis("all_to_all", x, concat_axis, "concat_axis")
-    _check_timeout(timeout_s)
-    return get_backend(backend).all_to_all(
-        x, axis_name, split_axis, concat_axis, timeout_s=timeout_s
-    )
+    impl, x = _checked("all_to_all", x, axis_name, timeout_s, backend)
+    s = _check_divisible("all_to_all", x, split_axis, "split_axis", axis_name)
+    c = _check_axis("all_to_all", x, concat_axis, "concat_axis")
+    return impl.all_to_all(x, axis_name, s, c, timeout_s=timeout_s)
 
 
 def broadcast(x, axis_name, root=0, *, timeout_s=None, backend=None):
     """Every member gets member `root`'s `x`."""
+    impl, x = _checked("broadcast", x, axis_name, timeout_s, backend)
     n = lax.axis_size(axis_name)
     if not (isinstance(root, (int, np.integer)) and 0 <= root < n):
         raise ValueError(f"broadcast: root must be an int in [0, {n}), got {root!r}")
-    root = int(root)  # a static attribute for every backend
-    _check_timeout(timeout_s)
-    return get_backend(backend).broadcast(x, axis_name, root, timeout_s=timeout_s)
+    return impl.broadcast(x, axis_name, int(root), timeout_s=timeout_s)  # root: static
 
 
 def permute(x, axis_name, perm, *, timeout_s=None, backend=None):
     """Member dst gets member src's `x` for each (src, dst) in `perm`; the others get zeros."""
+    impl, x = _checked("permute", x, axis_name, timeout_s, backend)
     n = lax.axis_size(axis_name)
-    perm = tuple((int(s), int(d)) for s, d in perm)
+    try:
+        perm = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"permute: perm must be (src, dst) pairs of ints, got {perm!r}") from err
     for pair in perm:
         if not all(0 <= r < n for r in pair):
             raise ValueError(f"permute: pair {pair} has a rank outside [0, {n})")
     for side, ranks in (("sources", [s for s, _ in perm]), ("destinations", [d for _, d in perm])):
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"permute: {side} must be unique, got perm={perm}")
-    _check_timeout(timeout_s)
-    return get_backend(backend).permute(x, axis_name, perm, timeout_s=timeout_s)
+    return impl.permute(x, axis_name, perm, timeout_s=timeout_s)

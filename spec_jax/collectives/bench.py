@@ -38,19 +38,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import collectives
 from spec_jax.errors import UserInputError
+from spec_jax.metrics.comm import bus_factor
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute")
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int32")
 REDOPS = {"all_reduce": ("sum", "mean", "max", "min"), "reduce_scatter": ("sum", "mean")}
 AXIS = "d"
-
-
-def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) / n
-    return 1.0  # broadcast, permute
 
 
 # ---- sizes --------------------------------------------------------------------------------------

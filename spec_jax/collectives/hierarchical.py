@@ -43,8 +43,10 @@ from jax import lax
 from jax._src.mesh import get_concrete_mesh  # no public accessor in jax 0.10.2
 
 from spec_jax.collectives import ext, xla
+from spec_jax.collectives.api import HALF_FLOATS
+from spec_jax.mesh import process_grid
 
-_HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_DTYPES = ext.SUPPORTED_DTYPES  # its in-process stages are ext's
 
 
 def _names(axis_name) -> tuple[str, ...]:
@@ -53,7 +55,7 @@ def _names(axis_name) -> tuple[str, ...]:
 
 def in_process_axes(mesh) -> set[str]:
     """Axes of a concrete mesh along which every step stays in the same process."""
-    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    procs = process_grid(mesh)
     return {a for i, a in enumerate(mesh.axis_names)
             if np.all(procs == np.take(procs, [0], axis=i))}
 
@@ -80,7 +82,7 @@ def _size(axes) -> int:
 def _widen(x):
     """16-bit floats are summed in float32 end to end and rounded once (API requirement)."""
     x = jnp.asarray(x)
-    return (x.astype(jnp.float32) if x.dtype in _HALF_FLOATS else x), x.dtype
+    return (x.astype(jnp.float32) if x.dtype in HALF_FLOATS else x), x.dtype
 
 
 def _permute_blocks(x, dim: int, sizes, order):

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from spec_jax.collectives.api import HALF_FLOATS
+
 _ALL_REDUCE = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
-_HALF_FLOATS = (jnp.bfloat16, jnp.float16)
 
 
 def _in_f32(reduce, x, *args, **kwargs):
@@ -22,7 +23,7 @@ def _in_f32(reduce, x, *args, **kwargs):
     Measured on jaxlib 0.10.2 CPU: XLA already promotes bfloat16 all-reduces but sums float16
     in float16 (off by several ULPs over 8 members), and NCCL sums both in 16 bits."""
     x = jnp.asarray(x)
-    if x.dtype not in _HALF_FLOATS:
+    if x.dtype not in HALF_FLOATS:
         return reduce(x, *args, **kwargs)
     return reduce(x.astype(jnp.float32), *args, **kwargs).astype(x.dtype)
 

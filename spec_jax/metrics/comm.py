@@ -18,15 +18,20 @@ import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-# nccl-tests' bus-bandwidth factors (DESIGN.md section 3): bytes each device sends per byte of S.
-def bus_factor(kind: str, n: int) -> float:
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor of a collective (`spec_jax.collectives` op name, or
+    the HLO kind) over `n` members: bytes each member moves per byte of the full size S.
+    all_reduce 2(n-1)/n; reduce_scatter, all_gather, all_to_all (n-1)/n; broadcast and
+    permute 1 (nccl-tests, doc/PERFORMANCE.md)."""
     if n <= 1:
         return 0.0
-    if kind == "all-reduce":
+    op = op.replace("-", "_")
+    if op == "all_reduce":
         return 2 * (n - 1) / n
-    if kind == "collective-permute":
-        return 1.0
-    return (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # broadcast, permute (HLO: collective-permute)
 
 
 DTYPE_BYTES = {
