@@ -169,6 +169,11 @@ class MetricsSpec(_Section):
     tensorboard: bool = Field(
         False, description="Also write TensorBoard scalars (needs tensorboardX or torch).",
     )
+    gns: bool | None = Field(
+        None, description="Measure the gradient noise scale (`gns_*` record fields; "
+        "docs/advice.md). Default: on when there are >= 2 data-parallel replicas or "
+        "micro-batches; `true` where neither exists is an error.",
+    )
 
 
 class ModelSpec(_Section):

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import layout
 from spec_jax.health import nan as nan_guard
+from spec_jax.metrics import gns
 from spec_jax.errors import UserInputError
 from spec_jax.mesh import build_mesh, check_batch, check_hierarchical, resolve_mesh
 from spec_jax.spec import Spec
@@ -80,8 +81,9 @@ class _Precision:
 
 
 def _accumulate(loss_fn, params, micro_batches, precision: _Precision,
-                micro_constraint: Callable = lambda b: b):
-    """Sums over micro-batches: (gradient of the loss sum, loss sum, valid tokens, aux)."""
+                micro_constraint: Callable = lambda b: b, micro_gns: bool = False):
+    """Sums over micro-batches: (gradient of the loss sum, loss sum, valid tokens, aux), and
+    with `micro_gns` also the sum of each micro-batch's |mean gradient|^2 (metrics.gns)."""
 
     def grads_of(params, batch):
         def loss(p):
@@ -89,7 +91,8 @@ def _accumulate(loss_fn, params, micro_batches, precision: _Precision,
             return loss_sum.astype(jnp.float32), (tokens.astype(jnp.float32), aux)
 
         (loss_sum, (tokens, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return _cast_floats(grads, precision.grad_reduce), loss_sum, tokens, aux
+        sums = (_cast_floats(grads, precision.grad_reduce), loss_sum, tokens, aux)
+        return (*sums, gns.mean_sq(grads, tokens)) if micro_gns else sums
 
     def body(carry, batch):
         return jax.tree.map(jnp.add, carry, grads_of(params, micro_constraint(batch))), None
@@ -120,11 +123,16 @@ def _apply(state, grad_sum, loss_sum, tokens, aux):
 
 
 def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | None,
-                      micro_constraint: Callable = lambda b: b):
-    """One step over global arrays: XLA inserts (and schedules) the cross-replica reductions."""
+                      micro_constraint: Callable = lambda b: b, micro_gns: bool = False):
+    """One step over global arrays: XLA inserts (and schedules) the cross-replica reductions.
+    With `micro_gns`, the micro-batches are GNS's small batches (one replica)."""
     sums = _accumulate(loss_fn, state.params, micro_batches, precision or _Precision(),
-                       micro_constraint)
-    return _apply(state, *sums)
+                       micro_constraint, micro_gns)
+    new_state, metrics = _apply(state, *sums[:4])
+    if micro_gns:
+        k = jax.tree.leaves(micro_batches)[0].shape[0]
+        metrics.update(gns.micro_parts(sums[4], k, sums[0], sums[2]))
+    return new_state, metrics
 
 
 class WrappedStep:
@@ -143,6 +151,10 @@ class WrappedStep:
                 f"batch.micro_batch: {k} accumulation steps need a step built with "
                 "spec_jax.loss_step(loss_fn); an opaque step function cannot be accumulated"
             )
+        # metrics.gns: where the small batch comes from, or why nothing is measured
+        self.gns_source, self.gns_note = gns.resolve(
+            spec.metrics.gns, int(np.prod([self.mesh.shape[a] for a in self.data_axes])), k,
+            isinstance(step_fn, LossStep))
         self.state_shardings = None
         self._jitted = None
         self._compiled = None  # set by compile(): the executable that then runs every step
@@ -219,16 +231,17 @@ class WrappedStep:
         # Reduce across replicas once per step, explicitly, when accumulating (a replicated
         # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
         # or when the spec names a collectives backend other than XLA's own.
-        if self.data_axes and (k > 1 or spec.collectives.backend != "xla"):
+        # GNS over replicas needs each replica's gradient before the reduction, too.
+        if self.data_axes and (k > 1 or spec.collectives.backend != "xla"
+                               or self.gns_source == gns.REPLICAS):
             return self._replica_reduced_step_fn(precision)
 
         def constrain(micro):  # keep each micro-batch split over the batch shards
             return jax.tree.map(jax.lax.with_sharding_constraint, micro, batch_shardings)
 
         def step(state, batch):
-            return _accumulated_step(
-                self.step_fn.loss_fn, state, _split_micro(batch, k), precision, constrain
-            )
+            return _accumulated_step(self.step_fn.loss_fn, state, _split_micro(batch, k),
+                                     precision, constrain, self.gns_source == gns.MICRO_BATCHES)
 
         return step
 
@@ -289,7 +302,12 @@ class WrappedStep:
                     replica_sums, spmd_axis_name=data)(per_replica)
             grad_sum = reduce_over_replicas(grad_sums)
             total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
-            return _apply(state, grad_sum, total(loss_sums), total(token_sums), total(aux))
+            new_state, metrics = _apply(state, grad_sum, total(loss_sums), total(token_sums),
+                                        total(aux))
+            if self.gns_source == gns.REPLICAS:
+                metrics.update(gns.replica_parts(grad_sums, token_sums, grad_sum,
+                                                 total(token_sums)))
+            return new_state, metrics
 
         return step
 

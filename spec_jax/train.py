@@ -286,6 +286,7 @@ class _Session:
             **self.guards.summary(),
             "mesh": self.job.mesh_shape,
             "accumulation_steps": spec.batch.accumulation_steps,
+            "gns_not_measured": self.job.step.gns_note,  # None when measured
             "spec": spec_label,
             "metrics_file": str(self.metrics_file),
         }

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from spec_jax.core.gns import NoiseScale
 from spec_jax.metrics import comm, flops, memory, records
 from spec_jax.metrics.goodput import Goodput
 from spec_jax.metrics.sinks import Sink, sinks_for
@@ -67,6 +68,8 @@ def analyze_step(wrapped_step, state, batch, model_flops: flops.TransformerFlops
         "comm_bytes_by_kind": volume.by_kind(),
         "comm_bytes_by_axis": volume.by_axis(),
         "compile_time_s": compile_time,
+        "batch_tokens": tokens,
+        "gns_source": wrapped_step.gns_source,
     }
     return StepAnalysis(fields, volume, compiled)
 
@@ -85,6 +88,8 @@ class MetricsLogger:
         self.losses: dict[int, float] = {}  # recorded losses by step, a resumed run's included
         self.records: int = 0
         self._pending_tokens: list = []
+        self._pending_gns: list = []  # per-step (|G|^2, tr Sigma) estimates, still on device
+        self.noise_scale = NoiseScale()  # smoothed over every step of the run
         self._pending_steps, self._pending_wait = 0, 0.0
         self._t_last = None
         self._seconds, self._timed_steps, self._valid_tokens = 0.0, 0, 0.0
@@ -121,6 +126,7 @@ class MetricsLogger:
         self.analysis = analyze_step(wrapped_step, state, batch, model_flops)
         self.goodput.add("compilation", self.analysis.fields["compile_time_s"])
         self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
+        self._pending_gns = []
         self._t_last = None
 
     def start(self) -> None:
@@ -140,13 +146,19 @@ class MetricsLogger:
         self._pending_wait += data_wait_s
         if "valid_tokens" in metrics:
             self._pending_tokens.append(metrics["valid_tokens"])  # a reference: no sync
+        if "gns_grad_sq" in metrics:
+            self._pending_gns.append((metrics["gns_grad_sq"], metrics["gns_trace"]))
         if not self.due(step):
             return None
         return self._record(step, metrics, extra() if extra else {})
 
     def _record(self, step: int, metrics: dict, extra: dict) -> dict:
-        loss, grad_norm, tokens = jax.device_get(  # the interval's one host sync
-            (metrics.get("loss"), metrics.get("grad_norm"), self._pending_tokens))
+        loss, grad_norm, tokens, gns_parts = jax.device_get(  # the interval's one host sync
+            (metrics.get("loss"), metrics.get("grad_norm"), self._pending_tokens,
+             self._pending_gns))
+        for grad_sq, trace in gns_parts:
+            if np.isfinite(grad_sq) and np.isfinite(trace):  # a skipped (non-finite) step
+                self.noise_scale.update(grad_sq, trace)
         now = time.perf_counter()
         wall = now - self._t_last
         n = self._pending_steps
@@ -178,6 +190,7 @@ class MetricsLogger:
             "elapsed_s": gp["elapsed_s"],
             "goodput": gp["goodput"],
             "badput_s": gp["badput_s"],
+            **self._gns_fields(),
             **extra,
         }
         for sink in self.sinks:
@@ -186,8 +199,15 @@ class MetricsLogger:
         self.losses[step] = float("nan") if record["loss"] is None else record["loss"]
         self.records += 1
         self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
+        self._pending_gns = []
         self._t_last = time.perf_counter()  # writing the record is not step time
         return record
+
+    def _gns_fields(self) -> dict:
+        ns = self.noise_scale
+        return {"gns_grad_sq": records.finite_or_none(ns.grad_sq.value),
+                "gns_trace": records.finite_or_none(ns.trace.value),
+                "gns": records.finite_or_none(ns.b_simple)}
 
     def summary(self) -> dict:
         """Run-level numbers for the loop's summary: means over every recorded step."""
@@ -208,6 +228,7 @@ class MetricsLogger:
             "compile_time_s": f["compile_time_s"],
             "goodput": gp["goodput"],
             "badput_s": gp["badput_s"],
+            "gns": records.finite_or_none(self.noise_scale.b_simple),
         }
 
     def close(self) -> None:

@@ -58,6 +58,15 @@ FIELDS: dict[str, tuple[dict, str]] = {
     "goodput": (_num_or_null, "Productive step time / elapsed_s, so far."),
     "badput_s": ({"type": "object", "additionalProperties": {"type": "number"}},
                  "Non-productive seconds by category, so far."),
+    "batch_tokens": ({"type": "integer", "minimum": 1},
+                     "Token positions per optimizer step (global_batch x seq_len)."),
+    "gns_source": ({"enum": ["replicas", "micro_batches", None]},
+                   "Small batch of the noise-scale estimate; null = not measured (metrics.gns)."),
+    "gns_grad_sq": (_num_or_null, "|G|^2 estimate, bias-corrected EMA over all steps so far "
+                    "(gradient of the mean per-token loss; docs/advice.md)."),
+    "gns_trace": (_num_or_null, "tr(Sigma) estimate (per token), bias-corrected EMA so far."),
+    "gns": (_num_or_null, "Gradient noise scale B_simple = gns_trace / gns_grad_sq, in tokens "
+            "(null until gns_grad_sq > 0)."),
 }
 
 REQUIRED = tuple(FIELDS)

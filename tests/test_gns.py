@@ -1,0 +1,167 @@
+"""Gradient noise scale measured inside the wrapped step (docs/advice.md).
+
+The estimator is unbiased per step, so each check averages T steps' estimates and allows
+4 standard errors of that mean, the standard error taken from the T estimates' own spread
+(each step draws fresh samples, so they are independent). The tests also bound that error,
+so a tolerance cannot grow until any answer passes.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+from spec_jax import loss_step, wrap
+from spec_jax.core.gns import NoiseScale, unbiased_parts
+from spec_jax.data import ByteBatches
+from spec_jax.errors import UserInputError
+from spec_jax.models.transformer import Transformer, next_token_loss
+from spec_jax.spec import ModelSpec, load_spec
+
+FROZEN = optax.sgd(0.0)  # the parameters stay where the truth is known
+
+# -- linear regression: y = w*.x + eps, x ~ N(0, I_d), eps ~ N(0, sigma^2), loss (w.x - y)^2 / 2.
+# At w = w* + delta the per-example gradient is (delta.x - eps) x, so G = delta and
+# E|g|^2 = (d + 2)|delta|^2 + d sigma^2, i.e. tr Sigma = d(|delta|^2 + sigma^2) + |delta|^2.
+D, SIGMA, ROWS, STEPS = 16, 0.5, 256, 200
+
+
+def _regression_loss(params, batch):
+    residual = batch["x"] @ params["w"] - batch["y"]
+    return 0.5 * jnp.sum(residual**2), jnp.float32(residual.shape[0]), {}
+
+
+def _regression_batches(w_star, seed=1):
+    rng = np.random.default_rng(seed)
+    for _ in range(STEPS):
+        x = rng.standard_normal((ROWS, D)).astype(np.float32)
+        y = (x @ w_star + SIGMA * rng.standard_normal(ROWS)).astype(np.float32)
+        yield {"x": x, "y": y}
+
+
+def _mean_and_error(values):
+    values = np.asarray(values, np.float64)
+    return values.mean(), 4 * values.std(ddof=1) / np.sqrt(len(values))
+
+
+def _run_regression(axes, micro=None):
+    rng = np.random.default_rng(0)
+    w_star = rng.standard_normal(D).astype(np.float32)
+    delta = rng.standard_normal(D).astype(np.float32)
+    delta /= np.linalg.norm(delta)  # |delta|^2 = 1
+    spec = load_spec({"mesh": {"axes": axes},
+                      "batch": {"global_batch": ROWS, "micro_batch": micro or ROWS}})
+    step = wrap(loss_step(_regression_loss), spec)
+    state = step.init(lambda: TrainState.create(
+        apply_fn=None, params={"w": jnp.asarray(w_star + delta)}, tx=FROZEN))
+    parts = []
+    for batch in _regression_batches(w_star):
+        state, metrics = step(state, batch)
+        # synced per step: the CPU runtime can deadlock with hundreds of collective programs
+        # in flight (docs/xla_ext.md), and these steps are too small to care
+        parts.append(jax.device_get((metrics["gns_grad_sq"], metrics["gns_trace"])))
+    grad_sq, trace = np.asarray(parts).T
+    return step, grad_sq, trace
+
+
+@pytest.mark.parametrize("axes, micro, source", [
+    ({"data": {"size": 8}}, None, "replicas"),                        # B_small = 32 rows
+    ({"data": {"size": 1}, "fsdp": {"size": 8}}, 32, "micro_batches"),  # one replica, 8 micro
+])
+def test_closed_form_linear_regression(axes, micro, source):
+    step, grad_sq, trace = _run_regression(axes, micro)
+    assert step.gns_source == source
+    truth_grad_sq, truth_trace = 1.0, D * (1.0 + SIGMA**2) + 1.0
+    g, g_err = _mean_and_error(grad_sq)
+    t, t_err = _mean_and_error(trace)
+    assert g_err < 0.25 * truth_grad_sq and t_err < 0.1 * truth_trace  # the test has power
+    assert abs(g - truth_grad_sq) < g_err, (g, g_err)
+    assert abs(t - truth_trace) < t_err, (t, t_err)
+    # B_simple of the means: the relative errors add (first order), so the bound is their sum.
+    b, truth_b = t / g, truth_trace / truth_grad_sq
+    assert abs(b / truth_b - 1) < g_err / g + t_err / t, (b, truth_b)
+
+
+# -- the small transformer: the data-parallel estimate from explicit per-example gradients.
+MODEL = ModelSpec(vocab_size=256, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+SEQ, BATCH = 16, 32
+
+
+def _lm_loss(params, batch):
+    logits = Transformer(MODEL).apply({"params": params}, batch["inputs"])
+    loss_sum, tokens = next_token_loss(logits, batch["targets"], batch["mask"])
+    return loss_sum, tokens, {}
+
+
+def _lm_state():
+    params = Transformer(MODEL).init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]
+    return TrainState.create(apply_fn=None, params=params, tx=FROZEN)
+
+
+def _lm_step(axes):
+    spec = load_spec({"mesh": {"axes": axes},
+                      "batch": {"global_batch": BATCH, "seq_len": SEQ}})
+    step = wrap(loss_step(_lm_loss), spec)
+    return step, step.init(_lm_state)
+
+
+def test_replica_estimate_matches_explicit_per_example_gradients():
+    step, state = _lm_step({"data": {"size": 8}})
+    batch = ByteBatches(SEQ, BATCH, seed=5).batch(0)
+    params = jax.device_get(state.params)  # before the step: it donates the state
+    _, metrics = step(state, batch)
+
+    def example_grad(example):  # gradient of one sequence's mean per-token loss
+        one = jax.tree.map(lambda x: x[None], example)
+        return jax.grad(lambda p: _lm_loss(p, one)[0] / SEQ)(params)
+
+    per_example = jax.jit(jax.vmap(example_grad))(batch)
+    flat = np.concatenate([np.asarray(x, np.float64).reshape(BATCH, -1)
+                           for x in jax.tree.leaves(per_example)], axis=1)
+    replicas = flat.reshape(8, BATCH // 8, -1).mean(axis=1)  # replica r: its block of rows
+    small_sq = np.mean(np.sum(replicas**2, axis=1))
+    big_sq = np.sum(flat.mean(axis=0) ** 2)
+    grad_sq, trace = unbiased_parts(small_sq, big_sq, BATCH // 8 * SEQ, BATCH * SEQ)
+    # float32 sums of ~10^4 squares against float64: relative 1e-4 leaves a wide margin, and
+    # the difference of near-equal norms in tr Sigma is what bounds it.
+    np.testing.assert_allclose(float(metrics["gns_grad_sq"]), grad_sq, rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["gns_trace"]), trace, rtol=1e-4)
+
+
+def test_noise_scale_is_invariant_to_layout():
+    """data=8 (B_small = 4 rows) and data=2 x fsdp=4 (B_small = 16 rows: fsdp splits a replica,
+    it does not make one) estimate the same quantities on the same batches."""
+    steps, estimates = 40, {}
+    for name, axes in {"data8": {"data": {"size": 8}},
+                       "data2_fsdp4": {"data": {"size": 2}, "fsdp": {"size": 4}}}.items():
+        step, state = _lm_step(axes)
+        parts = []
+        for i in range(steps):
+            state, metrics = step(state, ByteBatches(SEQ, BATCH, seed=7).batch(i))
+            parts.append(jax.device_get((metrics["gns_grad_sq"], metrics["gns_trace"])))
+        estimates[name] = np.asarray(parts, np.float64).T
+    (g8, t8), (g2, t2) = estimates["data8"], estimates["data2_fsdp4"]
+    for a, b in ((g8, g2), (t8, t2)):
+        (ma, ea), (mb, eb) = _mean_and_error(a), _mean_and_error(b)
+        assert abs(ma - mb) < np.hypot(ea, eb), (ma, ea, mb, eb)
+    ratio = (t8.mean() / g8.mean()) / (t2.mean() / g2.mean())
+    assert 0.5 < ratio < 2.0, ratio  # noise-limited (40 steps); the parts are checked above
+
+
+def test_noise_scale_ema_is_bias_corrected():
+    ns = NoiseScale()
+    ns.update(2.0, 10.0)
+    assert ns.grad_sq.value == pytest.approx(2.0) and ns.b_simple == pytest.approx(5.0)
+    for _ in range(200):
+        ns.update(4.0, 10.0)
+    assert ns.b_simple == pytest.approx(2.5, rel=1e-3)
+
+
+def test_gns_true_without_a_second_batch_size_is_one_line_error():
+    spec = load_spec({"mesh": {"axes": {"data": {"size": 1}, "fsdp": {"size": -1}}},
+                      "batch": {"global_batch": 16, "seq_len": SEQ}, "metrics": {"gns": True}})
+    with pytest.raises(UserInputError, match=r"^metrics.gns = true cannot be measured: one "):
+        wrap(loss_step(_lm_loss), spec)
+    auto = wrap(loss_step(_lm_loss), load_spec(spec.to_dict() | {"metrics": {}}))
+    assert auto.gns_source is None and "one data-parallel replica" in auto.gns_note
