@@ -76,7 +76,8 @@ def _ppermute(x, axis_name, perm):
     """lax.ppermute with ranks row-major in the order of `axis_name`, as the API (and
     lax.axis_index) rank a group. Observed on jax 0.10.2: for a tuple of axes, ppermute numbers
     the members row-major in *mesh* order whatever the tuple's order, so a group ("c", "r") of a
-    ("r", "c") mesh sent to the wrong members. Translate the pairs into mesh order."""
+    ("r", "c") mesh sent to the wrong members; jax 0.12 refuses such a tuple. Translate the pairs
+    into mesh order and name the axes in mesh order."""
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     mesh_order = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in names)
     if len(names) > 1 and mesh_order != names:
@@ -88,6 +89,7 @@ def _ppermute(x, axis_name, perm):
                                             [sizes[a] for a in mesh_order]))
 
         perm = [(in_mesh_order(s), in_mesh_order(d)) for s, d in perm]
+        axis_name = mesh_order
     return lax.ppermute(x, axis_name, perm)
 
 
