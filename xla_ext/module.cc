@@ -30,6 +30,14 @@ NB_MODULE(_xla_ext, m) {
     table["trainspec_permute"] = Capsule(TrainspecPermute);
     return table;
   });
+  // What the handlers were compiled against; spec_jax/xla_ext.py compares it with the running
+  // jaxlib before registering them.
+  m.def("build_info", []() {
+    nb::dict info;
+    info["xla_ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+    info["jaxlib"] = TRAINSPEC_JAXLIB_VERSION;
+    return info;
+  });
   // Debug aid for leak tests: rendezvous slots alive right now (0 when no collective runs).
   m.def("live_rendezvous_count", &trainspec::LiveRendezvousCount);
 }
