@@ -1,0 +1,88 @@
+"""Bazel builds the xla_ext module offline (BUILD, WORKSPACE, bazel/) and the module works.
+
+The build takes its headers from this interpreter's environment ($TRAINSPEC_PYTHON). A child
+process then loads the Bazel-built .so on its own (not the pip-built spec_jax._xla_ext),
+registers its handlers with jax and runs the fingerprint: its targets must be the pip-built
+module's, its FFI API and jaxlib this environment's, its output the NumPy reference.
+
+Skipped on a machine without bazel, except under CI (CI=true), where that fails: .ci/run installs
+Debian's bazel-bootstrap for this test.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jaxlib.version
+import numpy as np
+import pytest
+
+from spec_jax import xla_ext
+from spec_jax.fingerprint import fingerprint_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_LOAD_AND_RUN = textwrap.dedent("""
+    import importlib.util, json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    spec = importlib.util.spec_from_file_location("_xla_ext", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    call = jax.ffi.ffi_call("trainspec_fingerprint", jax.ShapeDtypeStruct((2,), jnp.uint32))
+    x = np.arange(1001, dtype=np.float32)
+    print(json.dumps({
+        "targets": sorted(module.registrations()),
+        "build_info": module.build_info(),
+        "fingerprint": np.asarray(jax.jit(call)(x)).tolist(),
+    }))
+""")
+
+
+@pytest.fixture(scope="module")
+def bazel_module(tmp_path_factory):
+    bazel = shutil.which("bazel")
+    if bazel is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("bazel is not installed under CI (.ci/run installs bazel-bootstrap)")
+        pytest.skip("bazel is not installed (apt-get install bazel-bootstrap)")
+    out = tmp_path_factory.mktemp("bazel")
+    build = subprocess.run(
+        # --batch: no Bazel server is left running after the test.
+        [bazel, "--batch", "build", f"--symlink_prefix={out}/bazel-", "//:spec_jax"],
+        cwd=ROOT, env={**os.environ, "TRAINSPEC_PYTHON": sys.executable},
+        capture_output=True, text=True, timeout=1500)
+    assert build.returncode == 0, build.stderr[-4000:]
+    so = out / "bazel-bin" / "spec_jax" / "_xla_ext.so"
+    run = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(so)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_bazel_module_registers_the_handlers_of_the_pip_build(bazel_module):
+    assert bazel_module["targets"] == sorted(xla_ext.TARGETS)
+
+
+def test_bazel_module_is_built_against_this_environment(bazel_module):
+    assert tuple(bazel_module["build_info"]["xla_ffi_api"]) == xla_ext.running_ffi_api()
+    assert bazel_module["build_info"]["jaxlib"] == jaxlib.version.__version__
+
+
+def test_bazel_module_computes_the_fingerprint(bazel_module):
+    expected = fingerprint_reference(np.arange(1001, dtype=np.float32))
+    assert bazel_module["fingerprint"] == expected.tolist()
+
+
+def test_bazel_compiles_the_sources_cmake_compiles():
+    """BUILD mirrors xla_ext/CMakeLists.txt (checked without bazel, so drift shows everywhere)."""
+    cmake = (ROOT / "xla_ext" / "CMakeLists.txt").read_text()
+    cmake_list = re.search(r"set\(XLA_EXT_CPU_SOURCES(.*?)\)", cmake, re.S).group(1)
+    in_cmake = set(re.findall(r"[\w/]+\.cc", cmake_list))
+    in_bazel = set(re.findall(r'"xla_ext/([\w/]+\.cc)"', (ROOT / "BUILD").read_text()))
+    assert in_bazel == in_cmake
