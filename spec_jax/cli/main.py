@@ -11,7 +11,7 @@ import sys
 
 from spec_jax.errors import UserInputError
 
-SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch")
+SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling")
 
 
 class _Parser(argparse.ArgumentParser):

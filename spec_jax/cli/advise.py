@@ -1,0 +1,44 @@
+"""`trainspec advise RUN_DIR_or_JSONL [--spec S] [--plot PNG] [--json PATH]`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("advise", help="critical batch and batch-size advice from a run's GNS")
+    p.add_argument("run", type=Path, help="run directory or its metrics JSONL")
+    p.add_argument("--spec", type=Path, help="the run's spec (default: the one saved with the "
+                   "run's newest checkpoint, else the built-in spec)")
+    p.add_argument("--plot", type=Path, help="write a PNG: GNS over steps and the trade-off")
+    p.add_argument("--json", type=Path, help="write the advice as JSON")
+    p.set_defaults(func=run)
+
+
+def run_spec(run: Path, spec_path: Path | None):
+    """The spec a run was trained with: --spec, the newest checkpoint's, or the default."""
+    from spec_jax.spec import default_spec, load_spec
+
+    if spec_path is not None:
+        return load_spec(spec_path)
+    spec = default_spec()
+    if Path(run).is_dir() and (Path(run) / spec.checkpoint.dir).is_dir():
+        from spec_jax.checkpoint import Checkpointer
+
+        ckpt = Checkpointer(spec, run)
+        steps = ckpt.good_steps()
+        if steps:
+            return load_spec(ckpt.read_meta(steps[0])["spec"])
+    return spec
+
+
+def run(args) -> int:
+    from spec_jax.metrics import advice
+
+    result = advice.advise(args.run, run_spec(args.run, args.spec))
+    print(advice.text(result))
+    if args.plot:
+        print(f"plot: {advice.plot(result, args.plot)}")
+    if args.json:
+        advice.write_json(result, args.json)
+        print(f"json: {args.json}")
+    return 0

@@ -1,0 +1,142 @@
+"""Scaling-law fits (docs/advice.md section 3). Framework-free: NumPy and SciPy only.
+
+Both laws are sums of an irreducible loss and power laws, fitted the way Hoffmann et al.
+(2022, "approach 3") fit L(N, D): minimise the Huber loss (delta 1e-3) of
+log L̂ − log L with L-BFGS from a grid of starting points, where
+log L̂ = logsumexp(e, a_1 − α_1 log(x_1/x̄_1), ...) so every term stays positive:
+
+    L(C)    = L∞ + a·C^(−b)                  (x = compute)
+    L(N, D) = E + A/N^α + B/D^β              (x = parameters, tokens)
+
+Each x is divided by its geometric mean x̄ before fitting (the grid and the optimiser then see
+O(1) numbers); the reported coefficients are for the raw x. Uncertainty is a bootstrap over
+points; a prediction interval adds a resampled residual of the fit to each bootstrap
+prediction, so it covers a new run's own scatter, not only the curve's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.special import logsumexp
+
+HUBER_DELTA = 1e-3  # Hoffmann et al.: nearly L1 on log-loss, robust to outlying runs
+CONFIDENCE = 0.95
+
+
+def _huber(r):
+    a = np.abs(r)
+    quad = a <= HUBER_DELTA
+    loss = np.where(quad, 0.5 * r**2, HUBER_DELTA * (a - 0.5 * HUBER_DELTA))
+    grad = np.where(quad, r, HUBER_DELTA * np.sign(r))
+    return loss, grad
+
+
+def _log_pred(theta, logx):
+    """theta = (e, a_1, α_1, a_2, α_2, ...); logx: (n, k) centred log inputs."""
+    terms = [np.full(logx.shape[0], theta[0])]
+    terms += [theta[1 + 2 * i] - theta[2 + 2 * i] * logx[:, i] for i in range(logx.shape[1])]
+    return np.stack(terms)
+
+
+def _objective(theta, logx, logy):
+    terms = _log_pred(theta, logx)
+    pred = logsumexp(terms, axis=0)
+    loss, dr = _huber(pred - logy)
+    weights = np.exp(terms - pred) * dr  # d pred / d term_j = softmax_j
+    grad = np.empty_like(theta)
+    grad[0] = weights[0].sum()
+    for i in range(logx.shape[1]):
+        grad[1 + 2 * i] = weights[1 + i].sum()
+        grad[2 + 2 * i] = -(weights[1 + i] * logx[:, i]).sum()
+    return loss.sum(), grad
+
+
+def _fit_from(starts, logx, logy):
+    best = None
+    for theta0 in starts:
+        # BFGS rather than Hoffmann et al.'s L-BFGS: the same answer on 3-5 parameters, and
+        # scipy's L-BFGS-B calls a threaded BLAS on tiny matrices, ~10x slower on a busy machine
+        res = minimize(_objective, np.asarray(theta0, float), args=(logx, logy), jac=True,
+                       method="BFGS")
+        if best is None or res.fun < best.fun:
+            best = res
+    return best.x
+
+
+def _grid(k: int, logy):
+    """Starting points: e around the smallest loss, a around the spread, α in a plausible range."""
+    lo = float(np.min(logy))
+    es = (lo - 1.0, lo - 0.1)
+    a_s = (lo - 2.0, lo - 0.5)
+    alphas = (0.2, 0.7)
+    per_var = list(itertools.product(a_s, alphas))
+    for e, rest in itertools.product(es, itertools.product(per_var, repeat=k)):
+        yield [e, *itertools.chain.from_iterable(rest)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """A fitted law over variables `names` (e.g. ("compute",) or ("params", "tokens"))."""
+
+    names: tuple[str, ...]
+    theta: np.ndarray          # centred parameters
+    log_ref: np.ndarray        # log of each variable's geometric mean
+    residuals: np.ndarray      # log L̂ − log L at the data
+    boot: np.ndarray           # bootstrap thetas, (n_boot, len(theta))
+    boot_residuals: np.ndarray  # residuals drawn for each bootstrap prediction
+
+    def predict(self, *x, theta=None):
+        """Loss at x (one array or scalar per variable)."""
+        theta = self.theta if theta is None else theta
+        logx = np.log(np.stack([np.atleast_1d(np.asarray(v, float)) for v in x], axis=1))
+        logx = logx - self.log_ref
+        return np.exp(logsumexp(_log_pred(theta, logx), axis=0))
+
+    def coefficients(self, theta=None) -> dict[str, float]:
+        """{"irreducible": L∞ or E, "coef_<name>": A, "exp_<name>": α} for raw inputs."""
+        theta = self.theta if theta is None else theta
+        out = {"irreducible": float(np.exp(theta[0]))}
+        for i, name in enumerate(self.names):
+            a, alpha = theta[1 + 2 * i], theta[2 + 2 * i]
+            out[f"coef_{name}"] = float(np.exp(a + alpha * self.log_ref[i]))
+            out[f"exp_{name}"] = float(alpha)
+        return out
+
+    def intervals(self) -> dict[str, tuple[float, float]]:
+        """Bootstrap percentile interval of every coefficient."""
+        q = [(1 - CONFIDENCE) / 2 * 100, (1 + CONFIDENCE) / 2 * 100]
+        per_boot = [self.coefficients(t) for t in self.boot]
+        return {k: tuple(float(v) for v in np.percentile([c[k] for c in per_boot], q))
+                for k in per_boot[0]}
+
+    def predict_interval(self, *x) -> tuple[float, float, float]:
+        """(prediction, low, high) of one new run's loss: bootstrap curve plus residual."""
+        curves = np.array([self.predict(*x, theta=t)[0] for t in self.boot])
+        runs = curves * np.exp(-self.boot_residuals)
+        q = [(1 - CONFIDENCE) / 2 * 100, (1 + CONFIDENCE) / 2 * 100]
+        low, high = np.percentile(runs, q)
+        return float(self.predict(*x)[0]), float(low), float(high)
+
+
+def fit(names: tuple[str, ...], x: np.ndarray, loss: np.ndarray, n_boot: int = 100,
+        seed: int = 0) -> Fit:
+    """Fit L = exp(e) + Σ_i exp(a_i)·(x_i/x̄_i)^(−α_i); x: (n, k) positive, loss: (n,)."""
+    x, loss = np.asarray(x, float).reshape(len(loss), -1), np.asarray(loss, float)
+    log_ref = np.log(x).mean(axis=0)
+    logx, logy = np.log(x) - log_ref, np.log(loss)
+    theta = _fit_from(list(_grid(x.shape[1], logy)), logx, logy)
+    residuals = logsumexp(_log_pred(theta, logx), axis=0) - logy
+    rng = np.random.default_rng(seed)
+    boot = np.empty((n_boot, len(theta)))
+    for b in range(n_boot):
+        idx = rng.integers(0, len(loss), len(loss))
+        boot[b] = _fit_from([theta], logx[idx], logy[idx])
+    return Fit(tuple(names), theta, log_ref, residuals, boot, rng.choice(residuals, n_boot))
+
+
+def min_points(n_variables: int) -> int:
+    """Points needed for a fit with one degree of freedom left: 1 + 2k parameters, plus one."""
+    return 2 * n_variables + 2

@@ -1,0 +1,109 @@
+"""Batch-size advice and scaling fits (docs/advice.md): formulas, recovery, bad input."""
+import json
+
+import numpy as np
+import pytest
+
+from spec_jax.cli.main import main
+from spec_jax.core.advice import TradeOff, recommend_layout, trend
+from spec_jax.core.scaling import fit
+from spec_jax.metrics.records import SCHEMA_ID
+
+
+def test_trade_off_passes_through_the_run_and_satisfies_the_hyperbola():
+    t = TradeOff.from_run(b_noise=4000.0, batch=1000.0, steps=500.0)
+    assert t.steps(1000.0) == pytest.approx(500.0)
+    assert t.steps(4000.0) == pytest.approx(2 * t.s_min)  # at B_crit: twice the minimum steps
+    assert t.tokens(4000.0) == pytest.approx(2 * t.e_min)  # ... and twice the minimum tokens
+    for b in (10.0, 4000.0, 1e6):
+        assert t.check(b) == pytest.approx(1.0)
+
+
+def test_recommended_layout_splits_evenly_and_respects_memory():
+    layout = recommend_layout(b_crit_tokens=100 * 128, seq_len=128, replicas=8,
+                              max_rows_per_replica=4)
+    assert layout.global_batch == 96 and layout.replicas == 8  # 100 rows -> 12 per replica
+    assert layout.micro_batch == 32 and layout.accumulation_steps == 3  # 4 rows a replica
+    assert recommend_layout(10.0, 128, 8, 4).global_batch == 8  # at least one row each
+
+
+def test_trend_reads_growth():
+    steps = list(range(10, 110, 10))
+    assert trend(steps, [50 * 1.02**s for s in steps]) == pytest.approx(1.02**90, rel=1e-6)
+    assert trend([1, 2], [1.0, 2.0]) is None
+
+
+def test_chinchilla_fit_recovers_known_exponents():
+    """L = E + A/N^α + B/D^β on a 5 x 5 grid with 1% log-normal noise: the bootstrap 95%
+    intervals hold the true exponents and E, and the point estimates are within 0.03."""
+    rng = np.random.default_rng(0)
+    n = np.repeat(np.geomspace(1e5, 1e8, 5), 5)
+    d = np.tile(np.geomspace(1e7, 1e10, 5), 5)
+    truth = {"irreducible": 1.7, "exp_params": 0.34, "exp_tokens": 0.28}
+    loss = (1.7 + 400 / n**0.34 + 410 / d**0.28) * np.exp(0.01 * rng.standard_normal(n.size))
+    f = fit(("params", "tokens"), np.stack([n, d], axis=1), loss, n_boot=40)
+    coef, ci = f.coefficients(), f.intervals()
+    for key, value in truth.items():
+        assert ci[key][0] <= value <= ci[key][1], (key, ci[key])
+    assert abs(coef["exp_params"] - 0.34) < 0.03 and abs(coef["exp_tokens"] - 0.28) < 0.03
+
+
+def test_compute_fit_recovers_exponent_and_predicts_extrapolation():
+    rng = np.random.default_rng(1)
+    c = np.geomspace(1e12, 1e17, 8)
+    law = lambda c: 2.0 + 50 * c**-0.1  # noqa: E731
+    loss = law(c) * np.exp(0.005 * rng.standard_normal(c.size))
+    f = fit(("compute",), c[:, None], loss, n_boot=40)
+    lo, hi = f.intervals()["exp_compute"]
+    assert lo <= 0.1 <= hi and hi - lo < 0.05
+    _, low, high = f.predict_interval(1e18)
+    assert low <= law(1e18) <= high
+
+
+def _records(path, gns_values, steps=(5, 10, 15, 20)):
+    base = {"schema": SCHEMA_ID, "loss": 3.0, "step_time_s": 0.1, "n_devices": 8,
+            "batch_tokens": 32 * 128, "gns_source": "replicas"}
+    path.write_text("".join(json.dumps({**base, "step": s, "gns": g}) + "\n"
+                            for s, g in zip(steps, gns_values)))
+    return path
+
+
+def test_advise_prints_plots_and_writes_json(tmp_path, capsys):
+    run = _records(tmp_path / "m.jsonl", [2000.0, 4000.0, 6000.0, 8000.0])
+    assert main(["advise", str(run), "--json", str(tmp_path / "a.json"),
+                 "--plot", str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr().out
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert advice["critical_batch_tokens"] == 8000.0 and "grew" in advice["trend"]["note"]
+    rec = advice["recommended"]
+    assert rec["global_batch"] == 64 and rec["data_parallel"] == 8  # 8000 / 128 = 62.5 rows
+    assert rec["steps"] == pytest.approx(2 * advice["s_min"], rel=0.05)  # near B_crit
+    assert advice["current"]["steps"] == pytest.approx(20.0)  # the curve goes through the run
+    assert "critical batch B_crit = 8000 tokens" in out and (tmp_path / "a.png").stat().st_size
+
+
+def _one_line_exit_2(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainspec: error: "), err
+    return err
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    no_gns = tmp_path / "no_gns.jsonl"
+    _records(no_gns, [None] * 4)
+    assert "no gns records" in _one_line_exit_2(capsys, ["advise", str(no_gns)])
+    assert "no metrics file" in _one_line_exit_2(capsys, ["advise", str(tmp_path / "missing")])
+    assert "not a directory" in _one_line_exit_2(capsys, ["scaling", str(tmp_path / "missing")])
+    assert "no scaling.json" in _one_line_exit_2(capsys, ["scaling", str(tmp_path)])
+    for i in range(3):
+        (tmp_path / f"r{i}").mkdir()
+        (tmp_path / f"r{i}" / "scaling.json").write_text(json.dumps(
+            {"params": 1e4, "tokens": 1e5 * (i + 1), "compute": 6e9 * (i + 1), "loss": 3.0 - i / 10}))
+    assert "too few to fit" in _one_line_exit_2(capsys, ["scaling", str(tmp_path)])
+    (tmp_path / "r0" / "scaling.json").write_text("{}")
+    assert "not a scaling result" in _one_line_exit_2(capsys, ["scaling", str(tmp_path)])
+    assert "--widths" in _one_line_exit_2(
+        capsys, ["sweep", "--out", str(tmp_path / "s"), "--widths", "0", "--tokens", "1e4"])
+    assert "--tokens" in _one_line_exit_2(
+        capsys, ["sweep", "--out", str(tmp_path / "s"), "--widths", "16", "--tokens", "many"])
