@@ -16,9 +16,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
-from spec_jax.metrics import flops  # noqa: E402
+from spec_jax.models.transformer_flops import for_spec  # noqa: E402
 from spec_jax.metrics.logger import MetricsLogger  # noqa: E402
-from spec_jax.spec import default_spec, load_spec  # noqa: E402
+from spec_jax.core.spec import default_spec, load_spec  # noqa: E402
 from spec_jax.train import build_job  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def main(rounds: int = 5, round_steps: int = 10) -> None:
     job = build_job(spec, total_steps=total)
     run_dir = Path(tempfile.mkdtemp())
     logger = MetricsLogger.for_run(spec, job.step, job.state, job.data.batch(0), run_dir, total,
-                                   flops.for_spec(spec))
+                                   for_spec(spec))
     state, step = job.state, 0
     batches = [job.data.batch(i) for i in range(round_steps)]  # input off the clock for both
 

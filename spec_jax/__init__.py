@@ -1,13 +1,30 @@
-"""trainspec's reference implementation on JAX/XLA.
+"""trainspec: the spec (spec_jax.core, framework-free) and its reference implementation on JAX/XLA.
 
 The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`.
-"""
-from spec_jax.errors import UserInputError
-from spec_jax.mesh import build_mesh
-from spec_jax.spec import Spec, default_spec, load_spec
-from spec_jax.step import WrappedStep, loss_step, wrap
 
-__all__ = [
-    "Spec", "UserInputError", "WrappedStep", "build_mesh", "default_spec", "load_spec",
-    "loss_step", "wrap",
-]
+The JAX entry points are imported on first use, so that `import spec_jax.core` (which imports
+this package first) loads neither jax nor any other framework.
+"""
+import importlib
+
+from spec_jax.core.errors import UserInputError
+from spec_jax.core.spec import Spec, default_spec, load_spec
+
+_JAX_ENTRY_POINTS = {
+    "build_mesh": "spec_jax.mesh",
+    "WrappedStep": "spec_jax.step",
+    "loss_step": "spec_jax.step",
+    "wrap": "spec_jax.step",
+}
+
+__all__ = ["Spec", "UserInputError", "default_spec", "load_spec", *_JAX_ENTRY_POINTS]
+
+
+def __getattr__(name: str):
+    if name not in _JAX_ENTRY_POINTS:
+        raise AttributeError(f"module 'spec_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(_JAX_ENTRY_POINTS[name]), name)
+
+
+def __dir__():
+    return sorted(__all__)

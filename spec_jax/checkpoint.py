@@ -24,8 +24,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from spec_jax.errors import UserInputError
-from spec_jax.spec import Spec
+from spec_jax.core.errors import UserInputError
+from spec_jax.core.spec import Spec
 
 log = logging.getLogger(__name__)
 

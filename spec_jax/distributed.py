@@ -15,7 +15,7 @@ import os
 
 import jax
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 COORDINATOR = "TRAINSPEC_COORDINATOR"
 NUM_PROCESSES = "TRAINSPEC_NUM_PROCESSES"

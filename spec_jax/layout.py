@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax.spec import Spec
+from spec_jax.core.spec import Spec
 
 # Which roles each conventional logical axis is sharded over by default (docs/spec.md).
 DEFAULT_ROLE_RULES = {

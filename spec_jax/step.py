@@ -24,9 +24,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spec_jax import layout
 from spec_jax.health import nan as nan_guard
 from spec_jax.metrics import gns
-from spec_jax.errors import UserInputError
-from spec_jax.mesh import build_mesh, check_batch, check_hierarchical, resolve_mesh
-from spec_jax.spec import Spec
+from spec_jax.core.errors import UserInputError
+from spec_jax.core.accumulation import interleaved_micro_batches
+from spec_jax.core.mesh import check_batch, resolve_mesh
+from spec_jax.mesh import build_mesh, check_hierarchical
+from spec_jax.core.spec import Spec
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
 
@@ -55,17 +57,8 @@ def loss_step(loss_fn: LossFn) -> LossStep:
 
 
 def _split_micro(batch, k: int):
-    """(B, ...) -> (k, B/k, ...) with micro-batch j = rows j, j+k, j+2k, ...
-
-    Interleaving (rather than contiguous blocks) keeps every micro-batch spread over all the
-    batch shards: a block split would put micro-batch 0 on the first devices only.
-    """
-
-    def split(x):
-        x = x.reshape(x.shape[0] // k, k, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
-
-    return jax.tree.map(split, batch)
+    """Every leaf (B, ...) -> (k, B/k, ...), by the spec's interleaved rule."""
+    return jax.tree.map(lambda x: interleaved_micro_batches(x, k), batch)
 
 
 def _cast_floats(tree, dtype):
@@ -104,12 +97,8 @@ def _accumulate(loss_fn, params, micro_batches, precision: _Precision,
 
 
 def _apply(state, grad_sum, loss_sum, tokens, aux):
-    """Divide once by the total valid tokens, then update.
-
-    Dividing the summed per-token losses by the total valid tokens of all micro-batches and all
-    data-parallel shards is the loss of the whole batch; the mean of per-micro-batch means is
-    not, as soon as masks are ragged.
-    """
+    """Divide once by the total valid tokens, then update: the token-weighted rule of
+    spec_jax.core.accumulation (`token_weighted` is its float64 reference)."""
     denom = jnp.maximum(tokens, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, state.params)
     new_state = state.apply_gradients(grads=grads)

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 
 from spec_jax.checkpoint import Checkpointer
-from spec_jax.data import ByteBatches
-from spec_jax.errors import UserInputError
-from spec_jax.metrics.flops import TransformerFlops
+from spec_jax.core.data import ByteBatches
+from spec_jax.core.errors import UserInputError
+from spec_jax.models.transformer_flops import for_spec as model_flops
 from spec_jax.models.transformer import next_token_loss
-from spec_jax.spec import Spec, load_spec
+from spec_jax.core.spec import Spec, load_spec
 from spec_jax.train import build_job, run as train
 
 RESULT = "scaling.json"
@@ -61,7 +61,7 @@ def held_out_loss(spec: Spec, run_dir: Path, batches: int) -> float:
 
 def run_point(spec: Spec, steps: int, run_dir: Path, eval_batches: int) -> dict:
     summary = train(spec, run_dir, steps=steps, progress=False)
-    flops = TransformerFlops(spec.model, spec.batch.seq_len, spec.remat.policy)
+    flops = model_flops(spec)
     tokens = steps * spec.batch.global_batch * spec.batch.seq_len
     result = {
         "params": flops.non_embedding_params,

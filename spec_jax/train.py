@@ -19,19 +19,19 @@ import optax
 from flax.training.train_state import TrainState
 
 from spec_jax.checkpoint import Checkpointer
-from spec_jax.data import ByteBatches
+from spec_jax.core.data import ByteBatches
 from spec_jax.distributed import is_writer
-from spec_jax.errors import UserInputError
-from spec_jax.health import HealthHalt, ReplicaMismatch
+from spec_jax.core.errors import UserInputError
+from spec_jax.core.health import HealthHalt, ReplicaMismatch
 from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
 from spec_jax.health.guards import Guards
 from spec_jax.layout import strip_boxes
 from spec_jax.metrics import MetricsLogger
-from spec_jax.metrics.goodput import Goodput
-from spec_jax.metrics.flops import for_spec as model_flops
+from spec_jax.core.goodput import Goodput
+from spec_jax.models.transformer_flops import for_spec as model_flops
 from spec_jax.models.transformer import Transformer, next_token_loss
-from spec_jax.spec import Spec
+from spec_jax.core.spec import Spec
 from spec_jax.step import WrappedStep, loss_step, wrap
 
 

@@ -4,7 +4,7 @@ import functools
 import jax
 
 from spec_jax.metrics import comm, memory
-from spec_jax.spec import load_spec
+from spec_jax.core.spec import load_spec
 from spec_jax.train import build_job
 
 # d_model 64 and 4 heads split evenly over up to 8 devices; 2 micro-batches (a loop in HLO).

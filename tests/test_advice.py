@@ -7,7 +7,7 @@ import pytest
 from spec_jax.cli.main import main
 from spec_jax.core.advice import TradeOff, recommend_layout, trend
 from spec_jax.core.scaling import fit
-from spec_jax.metrics.records import SCHEMA_ID
+from spec_jax.core.records import SCHEMA_ID
 
 
 def test_trade_off_passes_through_the_run_and_satisfies_the_hyperbola():

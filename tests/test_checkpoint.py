@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from spec_jax.checkpoint import Checkpointer
-from spec_jax.data import ByteBatches
-from spec_jax.errors import UserInputError
+from spec_jax.core.data import ByteBatches
+from spec_jax.core.errors import UserInputError
 from spec_jax.health.faults import Faults, InjectedCrash
 from spec_jax.train import Job, build_job, run
 

@@ -14,10 +14,10 @@ from flax.training.train_state import TrainState
 
 from spec_jax import loss_step, wrap
 from spec_jax.core.gns import NoiseScale, unbiased_parts
-from spec_jax.data import ByteBatches
-from spec_jax.errors import UserInputError
+from spec_jax.core.data import ByteBatches
+from spec_jax.core.errors import UserInputError
 from spec_jax.models.transformer import Transformer, next_token_loss
-from spec_jax.spec import ModelSpec, load_spec
+from spec_jax.core.spec import ModelSpec, load_spec
 
 FROZEN = optax.sgd(0.0)  # the parameters stay where the truth is known
 

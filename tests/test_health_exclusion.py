@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from spec_jax.cli.main import main
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 from spec_jax.health.exclusion import exclude, largest_mesh
 
 from tiny import tiny_spec

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.health import HealthHalt
+from spec_jax.core.health import HealthHalt
 from spec_jax.health import nan as nan_guard
 from spec_jax.train import build_job
 

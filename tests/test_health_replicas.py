@@ -2,7 +2,7 @@
 import jax
 import pytest
 
-from spec_jax.health import HealthHalt
+from spec_jax.core.health import HealthHalt
 from spec_jax.health.faults import Faults
 from spec_jax.health.replicas import ReplicaFingerprints, flip_bit
 from spec_jax.train import build_job, run

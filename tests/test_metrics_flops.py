@@ -12,8 +12,10 @@ import functools
 import jax
 import pytest
 
+from spec_jax.core import flops as core_flops
+from spec_jax.core.spec import default_spec, load_spec
 from spec_jax.metrics import flops
-from spec_jax.spec import default_spec, load_spec
+from spec_jax.models.transformer_flops import for_spec
 from spec_jax.train import build_job
 
 TOLERANCE = 0.05  # XLA also counts elementwise ops (softmax, gelu, norms, AdamW): +2% measured
@@ -27,7 +29,7 @@ def _job(*overrides):
 
 def test_parameter_formula_matches_the_model():
     job = _job()
-    fl = flops.for_spec(job.spec)
+    fl = for_spec(job.spec)
     params = job.state.params
     assert flops.param_count(params) == fl.total_params
     assert params["embedding"].size == fl.embedding_params
@@ -37,8 +39,8 @@ def test_parameter_formula_matches_the_model():
 def test_analytic_hardware_flops_match_xla_cost_analysis(remat):
     job = _job(f"remat.policy={remat}")
     assert job.spec.batch.accumulation_steps == 2  # the default spec accumulates: a loop
-    fl = flops.for_spec(job.spec)
-    tokens = flops.tokens_per_step(job.spec)
+    fl = for_spec(job.spec)
+    tokens = core_flops.tokens_per_step(job.spec)
     xla = flops.xla_flops_per_step(job.step, job.state, job.data.batch(0))
     hardware = fl.hardware_per_token() * tokens
     assert abs(xla / hardware - 1) < TOLERANCE, (xla, hardware)
@@ -59,7 +61,7 @@ def test_xla_counts_a_loop_body_once():
 
 def test_causal_discount_halves_the_attention_term():
     spec = default_spec()
-    fl = flops.for_spec(spec)
+    fl = for_spec(spec)
     m = spec.model
     full, half = fl.model_per_token("no_causal_discount"), fl.model_per_token("causal_discount")
     assert full - half == 6 * m.n_layers * m.d_model * spec.batch.seq_len
@@ -67,19 +69,19 @@ def test_causal_discount_halves_the_attention_term():
 
 
 def test_peak_table_and_override():
-    assert flops.device_kind_key("NVIDIA H100 80GB HBM3") == "H100"
-    assert flops.device_kind_key("NVIDIA H200") == "H200"
-    assert flops.device_kind_key("NVIDIA A100-SXM4-40GB") == "A100"
-    assert flops.device_kind_key("AMD Instinct MI300X") == "MI300X"
-    assert flops.device_kind_key("TPU v5 lite") == "TPU v5e"
-    assert flops.device_kind_key("TPU v5p") == "TPU v5p"
-    assert flops.device_kind_key("cpu") == "cpu"
-    assert flops.device_kind_key("Some Future Chip") is None
+    assert core_flops.device_kind_key("NVIDIA H100 80GB HBM3") == "H100"
+    assert core_flops.device_kind_key("NVIDIA H200") == "H200"
+    assert core_flops.device_kind_key("NVIDIA A100-SXM4-40GB") == "A100"
+    assert core_flops.device_kind_key("AMD Instinct MI300X") == "MI300X"
+    assert core_flops.device_kind_key("TPU v5 lite") == "TPU v5e"
+    assert core_flops.device_kind_key("TPU v5p") == "TPU v5p"
+    assert core_flops.device_kind_key("cpu") == "cpu"
+    assert core_flops.device_kind_key("Some Future Chip") is None
     cpu = flops.peak_flops(default_spec())
-    assert cpu.flops_per_device == pytest.approx(flops.CPU_PROCESS_PEAK_FLOPS / jax.local_device_count())
+    assert cpu.flops_per_device == pytest.approx(core_flops.CPU_PROCESS_PEAK_FLOPS / jax.local_device_count())
     spec = load_spec(None, ["metrics.peak_flops_per_device=1e12"])
     peak = flops.peak_flops(spec)
     assert peak.flops_per_device == 1e12 and "spec" in peak.source
     # 4e12 FLOPs in 1 s on 8 devices of 1e12 FLOP/s: half the machine's peak.
-    assert flops.utilisation(4e12, 1.0, 8, peak) == pytest.approx(0.5)
-    assert flops.utilisation(4e12, 1.0, 8, flops.Peak(None, "unknown")) is None
+    assert core_flops.utilisation(4e12, 1.0, 8, peak) == pytest.approx(0.5)
+    assert core_flops.utilisation(4e12, 1.0, 8, core_flops.Peak(None, "unknown")) is None

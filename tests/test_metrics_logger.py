@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from metrics_jobs import tiny_spec
-from spec_jax.metrics import flops, records
+from spec_jax.core import records
+from spec_jax.models.transformer_flops import for_spec
 from spec_jax.metrics.logger import MetricsLogger
 from spec_jax.train import build_job
 
@@ -19,7 +20,7 @@ SCHEMA = json.loads((ROOT / "docs" / "metrics.schema.json").read_text())
 
 def test_committed_schema_matches_definition():
     assert (ROOT / "docs" / "metrics.schema.json").read_text() == records.schema_text(), \
-        "regenerate: python -m spec_jax.metrics.schema > docs/metrics.schema.json"
+        "regenerate: python -m spec_jax.core.schema metrics > docs/metrics.schema.json"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def _loop(job, tmp_path, steps, wait_s=0.0, interval=None):
     spec = job.spec if interval is None else job.spec.model_copy(
         update={"metrics": job.spec.metrics.model_copy(update={"interval": interval})})
     logger = MetricsLogger.for_run(spec, job.step, job.state, job.data.batch(0), tmp_path,
-                                   steps, flops.for_spec(spec))
+                                   steps, for_spec(spec))
     state, out = job.state, []
     logger.start()
     t0 = time.perf_counter()

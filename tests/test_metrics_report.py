@@ -7,9 +7,9 @@ import pytest
 
 from metrics_jobs import TINY, tiny_spec
 from spec_jax.cli.main import main
-from spec_jax.metrics import flops
+from spec_jax.models.transformer_flops import for_spec
 from spec_jax.metrics.logger import MetricsLogger
-from spec_jax.metrics.report import read_jsonl
+from spec_jax.core.records import read_jsonl
 from spec_jax.train import build_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ def _run(layout, run_dir, steps=4):
     spec = tiny_spec(layout)
     job = build_job(spec)
     logger = MetricsLogger.for_run(spec, job.step, job.state, job.data.batch(0), run_dir, steps,
-                                   flops.for_spec(spec))
+                                   for_spec(spec))
     state = job.state
     logger.start()
     for step in range(1, steps + 1):

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 from spec_jax.mesh import check_hierarchical
-from spec_jax.spec import load_spec
+from spec_jax.core.spec import load_spec
 from spec_jax.train import local_rows, run
 
 # A multi-host layout: the cross-process part of data parallelism is an axis of its own

@@ -8,10 +8,10 @@ import pytest
 from flax.training.train_state import TrainState
 
 from spec_jax import loss_step, wrap
-from spec_jax.data import ByteBatches
-from spec_jax.errors import UserInputError
+from spec_jax.core.data import ByteBatches
+from spec_jax.core.errors import UserInputError
 from spec_jax.models.transformer import Transformer, next_token_loss
-from spec_jax.spec import ModelSpec, load_spec
+from spec_jax.core.spec import ModelSpec, load_spec
 
 MODEL = ModelSpec(vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 SEQ, BATCH = 16, 16

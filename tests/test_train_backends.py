@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.spec import load_spec
+from spec_jax.core.spec import load_spec
 from spec_jax.step import MAX_STEPS_IN_FLIGHT
 from spec_jax.train import build_job, run
 

@@ -1,5 +1,5 @@
 """A tiny reference job shared by the checkpoint and health tests (seconds, not minutes)."""
-from spec_jax.spec import DEFAULT_SPEC_PATH, load_spec
+from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
 
 TINY = [
     "model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=2",

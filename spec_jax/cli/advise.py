@@ -16,7 +16,7 @@ def register(subparsers) -> None:
 
 def run_spec(run: Path, spec_path: Path | None):
     """The spec a run was trained with: --spec, the newest checkpoint's, or the default."""
-    from spec_jax.spec import default_spec, load_spec
+    from spec_jax.core.spec import default_spec, load_spec
 
     if spec_path is not None:
         return load_spec(spec_path)

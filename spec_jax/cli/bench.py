@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 _SIZE_HELP = ("bytes per device, as nccl-tests: the larger of the op's input and output buffer "
               "on one device (all_gather: its output, reduce_scatter: its input); "
@@ -137,7 +137,7 @@ def _register_step(kinds) -> None:
 def run_step(args) -> int:
     ensure_host_devices(args.host_devices)
     from spec_jax.metrics import bench_step
-    from spec_jax.spec import load_spec
+    from spec_jax.core.spec import load_spec
 
     labels = [str(p) for p in args.specs]
     if len(set(labels)) != len(labels):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 
 def register(subparsers) -> None:

@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling")
 

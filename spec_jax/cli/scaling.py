@@ -19,7 +19,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from spec_jax.errors import UserInputError
+    from spec_jax.core.errors import UserInputError
     from spec_jax.metrics import scaling
 
     if (args.predict_params is None) != (args.predict_tokens is None):

@@ -31,8 +31,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     ensure_host_devices(args.host_devices)
-    from spec_jax.errors import UserInputError
-    from spec_jax.spec import DEFAULT_SPEC_PATH, load_spec
+    from spec_jax.core.errors import UserInputError
+    from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
     from spec_jax.sweep import sweep
 
     if args.eval_batches < 1:

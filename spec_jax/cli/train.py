@@ -51,11 +51,11 @@ def run(args) -> int:
     from spec_jax.distributed import initialize_from_env
 
     initialize_from_env()  # a no-op unless launched as one process of several
-    from spec_jax.spec import DEFAULT_SPEC_PATH, load_spec
+    from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
     from spec_jax.train import run as train
 
     spec_path = args.spec or DEFAULT_SPEC_PATH
-    from spec_jax.health import HealthHalt
+    from spec_jax.core.health import HealthHalt
     from spec_jax.health.exclusion import exclude
     from spec_jax.health.faults import Faults
 

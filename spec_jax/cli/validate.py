@@ -19,7 +19,7 @@ def run(args) -> int:
     import jax
 
     from spec_jax import layout
-    from spec_jax.spec import load_spec
+    from spec_jax.core.spec import load_spec
     from spec_jax.train import build_abstract_job
 
     spec = load_spec(args.spec, args.overrides)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.collectives_reference import ALL_REDUCE_OPS, REDUCE_SCATTER_OPS
+from spec_jax.core.errors import UserInputError
 
 # Backend name -> module implementing the six ops. Imported on first use, so the xla backend
 # works on an install where the compiled extension (needed by "ext") is missing.
@@ -39,8 +40,6 @@ BACKEND_MODULES = {
 GUARANTEE_LEVELS = {"xla": "nondeterministic", "ext": "deterministic",
                     "hierarchical": "nondeterministic"}
 
-ALL_REDUCE_OPS = ("sum", "mean", "max", "min")
-REDUCE_SCATTER_OPS = ("sum", "mean")
 
 _default_backend = "xla"
 _scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(

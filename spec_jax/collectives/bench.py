@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import collectives
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 from spec_jax.metrics.comm import bus_factor
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute")

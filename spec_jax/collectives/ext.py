@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from spec_jax import xla_ext
-from spec_jax.spec import DEFAULT_COLLECTIVE_TIMEOUT_S
+from spec_jax.core.spec import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 SUPPORTED_DTYPES = tuple(
     jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64, jnp.int32)

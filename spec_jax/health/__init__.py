@@ -1,7 +1,6 @@
-"""Run health guards: non-finite steps, replica fingerprints, stragglers, device exclusion.
+"""Run health guards on JAX: non-finite steps, replica fingerprints, device exclusion.
 
-Each guard is proved by injecting its fault (tests/test_health_*.py, notebooks/04_reliability).
+The decisions (NaN policy, fingerprint vote, straggler rule) and the exceptions a guard raises
+(`HealthHalt`, `ReplicaMismatch`) are spec_jax.core.health's. Each guard is proved by injecting
+its fault (tests/test_health_*.py, notebooks/04_reliability).
 """
-from spec_jax.health.errors import HealthHalt, ReplicaMismatch
-
-__all__ = ["HealthHalt", "ReplicaMismatch"]

@@ -14,9 +14,10 @@ import jax
 from jax.sharding import Mesh
 
 from spec_jax import layout
-from spec_jax.errors import UserInputError
-from spec_jax.mesh import build_mesh, check_batch, resolve_mesh, usable_devices
-from spec_jax.spec import Spec, load_spec
+from spec_jax.core.errors import UserInputError
+from spec_jax.core.mesh import check_batch, resolve_mesh
+from spec_jax.mesh import build_mesh, usable_devices
+from spec_jax.core.spec import Spec, load_spec
 
 
 def exclude(spec: Spec, device_ids: Iterable[int]) -> Spec:

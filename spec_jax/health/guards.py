@@ -13,11 +13,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from spec_jax.core.health import ReplicaMismatch, StragglerDetector
+from spec_jax.core.spec import Spec
 from spec_jax.health import nan as nan_guard
-from spec_jax.health.errors import ReplicaMismatch
 from spec_jax.health.replicas import ReplicaFingerprints
-from spec_jax.health.stragglers import StragglerDetector
-from spec_jax.spec import Spec
 
 
 class Guards:

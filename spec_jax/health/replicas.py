@@ -6,18 +6,15 @@ hold the same bytes. Each device fingerprints each of its local shards on device
 xla_ext handler (a `shard_map` over the whole mesh, so every device hashes its own buffer, not a
 copy the compiler might have deduplicated), which gives uint32[mesh..., leaves, 2]: 8 bytes per
 shard. Only that small array crosses to the host, where copies of the same shard are compared.
-The odd one out (against the majority of its copies) is named with its replica index and device;
-with only two copies there is no majority, and both are named.
+The vote (spec_jax.core.health.diverged_copies) names the odd one out, against the majority of
+its copies, with its replica index and device; with only two copies there is no majority, and
+both are named.
 
 Megatron-LM hashes parameters on the CPU and gathers the hashes (slow, so every 20000 steps);
 on-device fingerprints cost about one read of the state, so they can run every 100 steps
 (bench/fingerprint_overhead.py measures it).
 """
 from __future__ import annotations
-
-import collections
-import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +23,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import layout
+from spec_jax.core.health import Divergence, diverged_copies
 from spec_jax.fingerprint import fingerprint
-
-
-@dataclasses.dataclass(frozen=True)
-class Divergence:
-    leaf: str             # path of the state array, e.g. .params['Dense_0']['kernel']
-    devices: tuple[int, ...]
-    replicas: tuple[int, ...]  # data-parallel replica index of each device
-    copies: int           # how many devices hold this shard
-
-    def describe(self) -> str:
-        who = ", ".join(f"replica {r} (device {d})" for r, d in zip(self.replicas, self.devices))
-        return f"{who} diverged on {self.leaf} ({self.copies} copies of the shard)"
 
 
 class ReplicaFingerprints:
@@ -75,39 +61,9 @@ class ReplicaFingerprints:
 
     def compare(self, fps: np.ndarray) -> list[Divergence]:
         """Copies of the same shard that differ from the majority of their copies."""
-        names = self.mesh.axis_names
         ids = np.vectorize(lambda d: d.id)(self.mesh.devices)
-        found = []
-        for i, (path, pspec) in enumerate(zip(self.paths, self.pspecs)):
-            split = layout.mesh_axes_of(pspec)
-            groups = collections.defaultdict(list)  # shard (coords on split axes) -> its copies
-            for coords in itertools.product(*(range(n) for n in self.mesh.devices.shape)):
-                shard = tuple(c for c, a in zip(coords, names) if a in split)
-                groups[shard].append(coords)
-            for copies in groups.values():
-                if len(copies) < 2:
-                    continue
-                words = [fps[c + (i,)].tobytes() for c in copies]
-                counts = collections.Counter(words)
-                if len(counts) == 1:
-                    continue
-                top, n_top = counts.most_common(1)[0]
-                unique_majority = list(counts.values()).count(n_top) == 1
-                odd = [c for c, w in zip(copies, words) if not unique_majority or w != top]
-                found.append(Divergence(
-                    path, tuple(int(ids[c]) for c in odd),
-                    tuple(self.replica_index(c) for c in odd), len(copies),
-                ))
-        return found
-
-    def replica_index(self, coords: tuple[int, ...]) -> int:
-        """Index of the data-parallel replica a device belongs to (row-major over data axes)."""
-        names, shape = self.mesh.axis_names, self.mesh.devices.shape
-        index = 0
-        for c, a, n in zip(coords, names, shape):
-            if a in self.data_axes:
-                index = index * n + c
-        return index
+        leaves = [(path, layout.mesh_axes_of(pspec)) for path, pspec in zip(self.paths, self.pspecs)]
+        return diverged_copies(fps, ids, self.mesh.axis_names, leaves, self.data_axes)
 
     def check(self, state) -> list[Divergence]:
         return self.compare(self.fingerprints(state))

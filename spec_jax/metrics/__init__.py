@@ -1,11 +1,9 @@
 """Standard training metrics: MFU/HFU, memory, communication volume, input stalls, goodput.
 
-Definitions are normative in docs/metrics.md; records follow docs/metrics.schema.json.
+Definitions are normative in docs/metrics.md; the record format, formulas and goodput are
+spec_jax.core's (records, flops, goodput); this package measures a JAX step.
 """
-from spec_jax.metrics.flops import TransformerFlops, peak_flops
-from spec_jax.metrics.goodput import Goodput
+from spec_jax.metrics.flops import peak_flops
 from spec_jax.metrics.logger import MetricsLogger, StepAnalysis, analyze_step
-from spec_jax.metrics.records import SCHEMA_ID
 
-__all__ = ["MetricsLogger", "StepAnalysis", "analyze_step", "TransformerFlops", "peak_flops",
-           "Goodput", "SCHEMA_ID"]
+__all__ = ["MetricsLogger", "StepAnalysis", "analyze_step", "peak_flops"]

@@ -12,11 +12,11 @@ import statistics
 from pathlib import Path
 
 from spec_jax.core.advice import Layout, TradeOff, recommend_layout, trend
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 from spec_jax.metrics import plots
 from spec_jax.mesh import resolve_mesh
-from spec_jax.metrics.report import read_jsonl
-from spec_jax.spec import Spec
+from spec_jax.core.records import read_jsonl
+from spec_jax.core.spec import Spec
 
 TREND_NOTABLE = 1.5  # a change of GNS by more than this factor over the run is reported as such
 

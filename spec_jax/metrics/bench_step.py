@@ -11,9 +11,10 @@ import time
 
 import jax
 
-from spec_jax.errors import UserInputError
-from spec_jax.metrics import flops
+from spec_jax.core.errors import UserInputError
+from spec_jax.core import flops
 from spec_jax.metrics.logger import analyze_step
+from spec_jax.models.transformer_flops import for_spec as model_flops
 
 METRICS = [  # (key, label, scale, format) for the side-by-side table
     ("step_time_s", "step time (ms)", 1e3, "{:.2f}"),
@@ -43,7 +44,7 @@ def bench(specs: list[tuple[str, object]], steps: int, warmup: int = 2, rounds: 
         job = build_job(spec, total_steps=warmup + steps)
         rows = local_rows(job)
         analysis = analyze_step(job.step, job.state, job.data.batch(0, rows),
-                                flops.for_spec(spec))
+                                model_flops(spec))
         jobs[label] = {"job": job, "rows": rows, "state": job.state, "next": 0,
                        "analysis": analysis, "times": [], "spec": spec}
 

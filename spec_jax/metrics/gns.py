@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.core.gns import unbiased_parts
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 # Where the small batch comes from (`gns_source` in records).
 REPLICAS, MICRO_BATCHES = "replicas", "micro_batches"

@@ -17,8 +17,10 @@ import jax
 import numpy as np
 
 from spec_jax.core.gns import NoiseScale
-from spec_jax.metrics import comm, flops, memory, records
-from spec_jax.metrics.goodput import Goodput
+from spec_jax.core import flops, records
+from spec_jax.core.goodput import Goodput
+from spec_jax.metrics import comm, memory
+from spec_jax.metrics.flops import peak_flops, xla_flops_per_step
 from spec_jax.metrics.sinks import Sink, sinks_for
 
 
@@ -31,7 +33,7 @@ class StepAnalysis:
     compiled: Any = None
 
 
-def analyze_step(wrapped_step, state, batch, model_flops: flops.TransformerFlops | None = None,
+def analyze_step(wrapped_step, state, batch, model_flops: flops.ModelFlops | None = None,
                  compile: bool = True) -> StepAnalysis:
     """Compile `wrapped_step` for (state, batch) (unless already compiled) and measure it.
 
@@ -46,14 +48,14 @@ def analyze_step(wrapped_step, state, batch, model_flops: flops.TransformerFlops
     n_devices = int(wrapped_step.mesh.devices.size)
     tokens = flops.tokens_per_step(spec)
     convention = spec.metrics.flops_convention
-    xla = flops.xla_flops_per_step(wrapped_step, state, batch)
+    xla = xla_flops_per_step(wrapped_step, state, batch)
     if model_flops is not None:
         model = model_flops.model_per_token(convention) * tokens
         hardware = model_flops.hardware_per_token() * tokens
     else:
         model, hardware, convention = None, xla, None
     volume = comm.analyze_compiled(compiled, wrapped_step.mesh)
-    peak = flops.peak_flops(spec, list(wrapped_step.mesh.devices.flat))
+    peak = peak_flops(spec, list(wrapped_step.mesh.devices.flat))
     fields = {
         "model_flops_per_step": model,
         "flops_convention": convention,
@@ -98,7 +100,7 @@ class MetricsLogger:
 
     @classmethod
     def for_run(cls, spec, wrapped_step, state, first_batch, run_dir: Path, total_steps: int,
-                model_flops: flops.TransformerFlops | None = None, goodput: Goodput | None = None,
+                model_flops: flops.ModelFlops | None = None, goodput: Goodput | None = None,
                 resume_after: int | None = None):
         """Analyse (and compile) the step, open the spec's sinks under `run_dir`.
 
@@ -118,7 +120,7 @@ class MetricsLogger:
         self.losses = {s: loss for s, loss in self.losses.items() if s <= step}
 
     def restart(self, spec, wrapped_step, state, batch, first_step: int,
-                model_flops: flops.TransformerFlops | None = None) -> None:
+                model_flops: flops.ModelFlops | None = None) -> None:
         """After a rollback onto another step/mesh: drop the records after `first_step - 1`,
         analyse the new step, time afresh."""
         self.spec, self.first_step = spec, first_step

@@ -1,44 +1,11 @@
-"""Read metrics JSONL runs; summarise them in a terminal table and an HTML page with plots."""
+"""Summarise metrics JSONL runs in a terminal table and an HTML page with plots."""
 from __future__ import annotations
 
 import html
-import json
 import statistics
-import warnings
 from pathlib import Path
 
-from spec_jax.errors import UserInputError
-from spec_jax.metrics.records import SCHEMA_ID
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of one run. A truncated last line (a writer that crashed mid-line) is skipped
-    with a warning; any other bad line, or a record of another format version, is an error."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserInputError(f"metrics file not found: {path}")
-    lines = path.read_text().split("\n")
-    complete_last = lines[-1] == ""  # a file the writer finished ends with a newline
-    lines = lines[:-1] if complete_last else lines
-    records = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) and not complete_last:
-                warnings.warn(f"{path}: line {i} is truncated (an interrupted writer); skipped",
-                              stacklevel=2)
-                continue
-            raise UserInputError(f"{path}: line {i} is not valid JSON") from None
-        if not isinstance(record, dict) or record.get("schema") != SCHEMA_ID:
-            got = record.get("schema") if isinstance(record, dict) else type(record).__name__
-            raise UserInputError(f"{path}: line {i} is not a {SCHEMA_ID} record (schema {got!r})")
-        records.append(record)
-    if not records:
-        raise UserInputError(f"{path}: no metric records")
-    return records
+from spec_jax.core.records import read_jsonl
 
 
 def _median(values):

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from spec_jax.core import scaling
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 from spec_jax.metrics import plots
 
 RESULT = "scaling.json"  # written by `trainspec sweep` into each run directory

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.spec import ModelSpec
+from spec_jax.core.spec import ModelSpec
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block

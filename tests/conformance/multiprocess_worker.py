@@ -51,7 +51,7 @@ def checks(backend):
         dtypes = suite.DTYPES if lay.name == "both" else ["float32"]
         for case in suite.CASES:
             for dtype in dtypes:
-                if not (dtype == "int32" and suite._needs_float(case)):
+                if not (dtype == "int32" and case.needs_float):
                     yield (f"forward {case.id} {dtype} {lay.name}", lay,
                            lambda c=case, d=dtype, l=lay: suite.test_matches_reference(backend, c, d, l))
     for lay in LAYOUTS[:3]:

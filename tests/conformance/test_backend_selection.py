@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from spec_jax import collectives
 from spec_jax.collectives import api
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 
 @pytest.fixture

@@ -1,17 +1,16 @@
 """Conformance suite for spec_jax.collectives: every backend must pass it unchanged.
 
 Run one backend with `pytest tests/conformance -k xla` (or `-k ext`). Each test compiles one
-(op, dtype, shape, layout) program; references and tolerances live in collective_reference.py.
-float64 cases run under a scoped `jax.enable_x64(True)`, so the rest of the test session keeps
-jax's default 32-bit types.
+(op, dtype, shape, layout) program. The layouts, cases, inputs, float64 references and
+tolerances are the spec's (spec_jax.core.conformance, spec_jax.core.collectives_reference);
+this file runs them through jax. float64 cases run under a scoped `jax.enable_x64(True)`, so
+the rest of the test session keeps jax's default 32-bit types.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.util
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,13 @@ import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
-import collective_reference as ref
 from spec_jax import collectives
+from spec_jax.core import collectives_reference as ref
+from spec_jax.core import conformance
+from spec_jax.core.conformance import (
+    CASES, DTYPES, GROUP_ORDER, ILLEGAL, ILLEGAL_MEAN, LAYOUTS, LINEAR_CASES, Layout,
+    expected as _expected,
+)
 
 # ---- backends, layouts, dtypes ----------------------------------------------------------------
 
@@ -32,39 +36,7 @@ BACKENDS = [
     pytest.param("ext", id="ext", marks=pytest.mark.skipif(
         not _EXT_PRESENT, reason="spec_jax/collectives/ext.py does not exist yet")),
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    name: str
-    mesh_shape: tuple[int, ...]
-    mesh_axes: tuple[str, ...]
-    group: tuple[str, ...]  # the axes one collective spans
-
-    @property
-    def axis_name(self):
-        return self.group[0] if len(self.group) == 1 else self.group
-
-    @property
-    def group_dims(self) -> tuple[int, ...]:
-        return tuple(self.mesh_axes.index(a) for a in self.group)
-
-    @property
-    def n(self) -> int:
-        return int(np.prod([self.mesh_shape[d] for d in self.group_dims]))
-
-
-LAYOUTS = [
-    Layout("line8", (8,), ("i",), ("i",)),
-    Layout("rows", (2, 4), ("r", "c"), ("c",)),  # 2 groups: each row of 4
-    Layout("cols", (2, 4), ("r", "c"), ("r",)),  # 4 groups: each column of 2
-    Layout("grid", (2, 4), ("r", "c"), ("r", "c")),  # 1 group of 8, ranked row-major
-    # 6 of the 8 devices, groups of 3: a group size that is not a power of two (mean divides
-    # inexactly, broadcast trees are ragged) and a program that leaves devices out.
-    Layout("rows3", (2, 3), ("r", "c"), ("c",)),
-]
 LAYOUT_PARAMS = [pytest.param(lay, id=lay.name) for lay in LAYOUTS]
-DTYPES = ["float32", "bfloat16", "float16", "float64", "int32"]
 
 
 @functools.cache
@@ -84,62 +56,11 @@ def _host(result) -> np.ndarray:
     return np.asarray(result)
 
 
-# ---- cases: (op, local shape, kwargs), both as functions of the group size n ------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    op: str
-    shape: object  # n -> local shape
-    kwargs: object = lambda n: {}  # n -> op kwargs
-
-    def resolve(self, n):
-        return self.shape(n), self.kwargs(n)
-
-
-def _cases():
-    # Shapes: a scalar or a single-element-per-member operand (the smallest each op allows), and
-    # odd sizes (5, 3) wherever the op does not require divisibility by the group size.
-    for red in collectives.api.ALL_REDUCE_OPS:
-        yield Case(f"all_reduce-{red}-scalar", "all_reduce", lambda n: (), lambda n, r=red: {"op": r})
-        yield Case(f"all_reduce-{red}-5x3", "all_reduce", lambda n: (5, 3), lambda n, r=red: {"op": r})
-    for red in collectives.api.REDUCE_SCATTER_OPS:
-        yield Case(f"reduce_scatter-{red}-n", "reduce_scatter", lambda n: (n,),
-                   lambda n, r=red: {"op": r, "scatter_dimension": 0})
-        yield Case(f"reduce_scatter-{red}-3x2n-dim1", "reduce_scatter", lambda n: (3, 2 * n),
-                   lambda n, r=red: {"op": r, "scatter_dimension": 1})
-    yield Case("all_gather-1", "all_gather", lambda n: (1,), lambda n: {"axis": 0})
-    yield Case("all_gather-5x3-axis1", "all_gather", lambda n: (5, 3), lambda n: {"axis": 1})
-    yield Case("all_to_all-n", "all_to_all", lambda n: (n,),
-               lambda n: {"split_axis": 0, "concat_axis": 0})
-    yield Case("all_to_all-3x2n-split1-concat0", "all_to_all", lambda n: (3, 2 * n),
-               lambda n: {"split_axis": 1, "concat_axis": 0})
-    yield Case("broadcast-scalar-root0", "broadcast", lambda n: (), lambda n: {"root": 0})
-    yield Case("broadcast-5x3-rootlast", "broadcast", lambda n: (5, 3), lambda n: {"root": n - 1})
-    yield Case("permute-scalar-shift", "permute", lambda n: (),
-               lambda n: {"perm": [(i, (i + 1) % n) for i in range(n)]})
-    # Only member 0 receives: every other member must get zeros.
-    yield Case("permute-5x3-one", "permute", lambda n: (5, 3), lambda n: {"perm": [(n - 1, 0)]})
-
-
-CASES = list(_cases())
-LINEAR_CASES = [c for c in CASES if c.resolve(2)[1].get("op") not in ("max", "min")]
-
-
-def _needs_float(case: Case) -> bool:
-    return case.resolve(2)[1].get("op") == "mean"
-
-
 # ---- running a case ---------------------------------------------------------------------------
 
 
 def _inputs(layout: Layout, local_shape, dtype, salt: str) -> np.ndarray:
-    rng = np.random.default_rng(zlib.crc32(f"{layout.name}/{salt}".encode()))
-    shape = layout.mesh_shape + tuple(local_shape)
-    if dtype == "int32":  # small enough that no sum of 8 overflows
-        return rng.integers(-1000, 1000, shape).astype(np.int32)
-    return rng.standard_normal(shape).astype(jnp.dtype(dtype))
+    return conformance.inputs(layout, local_shape, dtype, salt).astype(jnp.dtype(dtype))
 
 
 def _sharded(layout: Layout, fn):
@@ -173,21 +94,10 @@ def _check(out: np.ndarray, expected: np.ndarray, tol, dtype, what: str):
                     f"tolerance {np.broadcast_to(tol, err.shape).flat[i]:.3g}")
 
 
-def _expected(layout, case, dtype, x: np.ndarray):
-    """The float64 (int64) reference result and per-element tolerance, in x's mesh layout."""
-    kwargs = case.resolve(layout.n)[1]
-    wide = x.astype(np.int64 if dtype == "int32" else np.float64)
-    blocks, back = ref.to_groups(wide, len(layout.mesh_shape), layout.group_dims)
-    expected = ref.REFERENCES[case.op](blocks, **kwargs)
-    tol = ref.tolerance(case.op, kwargs, dtype, blocks, expected)
-    return back(expected), back(np.broadcast_to(tol, expected.shape))
-
-
 # ---- forward: every op x dtype x shape x layout -----------------------------------------------
 
-# Mean of integers is not a case but an error (test_rejects_illegal_calls).
 CASE_DTYPES = [pytest.param(c, d, id=f"{c.id}-{d}") for c in CASES for d in DTYPES
-               if not (d == "int32" and _needs_float(c))]
+               if not (d == "int32" and c.needs_float)]
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
@@ -201,12 +111,9 @@ def test_matches_reference(backend, case, dtype, layout):
     _check(out, expected, tol, dtype, f"{backend} {case.id} {dtype} {layout.name}")
 
 
-# A group whose axes are not in mesh order is still ranked row-major in the tuple's order.
-# lax.ppermute numbers such a group in mesh order (jax 0.10.2): the xla backend's permute and
-# broadcast delivered to the wrong members until it translated the ranks (xla._ppermute).
-GROUP_ORDER = Layout("grid_rev", (2, 4), ("r", "c"), ("c", "r"))
-
-
+# lax.ppermute numbers a group whose axes are not in mesh order in mesh order (jax 0.10.2): the
+# xla backend's permute and broadcast delivered to the wrong members until it translated the
+# ranks (xla._ppermute).
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_group_in_non_mesh_order(backend, case):
@@ -232,23 +139,6 @@ def test_16bit_sums_accumulate_in_f32(backend, op, dtype):
 
 # ---- errors at trace time -----------------------------------------------------------------------
 
-ILLEGAL = [  # (op, local shape as a function of n, kwargs as a function of n, message pattern)
-    ("reduce_scatter", lambda n: (n + 1,), lambda n: {}, "not divisible by the group size"),
-    ("reduce_scatter", lambda n: (), lambda n: {}, "out of range"),
-    ("all_to_all", lambda n: (n + 1,), lambda n: {"split_axis": 0, "concat_axis": 0},
-     "not divisible by the group size"),
-    ("all_to_all", lambda n: (n,), lambda n: {"split_axis": 0, "concat_axis": 1}, "out of range"),
-    ("all_gather", lambda n: (), lambda n: {}, "out of range"),
-    ("all_gather", lambda n: (2,), lambda n: {"axis": 1}, "out of range"),
-    ("broadcast", lambda n: (2,), lambda n: {"root": n}, "root must be"),
-    ("permute", lambda n: (2,), lambda n: {"perm": [(0, 1), (2, 1)]}, "destinations must be unique"),
-    ("permute", lambda n: (2,), lambda n: {"perm": [(0, n)]}, "outside"),
-    ("all_reduce", lambda n: (2,), lambda n: {"op": "prod"}, "op must be one of"),
-    ("reduce_scatter", lambda n: (n,), lambda n: {"op": "max"}, "op must be one of"),
-    ("all_reduce", lambda n: (2,), lambda n: {"timeout_s": 0}, "timeout_s must be"),
-]
-
-
 @pytest.mark.parametrize("layout", [LAYOUT_PARAMS[0], LAYOUT_PARAMS[1]])
 @pytest.mark.parametrize("op,shape,kwargs,message", ILLEGAL,
                          ids=[f"{c[0]}-{c[3].split()[0]}-{i}" for i, c in enumerate(ILLEGAL)])
@@ -267,7 +157,7 @@ def test_mean_of_integers_is_rejected(backend, op):
     layout = LAYOUTS[0]
     fn = functools.partial(getattr(collectives, op), axis_name=layout.axis_name, op="mean",
                            backend=backend)
-    with pytest.raises(ValueError, match="needs a floating dtype"):
+    with pytest.raises(ValueError, match=ILLEGAL_MEAN):
         _sharded(layout, fn).lower(np.zeros(layout.mesh_shape + (8,), np.int32))
 
 

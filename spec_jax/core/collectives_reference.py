@@ -1,4 +1,5 @@
-"""NumPy references (float64 / int64) of the six collectives, their adjoints, and tolerances.
+"""The collectives' semantics: NumPy references (float64 / int64) of the six ops, their
+adjoints, and the tolerances an implementation must meet (docs/collectives.md).
 
 A group's inputs are a block array B of shape (G, n, *local): G independent groups of n members,
 member k holding B[:, k]. Each reference returns (G, n, *out_local), member k's result at [:, k].
@@ -6,7 +7,9 @@ member k holding B[:, k]. Each reference returns (G, n, *out_local), member k's 
 from __future__ import annotations
 
 import numpy as np
-import jax.numpy as jnp
+
+ALL_REDUCE_OPS = ("sum", "mean", "max", "min")
+REDUCE_SCATTER_OPS = ("sum", "mean")
 
 
 def to_groups(x: np.ndarray, mesh_ndim: int, group_dims: tuple[int, ...]):
@@ -110,24 +113,28 @@ def adjoint(op: str, kwargs: dict, w: np.ndarray) -> np.ndarray:
 
 UNIT_ROUNDOFF_OF_ACCUMULATOR = {"float32": 2.0**-24, "bfloat16": 2.0**-24, "float16": 2.0**-24,
                                 "float64": 2.0**-53}
+# Floating formats: (explicit mantissa bits, exponent of the smallest normal), IEEE 754 and
+# bfloat16; spelled out so that the reference needs no framework's dtype table.
+FLOAT_FORMATS = {"float64": (52, -1022), "float32": (23, -126), "bfloat16": (7, -126),
+                 "float16": (10, -14)}
 
 
-def ulp(dtype, value: np.ndarray) -> np.ndarray:
-    """One ULP of `dtype` at |value| (subnormal spacing below the smallest normal)."""
-    info = jnp.finfo(dtype)
-    mag = np.maximum(np.abs(value), float(info.smallest_normal))
-    return np.exp2(np.floor(np.log2(mag)) - info.nmant)
+def ulp(dtype: str, value: np.ndarray) -> np.ndarray:
+    """One ULP of `dtype` (a name) at |value| (subnormal spacing below the smallest normal)."""
+    nmant, min_exp = FLOAT_FORMATS[str(dtype)]
+    mag = np.maximum(np.abs(value), np.exp2(min_exp))
+    return np.exp2(np.floor(np.log2(mag)) - nmant)
 
 
-def tolerance(op: str, kwargs: dict, dtype, b: np.ndarray, ref: np.ndarray):
+def tolerance(op: str, kwargs: dict, dtype: str, b: np.ndarray, ref: np.ndarray):
     """Per-element absolute tolerance for `op` on blocks b (0 where the op must be exact)."""
-    dtype = jnp.dtype(dtype)
+    dtype = str(dtype)
     redop = kwargs.get("op", "sum")
-    if not jnp.issubdtype(dtype, jnp.floating) or op not in ("all_reduce", "reduce_scatter") \
+    if dtype not in FLOAT_FORMATS or op not in ("all_reduce", "reduce_scatter") \
             or redop in ("max", "min"):
         return 0.0
     n = b.shape[1]
-    nu = n * UNIT_ROUNDOFF_OF_ACCUMULATOR[dtype.name]
+    nu = n * UNIT_ROUNDOFF_OF_ACCUMULATOR[dtype]
     abs_sum = reduce_scatter(np.abs(b), kwargs["scatter_dimension"]) if op == "reduce_scatter" \
         else all_reduce(np.abs(b))
     return nu / (1 - nu) * abs_sum / (n if redop == "mean" else 1) + ulp(dtype, ref)

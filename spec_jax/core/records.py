@@ -1,5 +1,6 @@
-"""The metrics record format (versioned) and its JSON Schema, committed as docs/metrics.schema.json.
+"""The metrics record format (versioned), its JSON Schema, and the JSONL writer and reader.
 
+The schema is committed as docs/metrics.schema.json (`python -m spec_jax.core.schema metrics`).
 One record per metrics interval, one JSON object per line. `schema` names the format and its
 version; a reader MUST check it. Fields whose value is unknown on a backend are null, never
 absent, so that every record of a version has the same keys.
@@ -8,7 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
+from pathlib import Path
 from typing import Any
+
+from spec_jax.core.errors import UserInputError
 
 SCHEMA_ID = "trainspec.metrics/1"
 
@@ -95,3 +101,71 @@ def finite_or_none(value):
         return None
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+class JsonlWriter:
+    """One record per line, flushed per record: a crash loses at most the line being written
+    (`read_jsonl` skips a truncated last line)."""
+
+    def __init__(self, path: Path, append: bool = False):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        # Always append mode, so that writes follow a `rewind`; a new run starts empty.
+        self._file = open(path, "a")
+        if not append:
+            self._file.truncate(0)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def rewind(self, step: int) -> dict[int, float]:
+        """Cut the file after the last record at or before `step`, in place: the file is open
+        in append mode, so the next record is written at the new end."""
+        kept, losses = 0, {}
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line torn by a kill: drop it and what follows
+                    break
+                if record.get("step", 0) > step:
+                    break
+                kept += len(line)
+                if record.get("loss") is not None:
+                    losses[record["step"]] = record["loss"]
+        os.truncate(self.path, kept)
+        return losses
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of one run. A truncated last line (a writer that crashed mid-line) is skipped
+    with a warning; any other bad line, or a record of another format version, is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserInputError(f"metrics file not found: {path}")
+    lines = path.read_text().split("\n")
+    complete_last = lines[-1] == ""  # a file the writer finished ends with a newline
+    lines = lines[:-1] if complete_last else lines
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) and not complete_last:
+                warnings.warn(f"{path}: line {i} is truncated (an interrupted writer); skipped",
+                              stacklevel=2)
+                continue
+            raise UserInputError(f"{path}: line {i} is not valid JSON") from None
+        if not isinstance(record, dict) or record.get("schema") != SCHEMA_ID:
+            got = record.get("schema") if isinstance(record, dict) else type(record).__name__
+            raise UserInputError(f"{path}: line {i} is not a {SCHEMA_ID} record (schema {got!r})")
+        records.append(record)
+    if not records:
+        raise UserInputError(f"{path}: no metric records")
+    return records

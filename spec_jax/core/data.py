@@ -1,8 +1,9 @@
-"""The embedded default corpus: the Python standard library's own source, read as bytes.
+"""The default job's data: the Python standard library's own source, read as bytes.
 
 It needs no download and is the same on every machine with the same Python. Batches are a
 pure function of (seed, step): any process can compute exactly its own shard of any step, which
-is what resuming on another device count, or on several hosts, needs.
+is what resuming on another device count, or on several hosts, needs; and every implementation
+(any framework) trains on the same data order.
 """
 from __future__ import annotations
 

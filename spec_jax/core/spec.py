@@ -5,7 +5,7 @@ message) and the JSON Schema committed as docs/spec.schema.json. docs/spec.md st
 fields normatively; tests/test_spec.py fails when the committed schema and this module drift.
 
 Checks that need the device count (inferred axis sizes, batch divisibility by the data axes)
-live in mesh.py, because only there is the device count known.
+live in core/mesh.py, because only there is the device count known.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 SPEC_VERSION = 1
 ROLES = ("data", "fsdp", "tensor")
@@ -364,7 +364,7 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-DEFAULT_SPEC_PATH = Path(__file__).with_name("default.toml")
+DEFAULT_SPEC_PATH = Path(__file__).parents[1] / "default.toml"  # the default job's spec
 
 
 def default_spec() -> Spec:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from spec_jax.core.health import outlier_threshold
+
 BADPUT = ("initialization", "compilation", "data_loading", "checkpoint_save",
           "checkpoint_restore", "lost_progress", "slow_steps", "other")
 
@@ -20,9 +22,8 @@ def ideal_step_time(step_times: list[float]) -> float | None:
     """Mean of the step times <= median + 3 MAD (outliers such as warm-up steps excluded)."""
     if not step_times:
         return None
-    median = statistics.median(step_times)
-    mad = statistics.median(abs(t - median) for t in step_times)
-    kept = [t for t in step_times if t <= median + 3 * mad]
+    limit = outlier_threshold(step_times, k=3)
+    kept = [t for t in step_times if t <= limit]
     return statistics.fmean(kept)
 
 
