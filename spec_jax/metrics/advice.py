@@ -14,7 +14,7 @@ from pathlib import Path
 from spec_jax.core.advice import Layout, TradeOff, recommend_layout, trend
 from spec_jax.core.errors import UserInputError
 from spec_jax.metrics import plots
-from spec_jax.mesh import resolve_mesh
+from spec_jax.core.mesh import resolve_mesh
 from spec_jax.core.records import read_jsonl
 from spec_jax.core.spec import Spec
 
