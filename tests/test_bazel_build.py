@@ -80,9 +80,11 @@ def test_bazel_module_computes_the_fingerprint(bazel_module):
 
 
 def test_bazel_compiles_the_sources_cmake_compiles():
-    """BUILD mirrors xla_ext/CMakeLists.txt (checked without bazel, so drift shows everywhere)."""
-    cmake = (ROOT / "xla_ext" / "CMakeLists.txt").read_text()
-    cmake_list = re.search(r"set\(XLA_EXT_CPU_SOURCES(.*?)\)", cmake, re.S).group(1)
-    in_cmake = set(re.findall(r"[\w/]+\.cc", cmake_list))
-    in_bazel = set(re.findall(r'"xla_ext/([\w/]+\.cc)"', (ROOT / "BUILD").read_text()))
-    assert in_bazel == in_cmake
+    """BUILD mirrors xla_ext's CMake files (checked without bazel, so drift shows everywhere)."""
+    xla_ext_dir = ROOT / "xla_ext"
+    cmake = "".join(p.read_text() for p in [xla_ext_dir / "CMakeLists.txt",
+                                            *sorted(xla_ext_dir.glob("*.cmake"))])
+    source_lists = re.findall(r"set\(\w+_SOURCES(.*?)\)", cmake, re.S)
+    in_cmake = {name for block in source_lists for name in re.findall(r"(\w+\.cc)", block)}
+    in_bazel = set(re.findall(r'"xla_ext/(\w+\.cc)"', (ROOT / "BUILD").read_text()))
+    assert in_cmake and in_bazel == in_cmake
