@@ -16,10 +16,7 @@ import os
 import jax
 
 from spec_jax.core.errors import UserInputError
-
-COORDINATOR = "TRAINSPEC_COORDINATOR"
-NUM_PROCESSES = "TRAINSPEC_NUM_PROCESSES"
-PROCESS_ID = "TRAINSPEC_PROCESS_ID"
+from spec_jax.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID  # noqa: F401 (re-exported)
 CLUSTER = "TRAINSPEC_CLUSTER"
 INIT_TIMEOUT = "TRAINSPEC_INIT_TIMEOUT_S"
 

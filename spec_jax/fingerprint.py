@@ -1,22 +1,19 @@
 """Per-shard fingerprints: a bit-exact, order-independent checksum of an array's bytes.
 
 `fingerprint(x)` runs the xla_ext custom call on the device that holds `x` (under `shard_map`,
-on each shard) and returns two uint32 words. `fingerprint_reference` is the NumPy definition the
-handler must match bit for bit (see xla_ext/fingerprint.cc for why the sum makes it
-order-independent).
+on each shard) and returns two uint32 words. `fingerprint_reference`
+(spec_jax/core/fingerprint.py) is the NumPy definition the handler must match bit for bit.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spec_jax import xla_ext
+from spec_jax.core.fingerprint import fingerprint_reference  # noqa: F401 (the definition)
 
 TARGET = "trainspec_fingerprint"
 assert TARGET in xla_ext.TARGETS
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def fingerprint(x: jax.Array) -> jax.Array:
@@ -26,23 +23,3 @@ def fingerprint(x: jax.Array) -> jax.Array:
         TARGET, jax.ShapeDtypeStruct((2,), jnp.uint32), vmap_method="sequential"
     )
     return call(x)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def fingerprint_reference(x) -> np.ndarray:
-    """NumPy reference of `fingerprint`: uint32[2] for the C-order bytes of `x`."""
-    raw = np.ascontiguousarray(np.asarray(x)).view(np.uint8).reshape(-1)
-    nbytes = raw.size
-    padded = np.zeros(-(-nbytes // 8) * 8, np.uint8)
-    padded[:nbytes] = raw
-    words = padded.view("<u8")
-    index = np.arange(1, words.size + 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        total = np.sum(_mix64(words ^ (index * _GOLDEN)), dtype=np.uint64)
-        h = _mix64(np.atleast_1d(total ^ _mix64(np.atleast_1d(np.uint64(nbytes) + _GOLDEN))))[0]
-    return np.array([h & np.uint64(0xFFFFFFFF), h >> np.uint64(32)], dtype=np.uint32)

@@ -1,7 +1,8 @@
-"""Start N local processes of one command as a jax.distributed job, and keep them together.
+"""Start N local processes of one command as a distributed job, and keep them together.
 
-Each child gets TRAINSPEC_COORDINATOR / TRAINSPEC_NUM_PROCESSES / TRAINSPEC_PROCESS_ID (see
-distributed.py). Output lines are prefixed with the rank. If one child fails, the others are
+Each child gets TRAINSPEC_COORDINATOR / TRAINSPEC_NUM_PROCESSES / TRAINSPEC_PROCESS_ID, which
+both implementations join from (spec_jax/distributed.py for JAX, spec_jax/adapters/torch.py).
+This module imports no framework. Output lines are prefixed with the rank. If one child fails, the others are
 stopped (SIGTERM, then SIGKILL after a grace period), so a job never outlives a dead rank: with
 a peer gone the survivors would otherwise block in their next collective until a timeout.
 SIGINT/SIGTERM to the launcher are forwarded. Children die with the launcher (PR_SET_PDEATHSIG)
@@ -19,7 +20,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from spec_jax import distributed
+# The job description every rank reads (framework-neutral: no framework is imported here).
+COORDINATOR = "TRAINSPEC_COORDINATOR"
+NUM_PROCESSES = "TRAINSPEC_NUM_PROCESSES"
+PROCESS_ID = "TRAINSPEC_PROCESS_ID"
 
 _PR_SET_PDEATHSIG = 1
 
@@ -55,9 +59,9 @@ class Launch:
     def _env(self, rank: int) -> dict[str, str]:
         return {
             **os.environ,
-            distributed.COORDINATOR: f"127.0.0.1:{self.port}",
-            distributed.NUM_PROCESSES: str(self.nprocs),
-            distributed.PROCESS_ID: str(rank),
+            COORDINATOR: f"127.0.0.1:{self.port}",
+            NUM_PROCESSES: str(self.nprocs),
+            PROCESS_ID: str(rank),
             "PYTHONUNBUFFERED": "1",
         }
 

@@ -11,7 +11,8 @@ import sys
 
 from spec_jax.core.errors import UserInputError
 
-SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling")
+SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling",
+                      "conformance")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse's --help and usage errors: return, don't raise
         return int(exit_.code or 0)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to start ranks of the same command
     try:
         return args.func(args) or 0
     except UserInputError as err:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
+from spec_jax.errors import UserInputError
 
 
 def register(subparsers) -> None:
@@ -26,6 +27,11 @@ def register(subparsers) -> None:
                    help="device ids not to use (added to mesh.exclude_devices); the mesh shrinks "
                    "to the largest that still satisfies the spec")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--framework", choices=("jax", "torch"), default="jax",
+                   help="implementation that trains (default jax; torch: docs/adapters.md)")
+    p.add_argument("--nprocs", type=_positive_int,
+                   help="torch: ranks to start when not already one rank of a job (default 4 "
+                   "on CPU, one per GPU)")
     p.set_defaults(func=run)
 
 
@@ -47,6 +53,13 @@ def _device_ids(text: str) -> list[int]:
 
 
 def run(args) -> int:
+    if args.framework == "torch":
+        from spec_jax.cli.train_torch import run as run_torch
+
+        return run_torch(args)
+    if args.nprocs is not None:
+        raise UserInputError("--nprocs: only with --framework torch (JAX jobs start their "
+                             "processes with `trainspec launch`)")
     ensure_host_devices(args.host_devices)
     from spec_jax.distributed import initialize_from_env
 
@@ -78,11 +91,11 @@ def run(args) -> int:
     from spec_jax.distributed import is_writer
 
     if is_writer():  # once per job, not once per process
-        _print_summary(summary)
+        print_summary(summary)
     return 0
 
 
-def _print_summary(summary: dict) -> None:
+def print_summary(summary: dict) -> None:
     mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
     print(
         f"\ntrained {summary['steps']} steps on mesh {mesh} "

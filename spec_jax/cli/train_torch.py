@@ -1,0 +1,66 @@
+"""`trainspec train --framework torch`: the same job on PyTorch (spec_jax/adapters/torch_*).
+
+Run alone, it checks the spec for the ranks it will start, then starts them through the same
+launcher as `trainspec launch` (each rank runs this command again and joins the job); run as
+one rank of a job (`trainspec launch`, torchrun), it trains as that rank.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from spec_jax.core.errors import UserInputError
+
+DEFAULT_CPU_RANKS = 4
+
+
+def _check_flags(args) -> None:
+    if args.host_devices is not None:
+        raise UserInputError("--host-devices: a JAX flag; torch runs one device per rank "
+                             "(set the ranks with --nprocs)")
+    if args.exclude_devices:
+        raise UserInputError("--exclude-devices: the torch implementation cannot leave ranks "
+                             "out of a job; start fewer ranks with --nprocs")
+
+
+def run(args) -> int:
+    from spec_jax.adapters.torch import launched, rank_from_env
+    from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
+
+    _check_flags(args)
+    spec_path = args.spec or DEFAULT_SPEC_PATH
+    spec = load_spec(Path(spec_path), args.overrides)
+    if not launched():
+        return _start_ranks(args, spec)
+    if args.nprocs is not None:
+        raise UserInputError("--nprocs: this process is already one rank of a job")
+    from spec_jax.adapters.torch_train import run as train
+    from spec_jax.core.health import HealthHalt
+
+    try:
+        summary = train(spec, args.run_dir, steps=args.steps, spec_label=str(spec_path),
+                        progress=not args.quiet, summary_json=args.summary_json)
+    except HealthHalt as halt:
+        print(f"trainspec: halted: {halt}", file=sys.stderr)
+        return 3
+    if rank_from_env() == 0:
+        from spec_jax.cli.train import print_summary
+
+        print_summary(summary)
+    return 0
+
+
+def _start_ranks(args, spec) -> int:
+    import torch
+
+    from spec_jax.adapters.torch_step import check_spec
+    from spec_jax.launch import run as launch
+
+    nprocs = args.nprocs or (torch.cuda.device_count() or DEFAULT_CPU_RANKS)
+    check_spec(spec, nprocs)  # bad input: one line here, not one per rank
+    argv = list(args.argv)
+    if "--nprocs" in argv:  # the ranks join; they do not start ranks of their own
+        i = argv.index("--nprocs")
+        del argv[i: i + 2]
+    argv = [a for a in argv if not a.startswith("--nprocs=")]
+    return launch([sys.executable, "-m", "spec_jax.cli.main", *argv], nprocs)
