@@ -36,6 +36,9 @@ TINY = ["model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=
         "batch.seq_len=16", "batch.global_batch=32", "metrics.interval=1",
         "optimizer.warmup_steps=0", "checkpoint.interval=0"]
 STEP_RTOL, STEP_ATOL = 1e-5, 1e-7  # float32 steps whose sums differ in order only
+# `--quick`: a group of all 8 and groups of 3 of 6 devices; a 32-bit float, a 16-bit float
+# (accumulated in float32) and an integer.
+QUICK_LAYOUTS, QUICK_DTYPES = ("grid", "rows3"), ("float32", "bfloat16", "int32")
 # Layouts of one step compared with the data layout (any device count divisible by 4).
 LAYOUTS = {
     "fsdp": ["mesh.axes.data.size=1", "mesh.axes.fsdp.size=-1"],
@@ -97,11 +100,14 @@ def _collective(adapter: Adapter, layout, case, dtype: str, x=None) -> str | Non
     return None
 
 
-def _collective_rows(adapter: Adapter) -> list[Row]:
+def _collective_rows(adapter: Adapter, quick: bool) -> list[Row]:
     rows = {op: Row(op) for op in dict.fromkeys(c.op for c in cases.CASES)}
-    for layout in cases.LAYOUTS + [cases.GROUP_ORDER]:
+    layouts = cases.LAYOUTS + [cases.GROUP_ORDER]
+    if quick:
+        layouts = [lay for lay in layouts if lay.name in QUICK_LAYOUTS]
+    for layout in layouts:
         for case in cases.CASES:
-            for dtype in cases.DTYPES:
+            for dtype in QUICK_DTYPES if quick else cases.DTYPES:
                 if dtype == "int32" and case.needs_float:
                     continue
                 problem = _collective(adapter, layout, case, dtype)
@@ -206,8 +212,9 @@ def _records_row(adapter: Adapter) -> Row:
     return Row(**verdict)
 
 
-def run(adapter: Adapter) -> list[Row]:
-    return [*_collective_rows(adapter), _special_row(adapter), _illegal_row(adapter),
+def run(adapter: Adapter, quick: bool = False) -> list[Row]:
+    """Every family's row; `quick` runs the collectives on QUICK_LAYOUTS and QUICK_DTYPES only."""
+    return [*_collective_rows(adapter, quick), _special_row(adapter), _illegal_row(adapter),
             _guarantee_row(adapter),
             *_step_rows(adapter), _records_row(adapter)]
 

@@ -71,11 +71,15 @@ def test_jax_runs_share_initial_parameters(runs):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_torch_follows_jax(runs, layout):
     jax_losses, torch_losses = runs
-    np.testing.assert_allclose(torch_losses[layout], jax_losses[layout], rtol=RTOL)
+    got, want = np.asarray(torch_losses[layout]), np.asarray(jax_losses[layout])
+    print(f"{layout}: largest relative difference {np.max(np.abs(got - want) / np.abs(want)):.2e}")
+    np.testing.assert_allclose(got, want, rtol=RTOL)
 
 
 def test_mean_of_micro_batch_means_misses_the_tolerance(runs):
     jax_losses, torch_losses = runs
     wrong = np.asarray(torch_losses["mean_of_means"])
     want = np.asarray(jax_losses["accumulation"])
-    assert np.max(np.abs(wrong - want) / np.abs(want)) > 10 * RTOL
+    difference = np.max(np.abs(wrong - want) / np.abs(want))
+    print(f"mean of micro-batch means: largest relative difference {difference:.2e}")
+    assert difference > 10 * RTOL
