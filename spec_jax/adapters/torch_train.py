@@ -36,7 +36,8 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
                 "memory_peak_bytes", "memory_argument_bytes", "memory_output_bytes",
                 "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
                 "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
-                "comm_bus_bytes_per_step")
+                "comm_bus_bytes_per_step", "gns_source", "gns_grad_sq", "gns_trace", "gns")
+GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise scale"
 
 
 class TorchSession:
@@ -90,6 +91,7 @@ class TorchSession:
             "peak_flops_per_device": peak.flops_per_device,
             "peak_flops_source": peak.source,
             "n_devices": self.adapter.process_count,
+            "batch_tokens": flops.tokens_per_step(spec),
             **dict.fromkeys(NOT_MEASURED),
             "comm_bytes_by_kind": {},
             "comm_bytes_by_axis": {},
@@ -231,6 +233,7 @@ class TorchSession:
             "model_flops_per_step": facts["model_flops_per_step"],
             "memory_peak_bytes": None, "comm_bytes_per_step": None, "compile_time_s": None,
             "goodput": gp["goodput"], "badput_s": gp["badput_s"],
+            "gns": None, "gns_not_measured": GNS_NOT_MEASURED,
             "steps": self.steps, "resumed_from": self.start,
             "last_checkpoint": self.ckpt.last_saved, "rollbacks": [], "excluded_devices": [],
             "skipped_steps": self.skipped_before + int(self.guard["skipped"]),
