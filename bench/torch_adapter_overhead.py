@@ -23,7 +23,7 @@ from spec_jax.adapters.torch import TorchAdapter
 from spec_jax.adapters.torch_model import Transformer, next_token_loss
 from spec_jax.adapters.torch_step import TorchStep
 from spec_jax.core.spec import default_spec, load_spec
-from spec_jax.data import ByteBatches
+from spec_jax.core.data import ByteBatches
 
 
 def main(rounds: int = 5, round_steps: int = 10) -> None:

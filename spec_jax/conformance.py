@@ -29,7 +29,7 @@ from spec_jax.adapters.base import GUARANTEES, Adapter
 from spec_jax.core import conformance as cases
 from spec_jax.core.records import json_schema, read_jsonl
 from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
-from spec_jax.data import ByteBatches
+from spec_jax.core.data import ByteBatches
 
 # The tiny reference job of the step families (seconds on a CPU).
 TINY = ["model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=4",

@@ -20,7 +20,7 @@ from spec_jax.adapters.torch_model import Transformer, from_flax, next_token_los
 from spec_jax.adapters.torch_step import TorchStep
 from spec_jax.conformance import ragged_batch
 from spec_jax.core.spec import load_spec
-from spec_jax.data import ByteBatches
+from spec_jax.core.data import ByteBatches
 
 
 class MeanOfMicroBatchMeans(TorchStep):

@@ -26,9 +26,9 @@ from spec_jax.core.health import (
     HealthHalt, ReplicaMismatch, StragglerDetector, check_nan_guard, init_nan_guard, nan_guard_step,
     odd_copies)
 from spec_jax.core.spec import Spec
-from spec_jax.data import ByteBatches
+from spec_jax.core.data import ByteBatches
 from spec_jax.models.transformer_flops import TransformerFlops
-from spec_jax.run_files import drop_records_after, recorded_losses, write_json_atomically
+from spec_jax.run_files import write_json_atomically
 
 # Record fields that PyTorch's eager execution does not measure (no compiled program to
 # analyse): null, as the record format prescribes for an unknown value.
@@ -65,10 +65,9 @@ class TorchSession:
         self.data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
         self.rows = self.job.rows()
         self.metrics_path = run_dir / spec.metrics.path
-        if self.writer:
-            drop_records_after(self.metrics_path, self.step)
-        self.losses = recorded_losses(self.metrics_path) if self.writer else {}
-        self.sink = records.JsonlWriter(self.metrics_path, append=True) if self.writer else None
+        # Process 0 writes; a resumed run keeps the records up to its step (and their losses).
+        self.sink = adapter.open_metrics(self.metrics_path, append=meta is not None)
+        self.losses = self.sink.rewind(self.step) if self.sink else {}
         self.stragglers = StragglerDetector(
             spec.health.stragglers, [f"rank {r}" for r in range(adapter.process_count)])
         self.facts = self._static_fields()
