@@ -1,0 +1,78 @@
+"""The torch step in one process (a one-rank job): the learning rate follows optax's schedule,
+the non-finite policy skips then halts with the last good state checkpointed, and 16-bit
+compute runs. Multi-rank behaviour is in test_torch_train.py and test_torch_equality.py."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from spec_jax.adapters.torch import TorchAdapter
+from spec_jax.adapters.torch_step import learning_rate
+from spec_jax.adapters.torch_train import TorchSession
+from spec_jax.core.health import HealthHalt
+from spec_jax.train import make_optimizer
+from tiny import tiny_spec
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    adapter = TorchAdapter()
+    adapter.join()  # no launcher in the environment: a job of one rank
+    yield adapter
+    adapter.leave()
+
+
+@pytest.mark.parametrize("warmup,total", [(2, 20), (10, 60), (0, 5), (30, 10)])
+def test_learning_rate_is_the_jax_optimizers(warmup, total):
+    """make_optimizer's SGD (momentum 0.9) fed a constant gradient 1: update n is
+    -lr(n) * trace(n) with trace(n) = sum of 0.9^i, so its learning rate can be read back."""
+    spec = tiny_spec(f"optimizer.warmup_steps={warmup}", "optimizer.name=sgd")
+    tx = make_optimizer(spec, total)
+    params = {"w": np.zeros(())}
+    state = tx.init(params)
+    trace = 0.0
+    for count in range(total + 3):
+        updates, state = tx.update({"w": np.ones(())}, state, params)
+        trace = 1.0 + 0.9 * trace
+        jax_lr = -float(updates["w"]) / trace
+        assert math.isclose(learning_rate(spec.optimizer, total, count), jax_lr,
+                            rel_tol=1e-5, abs_tol=1e-9), count
+
+
+def _poison(session):
+    with torch.no_grad():
+        session.job.model.head.weight.fill_(float("nan"))
+
+
+def test_nonfinite_steps_are_skipped_then_halt(tmp_path, adapter):
+    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=2", "health.nan.policy=skip",
+                     "health.nan.max_consecutive_skips=2")
+    session = TorchSession(spec, tmp_path, 6, adapter, progress=False)
+    before = {k: v.clone() for k, v in session.job.optimizer.state_dict()["state"].items()}
+    _poison(session)
+    with pytest.raises(HealthHalt, match="at step 3"):
+        session.train()
+    # steps 1-3 non-finite and dropped (no update, no optimizer state); the third is one too
+    # many in a row: halted, with the state after step 2 checkpointed
+    assert int(session.guard["skipped"]) == 3 and session.job.updates == 0
+    assert session.job.optimizer.state_dict()["state"] == before == {}
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+def test_halt_policy_stops_at_the_first_nonfinite_step(tmp_path, adapter):
+    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0", "health.nan.policy=halt")
+    session = TorchSession(spec, tmp_path, 4, adapter, progress=False)
+    _poison(session)
+    with pytest.raises(HealthHalt, match="step 1"):
+        session.train()
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+def test_sixteen_bit_compute_learns(tmp_path, adapter, compute):
+    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0", f"precision.compute={compute}",
+                     "optimizer.warmup_steps=1")
+    session = TorchSession(spec, tmp_path, 8, adapter, progress=False)
+    assert session.job.model.head.compute == getattr(torch, compute)
+    session.train()
+    assert session.losses[8] < session.losses[1] - 0.2, session.losses
