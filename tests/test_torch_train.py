@@ -93,6 +93,18 @@ def test_resumes_on_another_world_size(tmp_path, reference):
     np.testing.assert_allclose([got[s] for s in resumed], [want[s] for s in resumed], rtol=1e-5)
 
 
+def test_a_corrupted_replica_is_found_and_halts(tmp_path):
+    """A bit flipped in rank 1's copy of a parameter: the fingerprint vote over the 3 data
+    replicas names rank 1, and the job stops with exit 3 and one line."""
+    env = {**os.environ, "TRAINSPEC_FAULTS": '{"bitflip": [2, 1]}'}
+    sets = ["--set", "batch.global_batch=12", "--set", "batch.micro_batch=12",
+            "--set", "health.fingerprints.interval=1"]
+    result = subprocess.run(_cmd(tmp_path, *sets, nprocs=3, steps=4), capture_output=True,
+                            text=True, cwd=ROOT, timeout=600, env=env)
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "replica fingerprints differ after step 2: embedding on ranks [1]" in result.stdout
+
+
 @pytest.mark.parametrize("extra,field", [
     (["--set", "layout.rules.embed=[]"], "layout.rules"),
     (["--set", "remat.policy=full"], "remat.policy"),

@@ -8,6 +8,8 @@ state machine) is applied per step, and nothing is compiled (`compile_time_s` is
 """
 from __future__ import annotations
 
+import json
+import os
 import struct
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
                 "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
                 "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
                 "comm_bus_bytes_per_step", "gns_source", "gns_grad_sq", "gns_trace", "gns")
+FAULTS_ENV = "TRAINSPEC_FAULTS"  # the JAX loop's fault-injection hook (spec_jax/health/faults.py)
 GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise scale"
 
 
@@ -62,6 +65,7 @@ class TorchSession:
         self.job.updates = meta["updates"] if meta else 0
         self.skipped_before = meta["skipped_steps"] if meta else 0
         self.guard = init_nan_guard(self.step)
+        self.faults = json.loads(os.environ.get(FAULTS_ENV, "{}"))
         self.data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
         self.rows = self.job.rows()
         self.metrics_path = run_dir / spec.metrics.path
@@ -103,9 +107,10 @@ class TorchSession:
             while self.step < self.steps:
                 self.step += 1
                 t0 = time.perf_counter()
-                batch = self.data.batch(self.step - 1, self.rows)
+                batch = self._faulty(self.data.batch(self.step - 1, self.rows))
                 waited = time.perf_counter() - t0
                 metrics = self.job(batch, apply=self._take)
+                self._flip_bit_if_asked()
                 self.times.append((self.step, time.perf_counter() - t0))
                 self._after_step(metrics, waited)
                 if self._fingerprint_due() or self.ckpt.due(self.step, self.steps):
@@ -122,6 +127,22 @@ class TorchSession:
             self.bar.close()
             if self.sink:
                 self.sink.close()
+
+    def _faulty(self, batch: dict) -> dict:
+        """Test hook, as the JAX loop's: a NaN mask at the steps TRAINSPEC_FAULTS names."""
+        if self.step in self.faults.get("nan_steps", ()):
+            return {**batch, "mask": np.full_like(batch["mask"], np.nan)}
+        return batch
+
+    def _flip_bit_if_asked(self) -> None:
+        """Test hook: TRAINSPEC_FAULTS `bitflip` [step, rank] flips bit 20 of the first
+        element of that rank's copy of the first parameter after that step (a silent data
+        corruption for the fingerprint check to find)."""
+        flip = self.faults.get("bitflip")
+        if flip and flip == [self.step, self.adapter.process_index]:
+            with torch.no_grad():
+                first = local_block(self.job.params[0]).view(-1)[:1]
+                first.view(torch.int32).bitwise_xor_(1 << 20)
 
     def _fingerprint_due(self) -> bool:
         n = self.spec.health.fingerprints.interval
