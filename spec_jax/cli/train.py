@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
-from spec_jax.errors import UserInputError
+from spec_jax.cli.summary import print_summary
+from spec_jax.core.errors import UserInputError
 
 
 def register(subparsers) -> None:
@@ -93,32 +94,3 @@ def run(args) -> int:
     if is_writer():  # once per job, not once per process
         print_summary(summary)
     return 0
-
-
-def print_summary(summary: dict) -> None:
-    mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
-    print(
-        f"\ntrained {summary['steps']} steps on mesh {mesh} "
-        f"({summary['accumulation_steps']} micro-batches per step)\n"
-        f"  loss           {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}\n"
-        f"  tokens/s       {summary['tokens_per_s']:.0f}\n"
-        f"  step time      {summary['step_time_s'] * 1e3:.1f} ms (mean, compile excluded)\n"
-        f"  MFU            {_percent(summary.get('mfu'))} (docs/metrics.md; "
-        f"compile {summary.get('compile_time_s') or 0:.1f} s, goodput {_percent(summary.get('goodput'))})\n"
-        f"  GNS            {_gns(summary)}\n"
-        f"  spec           {summary['spec']}\n"
-        f"  metrics        {summary['metrics_file']}"
-    )
-
-
-
-def _gns(summary: dict) -> str:
-    if summary.get("gns_not_measured"):
-        return f"not measured: {summary['gns_not_measured']}"
-    if summary.get("gns") is None:
-        return "- (no positive |G|^2 estimate yet)"
-    return f"{summary['gns']:.0f} tokens (B_simple; `trainspec advise` reads it)"
-
-
-def _percent(value) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"

@@ -44,7 +44,7 @@ def run(args) -> int:
         print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3
     if rank_from_env() == 0:
-        from spec_jax.cli.train import print_summary
+        from spec_jax.cli.summary import print_summary
 
         print_summary(summary)
     return 0
