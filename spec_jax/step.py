@@ -125,10 +125,17 @@ def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | Non
 
 
 class WrappedStep:
-    """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`."""
+    """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`.
 
-    def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None):
+    `nan_guard` (default on): the step applies `spec.health.nan` on device: an update whose loss
+    or gradients are not finite is dropped (state and `state.step` stay as they were), the
+    metrics gain `nonfinite` and `skipped_steps`, and `check_nonfinite()` raises HealthHalt when
+    the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
+    """
+
+    def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None, *, nan_guard: bool = True):
         self.step_fn, self.spec = step_fn, spec
+        self.nan_guard = nan_guard
         self.mesh = mesh if mesh is not None else build_mesh(spec)
         self.rules = layout.flax_rules(spec)
         resolved = resolve_mesh(spec, self.mesh.devices.size)
@@ -147,7 +154,7 @@ class WrappedStep:
         self.state_shardings = None
         self._jitted = None
         self._compiled = None  # set by compile(): the executable that then runs every step
-        self.guard = None  # health.nan guard record, carried from step to step on device
+        self.guard = None  # the nan_guard's record, carried from step to step on device
         # Metrics of the steps still running, oldest first (only for custom-call backends).
         self._in_flight: collections.deque | None = (
             collections.deque() if spec.collectives.backend != "xla" else None)
@@ -201,6 +208,8 @@ class WrappedStep:
 
         def guarded_step(state, guard, batch):  # health.nan: decided on device, no host sync
             new_state, metrics = fn(state, batch)
+            if not self.nan_guard:
+                return new_state, guard, metrics
             return nan_guard.guarded(policy, guard, state, new_state, metrics)
 
         return jax.jit(
@@ -212,7 +221,15 @@ class WrappedStep:
 
     def reset_guard(self, step: int = 0) -> None:
         """Start the non-finite guard afresh, `step` steps into the run (after a restore)."""
-        self.guard = jax.device_put(nan_guard.init_guard(step), NamedSharding(self.mesh, P()))
+        record = nan_guard.init_guard(step) if self.nan_guard else {}
+        self.guard = jax.device_put(record, NamedSharding(self.mesh, P()))
+
+    def check_nonfinite(self) -> int:
+        """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped
+        since `reset_guard` (0 without the guard). Reads the small guard record only."""
+        if not self.nan_guard or self.guard is None:
+            return 0
+        return nan_guard.check(self.spec.health.nan, self.guard)
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps
@@ -311,6 +328,18 @@ class WrappedStep:
         with self.context():
             return self._jitted.lower(state, self.guard, batch)
 
+    def lower_for_cost_analysis(self, state, batch):
+        """The step lowered as one micro-batch of the whole global batch: the same arithmetic
+        without the accumulation loop, whose body XLA's cost analysis would count only once.
+        Uses this step's state shardings; compiles nothing."""
+        if self.spec.batch.accumulation_steps == 1:
+            return self.lower(state, batch)
+        one_pass = self.spec.model_copy(update={
+            "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch})})
+        flat = WrappedStep(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
+        flat.state_pspecs, flat.state_shardings = self.state_pspecs, self.state_shardings
+        return flat.lower(state, batch)
+
     def compile(self, state, batch):
         """Compile the step for these arguments and run that executable from now on.
 
@@ -342,6 +371,6 @@ class WrappedStep:
         return state, metrics
 
 
-def wrap(step_fn, spec: Spec, mesh: Mesh | None = None) -> WrappedStep:
+def wrap(step_fn, spec: Spec, mesh: Mesh | None = None, *, nan_guard: bool = True) -> WrappedStep:
     """Apply `spec` to `step_fn`, a plain step or a `loss_step(loss_fn)`. See WrappedStep."""
-    return WrappedStep(step_fn, spec, mesh)
+    return WrappedStep(step_fn, spec, mesh, nan_guard=nan_guard)

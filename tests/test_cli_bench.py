@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from spec_jax.cli.main import main
-from spec_jax.collectives import bench
+from spec_jax.tools import collectives_bench as bench
 
 HAS_EXT = importlib.util.find_spec("spec_jax.collectives.ext") is not None
 BACKENDS = "xla,ext" if HAS_EXT else "xla"

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from spec_jax.core.health import HealthHalt
-from spec_jax.health import nan as nan_guard
 from spec_jax.train import build_job
 
 from tiny import tiny_spec
@@ -32,7 +31,7 @@ def test_skip_drops_the_update_and_counts_it():
     s3, m = job.step(s2, job.data.batch(2))  # training goes on, finite
     assert int(m["nonfinite"]) == 0 and int(m["skipped_steps"]) == 1
     assert all(np.isfinite(p).all() for p in _params(s3))
-    assert nan_guard.check(spec.health.nan, job.step.guard) == 1  # no halt
+    assert job.step.check_nonfinite() == 1  # no halt
 
 
 def test_skip_limit_halts_after_too_many_in_a_row():
@@ -43,7 +42,7 @@ def test_skip_limit_halts_after_too_many_in_a_row():
         batch = job.data.batch(i)
         state, _ = job.step(state, _poison(batch) if i >= 1 else batch)
     with pytest.raises(HealthHalt, match="at step 4 .*max_consecutive_skips = 2") as err:
-        nan_guard.check(spec.health.nan, job.step.guard)
+        job.step.check_nonfinite()
     assert err.value.last_good_step == 3
 
 
@@ -59,5 +58,5 @@ def test_halt_freezes_state_at_the_last_good_step():
     for a, b in zip(good, _params(state)):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(HealthHalt, match="at step 2 .*policy = halt") as err:
-        nan_guard.check(spec.health.nan, job.step.guard)
+        job.step.check_nonfinite()
     assert err.value.last_good_step == 1

@@ -81,7 +81,8 @@ def run_collectives(args) -> int:
     from spec_jax.distributed import initialize_from_env, is_writer
 
     initialize_from_env()  # under `trainspec launch`: one process of the job
-    from spec_jax.collectives import api, bench, report
+    from spec_jax.collectives import api
+    from spec_jax.tools import collectives_bench as bench, collectives_report as report
 
     sizes = bench.size_sweep(bench.parse_size(args.min_bytes, "-b/--min-bytes"),
                              bench.parse_size(args.max_bytes, "-e/--max-bytes"), args.step_factor)
@@ -115,7 +116,7 @@ def _print(lines):
     sys.stdout.flush()
 
 
-# -- bench step (spec_jax.metrics.bench_step) -----------------------------------------------------
+# -- bench step (spec_jax.tools.step_bench) ---------------------------------------------------------
 def _register_step(kinds) -> None:
     p = kinds.add_parser(
         "step", help="time specs of one model interleaved, metrics side by side with ratios",
@@ -136,15 +137,15 @@ def _register_step(kinds) -> None:
 
 def run_step(args) -> int:
     ensure_host_devices(args.host_devices)
-    from spec_jax.metrics import bench_step
+    from spec_jax.tools import step_bench
     from spec_jax.core.spec import load_spec
 
     labels = [str(p) for p in args.specs]
     if len(set(labels)) != len(labels):
         raise UserInputError("--spec: the same file is given twice")
     specs = [(label, load_spec(p, args.overrides)) for label, p in zip(labels, args.specs)]
-    results = bench_step.bench(specs, args.steps, args.warmup)
-    print(bench_step.table(results))
+    results = step_bench.bench(specs, args.steps, args.warmup)
+    print(step_bench.table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0

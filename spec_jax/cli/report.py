@@ -12,7 +12,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from spec_jax.metrics.report import report
+    from spec_jax.tools.metrics_report import report
 
     text, page = report(args.runs, args.out)
     print(text)

@@ -15,7 +15,6 @@ from jax.experimental import multihost_utils
 
 from spec_jax.core.health import ReplicaMismatch, StragglerDetector
 from spec_jax.core.spec import Spec
-from spec_jax.health import nan as nan_guard
 from spec_jax.health.replicas import ReplicaFingerprints
 
 
@@ -54,7 +53,7 @@ class Guards:
         return {"skipped_steps": self.skipped, "stragglers": report["stragglers"]}
 
     def check_nonfinite(self) -> None:
-        self.skipped = self.skipped_before + nan_guard.check(self.spec.health.nan, self.job.step.guard)
+        self.skipped = self.skipped_before + self.job.step.check_nonfinite()
 
     def fingerprint_due(self, step: int) -> bool:
         n = self.spec.health.fingerprints.interval

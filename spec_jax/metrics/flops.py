@@ -9,27 +9,18 @@ import jax
 import numpy as np
 
 from spec_jax.core import flops as core_flops
-from spec_jax.core.spec import Spec, load_spec
+from spec_jax.core.spec import Spec
 
 
 def xla_flops_per_step(wrapped_step, state, batch) -> float | None:
     """XLA's cost analysis of the step as lowered (whole program, before SPMD partitioning).
 
     XLA's cost analysis counts a while-loop body once, whatever its trip count, so a step that
-    accumulates micro-batches (a loop) is lowered again with one micro-batch of the whole
-    global batch: the same arithmetic without the loop. Lowering compiles nothing.
-    Returns None where the backend gives no cost analysis.
+    accumulates micro-batches (a loop) is analysed as the step lowers for it: one micro-batch of
+    the whole global batch (WrappedStep.lower_for_cost_analysis). Returns None where the backend
+    gives no cost analysis.
     """
-    from spec_jax.step import wrap
-
-    spec = wrapped_step.spec
-    if spec.batch.accumulation_steps > 1:
-        flat = load_spec(spec, [f"batch.micro_batch={spec.batch.global_batch}"])
-        step = wrap(wrapped_step.step_fn, flat, wrapped_step.mesh)
-        step.state_pspecs, step.state_shardings = wrapped_step.state_pspecs, wrapped_step.state_shardings
-    else:
-        step = wrapped_step
-    cost = step.lower(state, batch).cost_analysis()
+    cost = wrapped_step.lower_for_cost_analysis(state, batch).cost_analysis()
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else None
     if not cost or "flops" not in cost:

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from spec_jax.collectives.bench import Row
+import jax
+
+from spec_jax.metrics import plots
+from spec_jax.tools.collectives_bench import Row
 
 JSON_KEYS = ("op", "dtype", "redop", "size_bytes", "count", "backend", "time_us", "algbw_gbps",
              "busbw_gbps", "wrong")
@@ -26,7 +29,6 @@ class Table:
         self._op = None
 
     def preamble(self) -> str:
-        import jax
         text = (f"# trainspec bench collectives: {jax.device_count()} {jax.devices()[0].platform} "
                 f"devices, jax {jax.__version__}; size = bytes per device (nccl-tests); "
                 f"time = median (us); algbw, busbw in GB/s (1e9 B)")
@@ -69,19 +71,12 @@ class Table:
 
 def plot(rows: list[Row], path) -> None:
     """PNG of `figure(rows)`, drawn without a display (Agg)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = figure(rows)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plots.save(figure(rows), path)
 
 
 def figure(rows: list[Row]):
     """busbw against size, one panel per op, one line per backend (and dtype)."""
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     ops = list(dict.fromkeys(r.op for r in rows))
     cols = min(3, len(ops))  # wrap into rows of three panels so six ops stay readable
     rows_n = -(-len(ops) // cols)
@@ -101,7 +96,6 @@ def figure(rows: list[Row]):
         ax.set(xlabel="size per device (bytes)", ylabel="busbw (GB/s)", title=op)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    fig.tight_layout()
     return fig
 
 

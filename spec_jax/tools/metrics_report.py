@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from spec_jax.core.records import read_jsonl
+from spec_jax.metrics import plots
 
 
 def _median(values):
@@ -73,10 +74,7 @@ PLOTS = [  # (file stem, title, y label, series key or callable)
 
 def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
     """PNG plots comparing the runs; returns the file names written."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     written = []
     for stem, title, ylabel, key in PLOTS:
@@ -89,18 +87,14 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}.png", dpi=90)
-        plt.close(fig)
+        plots.save(fig, out / f"{stem}.png")
         written.append(f"{stem}.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))  # step-time distribution: one box per run
     data = [[r["step_time_s"] * 1e3 for r in recs if r["step_time_s"]] for recs in runs.values()]
     ax.boxplot(data, tick_labels=list(runs))
     ax.set(title="Step time per interval", ylabel="ms")
-    fig.tight_layout()
-    fig.savefig(out / "step_time.png", dpi=90)
-    plt.close(fig)
+    plots.save(fig, out / "step_time.png")
     written.append("step_time.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))  # comm bytes by kind, stacked per run
@@ -113,9 +107,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
     ax.set(title="Communication per step per device (HLO)", ylabel="MiB")
     if kinds:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "comm.png", dpi=90)
-    plt.close(fig)
+    plots.save(fig, out / "comm.png")
     written.append("comm.png")
     return written
 

@@ -34,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import collectives
@@ -161,7 +162,6 @@ def group_of(backend: str, mesh: Mesh) -> tuple[str, ...]:
 def _host(result) -> np.ndarray:
     """Every process fetches the whole result (it spans all processes' devices)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(result, tiled=True))
     return np.asarray(result)
 

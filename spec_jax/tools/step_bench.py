@@ -15,6 +15,7 @@ from spec_jax.core.errors import UserInputError
 from spec_jax.core import flops
 from spec_jax.metrics.logger import analyze_step
 from spec_jax.models.transformer_flops import for_spec as model_flops
+from spec_jax.train import build_job, local_rows
 
 METRICS = [  # (key, label, scale, format) for the side-by-side table
     ("step_time_s", "step time (ms)", 1e3, "{:.2f}"),
@@ -31,8 +32,6 @@ METRICS = [  # (key, label, scale, format) for the side-by-side table
 
 def bench(specs: list[tuple[str, object]], steps: int, warmup: int = 2, rounds: int = 5):
     """Results per spec label: timings of `steps` steps after `warmup`, and the static metrics."""
-    from spec_jax.train import build_job, local_rows
-
     models = {label: spec.model for label, spec in specs}
     if len({m.model_dump_json() for m in models.values()}) > 1:
         raise UserInputError("bench step compares layouts of one model: the [model] sections of "
