@@ -70,13 +70,16 @@ class Table:
 
 
 def plot(rows: list[Row], path) -> None:
-    """PNG of `figure(rows)`, drawn without a display (Agg)."""
+    """PNG of `figure(rows)`, drawn without a display (Agg, chosen before the figure exists)."""
+    plots.pyplot()
     plots.save(figure(rows), path)
 
 
 def figure(rows: list[Row]):
-    """busbw against size, one panel per op, one line per backend (and dtype)."""
-    plt = plots.pyplot()
+    """busbw against size, one panel per op, one line per backend (and dtype), on the current
+    matplotlib backend (a notebook's inline one, say)."""
+    import matplotlib.pyplot as plt
+
     ops = list(dict.fromkeys(r.op for r in rows))
     cols = min(3, len(ops))  # wrap into rows of three panels so six ops stay readable
     rows_n = -(-len(ops) // cols)
@@ -96,6 +99,7 @@ def figure(rows: list[Row]):
         ax.set(xlabel="size per device (bytes)", ylabel="busbw (GB/s)", title=op)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
+    fig.tight_layout()
     return fig
 
 
