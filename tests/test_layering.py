@@ -16,7 +16,8 @@ def _lint(*args):
 def test_import_contracts_are_kept():
     done = _lint()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "Contracts: 2 kept, 0 broken." in done.stdout
+    for contract in ("Imports only point down the layers", "The core imports no framework"):
+        assert f"{contract} KEPT" in done.stdout, done.stdout[-3000:]
 
 
 def test_a_broken_contract_fails(tmp_path):
