@@ -4,30 +4,18 @@ import functools
 import jax
 
 from spec_jax.metrics import comm, memory
-from spec_jax.core.spec import load_spec
 from spec_jax.train import build_job
+from tiny import tiny_spec
 
 # d_model 64 and 4 heads split evenly over up to 8 devices; 2 micro-batches (a loop in HLO).
-TINY = ["model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.n_layers=1",
-        "batch.seq_len=16", "batch.global_batch=16", "batch.micro_batch=8",
-        "metrics.interval=2", "train.steps=4"]
-LAYOUTS = {
-    "data": ["mesh.axes.data.size=8", "mesh.axes.fsdp.size=1", "mesh.axes.tensor.size=1"],
-    "fsdp2": ["mesh.axes.data.size=4", "mesh.axes.fsdp.size=2", "mesh.axes.tensor.size=1"],
-    "fsdp4": ["mesh.axes.data.size=2", "mesh.axes.fsdp.size=4", "mesh.axes.tensor.size=1"],
-    "fsdp8": ["mesh.axes.data.size=1", "mesh.axes.fsdp.size=8", "mesh.axes.tensor.size=1"],
-    "tensor": ["mesh.axes.data.size=2", "mesh.axes.fsdp.size=1", "mesh.axes.tensor.size=4"],
-}
-
-
-def tiny_spec(layout: str, *extra: str):
-    return load_spec(None, TINY + LAYOUTS[layout] + list(extra))
+METRICS_MODEL = ["model.d_model=64", "model.n_heads=4", "model.d_ff=128",
+                 "batch.micro_batch=8", "train.steps=4"]
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_layout(layout: str):
     """(job, compiled step, CommVolume, memory fields) of the tiny model under `layout`."""
-    spec = tiny_spec(layout)
+    spec = tiny_spec(*METRICS_MODEL, layout=layout)
     job = build_job(spec)
     compiled = job.step.lower(job.state, job.step.shard_batch(job.data.batch(0))).compile()
     return job, compiled, comm.analyze_compiled(compiled, job.step.mesh), memory.compiled_memory(compiled)

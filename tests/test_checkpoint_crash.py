@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tiny import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL = 24, 4
-TINY = ["model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=2",
-        "batch.seq_len=16", "batch.global_batch=16", "batch.micro_batch=16",
-        "metrics.interval=1", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=2"]
+JOB = [*TINY, "metrics.interval=1", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=2"]
 
 
 def _cmd(run_dir):
-    sets = [a for s in TINY for a in ("--set", s)]
+    sets = [a for s in JOB for a in ("--set", s)]
     return [sys.executable, "-m", "spec_jax.cli.main", "train", "--quiet", "--steps", str(STEPS),
             "--run-dir", str(run_dir), "--summary-json", str(run_dir / "summary.json"), *sets]
 

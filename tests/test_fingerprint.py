@@ -8,18 +8,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax.fingerprint import fingerprint, fingerprint_reference
 
-RNG = np.random.default_rng(0)
 
-CASES = {
-    "f32": RNG.standard_normal((17, 5)).astype(np.float32),
-    "bf16": RNG.standard_normal(33).astype(ml_dtypes.bfloat16),
-    "f16": RNG.standard_normal((2, 3, 4)).astype(np.float16),
-    "i32": RNG.integers(-(2**31), 2**31 - 1, 1000, dtype=np.int32),
-    "i8_odd_length": RNG.integers(-128, 127, 13, dtype=np.int8),
-    "bool": RNG.integers(0, 2, 9).astype(bool),
-    "scalar": np.float32(3.5),
-    "empty": np.zeros((0, 4), np.float32),
-}
+def _cases() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "f32": rng.standard_normal((17, 5)).astype(np.float32),
+        "bf16": rng.standard_normal(33).astype(ml_dtypes.bfloat16),
+        "f16": rng.standard_normal((2, 3, 4)).astype(np.float16),
+        "i32": rng.integers(-(2**31), 2**31 - 1, 1000, dtype=np.int32),
+        "i8_odd_length": rng.integers(-128, 127, 13, dtype=np.int8),
+        "bool": rng.integers(0, 2, 9).astype(bool),
+        "scalar": np.float32(3.5),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+
+
+CASES = _cases()  # fixed arrays (seeded inside), shared read-only by the tests below
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -2,10 +2,11 @@
 and per-device peak memory against the fsdp degree (docs/metrics.md, sections 5 and 6)."""
 import pytest
 
-from metrics_jobs import compiled_layout, param_bytes, tiny_spec
+from metrics_jobs import METRICS_MODEL, compiled_layout, param_bytes
+from tiny import tiny_spec
 from spec_jax.metrics.comm import analyze_hlo, axes_of_groups, parse_replica_groups
 
-K = tiny_spec("data").batch.accumulation_steps  # micro-batches per step: 2
+K = tiny_spec(*METRICS_MODEL).batch.accumulation_steps  # micro-batches per step: 2
 SCALARS = 64  # loss sum, token count and the like reduced with the gradients: a few f32
 
 

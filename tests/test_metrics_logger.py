@@ -8,11 +8,12 @@ import jax
 import jsonschema
 import pytest
 
-from metrics_jobs import tiny_spec
+from metrics_jobs import METRICS_MODEL
 from spec_jax.core import records
 from spec_jax.models.transformer_flops import for_spec
 from spec_jax.metrics.logger import MetricsLogger
 from spec_jax.train import build_job
+from tiny import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "docs" / "metrics.schema.json").read_text())
@@ -25,7 +26,7 @@ def test_committed_schema_matches_definition():
 
 @pytest.fixture(scope="module")
 def job():
-    spec = tiny_spec("data")
+    spec = tiny_spec(*METRICS_MODEL, layout="data")
     job = build_job(spec)
     return job
 

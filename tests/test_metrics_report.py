@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from metrics_jobs import TINY, tiny_spec
+from metrics_jobs import METRICS_MODEL
+from tiny import TINY, tiny_spec
 from spec_jax.cli.main import main
 from spec_jax.models.transformer_flops import for_spec
 from spec_jax.metrics.logger import MetricsLogger
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(layout, run_dir, steps=4):
-    spec = tiny_spec(layout)
+    spec = tiny_spec(*METRICS_MODEL, layout=layout)
     job = build_job(spec)
     logger = MetricsLogger.for_run(spec, job.step, job.state, job.data.batch(0), run_dir, steps,
                                    for_spec(spec))
@@ -71,7 +72,7 @@ def test_report_bad_input_is_one_line(tmp_path, capsys):
 
 def test_bench_step_runs_specs_side_by_side(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    sets = [a for o in TINY for a in ("--set", o)]
+    sets = [a for o in (*TINY, *METRICS_MODEL) for a in ("--set", o)]
     argv = ["bench", "step", "--spec", str(ROOT / "examples/data.toml"), "--spec",
             str(ROOT / "examples/fsdp.toml"), "--steps", "2", "--warmup", "1", "--json", str(out), *sets]
     assert main(argv) == 0

@@ -1,5 +1,5 @@
-"""`trainspec bench <what>`: benchmarks. `bench collectives` here; each benchmark registers a
-sub-subcommand in `register` (a `bench step` belongs next to `collectives`)."""
+"""`trainspec bench <what>`: benchmarks. `bench collectives` and `bench step`; each benchmark
+registers its sub-subcommand in `register`."""
 from __future__ import annotations
 
 import argparse
