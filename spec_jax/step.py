@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -21,7 +21,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax import layout
+from spec_jax import init_checks, layout
+from spec_jax.batching import BatchPlacement
 from spec_jax.health import nan as nan_guard
 from spec_jax.metrics import gns
 from spec_jax.core.errors import UserInputError
@@ -131,12 +132,16 @@ class WrappedStep:
     or gradients are not finite is dropped (state and `state.step` stay as they were), the
     metrics gain `nonfinite` and `skipped_steps`, and `check_nonfinite()` raises HealthHalt when
     the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
+    `devices`: run on these devices (or the first n) instead of all of them.
     """
 
-    def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None, *, nan_guard: bool = True):
+    def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None,
+                 devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True):
         self.step_fn, self.spec = step_fn, spec
         self.nan_guard = nan_guard
-        self.mesh = mesh if mesh is not None else build_mesh(spec)
+        if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
+            devices = jax.devices()[:devices]
+        self.mesh = mesh if mesh is not None else build_mesh(spec, devices)
         self.rules = layout.flax_rules(spec)
         resolved = resolve_mesh(spec, self.mesh.devices.size)
         check_batch(spec, resolved, layout.batch_axes(spec, self.mesh))
@@ -145,12 +150,14 @@ class WrappedStep:
         if k > 1 and not isinstance(step_fn, LossStep):
             raise UserInputError(
                 f"batch.micro_batch: {k} accumulation steps need a step built with "
-                "spec_jax.loss_step(loss_fn); an opaque step function cannot be accumulated"
+                "spec_jax.loss_step(loss_fn); an opaque step function cannot be accumulated "
+                f"(set batch.micro_batch = {spec.batch.global_batch} to wrap it as it is)"
             )
         # metrics.gns: where the small batch comes from, or why nothing is measured
         self.gns_source, self.gns_note = gns.resolve(
             spec.metrics.gns, int(np.prod([self.mesh.shape[a] for a in self.data_axes])), k,
             isinstance(step_fn, LossStep))
+        self.batches = BatchPlacement(spec, self.mesh)
         self.state_shardings = None
         self._jitted = None
         self._compiled = None  # set by compile(): the executable that then runs every step
@@ -175,30 +182,34 @@ class WrappedStep:
             abstract = jax.eval_shape(init_fn, *args)
         self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
         self.state_shardings = layout.named(self.state_pspecs, self.mesh)
+        init_checks.warn_unannotated(abstract, self.spec, self.mesh)
         return abstract
 
     def init(self, init_fn: Callable, *args):
         """Run `init_fn(*args)` under jit with sharded outputs: the state is never whole on one
         device. `init_fn` may return flax-boxed (logically partitioned) leaves."""
-        self.plan(init_fn, *args)
-        unboxed = lambda *a: layout.strip_boxes(init_fn(*a))  # noqa: E731
+        planned = layout.strip_boxes(self.plan(init_fn, *args))
+
+        def unboxed(*a):
+            state = layout.strip_boxes(init_fn(*a))
+            init_checks.check_same_structure(planned, state)  # while tracing: costs nothing
+            return state
+
         with self.context():
             return jax.jit(unboxed, out_shardings=self.state_shardings)(*args)
 
     # -- batch --------------------------------------------------------------------------------
     def batch_sharding(self, ndim: int) -> NamedSharding:
-        return NamedSharding(self.mesh, layout.batch_partition_spec(self.spec, self.mesh, ndim))
+        return self.batches.sharding(ndim)
 
     def shard_batch(self, batch):
-        """Host arrays -> global arrays. Each process passes its own rows (process-local data)."""
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.batch_sharding(np.ndim(x)), x),
-            batch,
-        )
+        """Global arrays on the batch sharding, from host arrays (each process passes its own
+        rows) or arrays on any devices; shapes are checked against the spec (spec_jax.batching)."""
+        return self.batches.place(batch)
 
     # -- step ---------------------------------------------------------------------------------
     def _build(self, batch):
-        batch_shardings = jax.tree.map(lambda x: self.batch_sharding(np.ndim(x)), batch)
+        batch_shardings = self.batches.shardings(batch)
         if isinstance(self.step_fn, LossStep):
             fn = self._loss_step_fn(batch_shardings)
         else:
@@ -319,12 +330,8 @@ class WrappedStep:
 
     def lower(self, state, batch):
         """The lowered step for `batch` (host or global arrays), for cost and memory analysis."""
-        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
-            batch = self.shard_batch(batch)  # host rows are this process's part, not the batch
-        if self._jitted is None:
-            self._jitted = self._build(batch)
-        if self.guard is None:
-            self.reset_guard()
+        batch = self.shard_batch(batch)  # host rows are this process's part, not the batch
+        self._prepare(batch)
         with self.context():
             return self._jitted.lower(state, self.guard, batch)
 
@@ -347,23 +354,25 @@ class WrappedStep:
         spec_jax.metrics): calling the jitted function after `lower().compile()` would compile
         a second time. Later batches must have the same shapes.
         """
-        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
-            batch = self.shard_batch(batch)
         self._compiled = self.lower(state, batch).compile()
         return self._compiled
 
-    def __call__(self, state, batch):
+    def _prepare(self, batch) -> None:
         if self.state_shardings is None:
             raise RuntimeError("call init() first: the state's shardings come from it")
-        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
-            batch = self.shard_batch(batch)
         if self._jitted is None:
             self._jitted = self._build(batch)
         if self.guard is None:
             self.reset_guard()
+
+    def __call__(self, state, batch):
+        # Per step only what must happen: place the batch (its shapes are checked once), and
+        # one dispatch of the compiled step under the mesh context.
+        batch = self.shard_batch(batch)
+        if self._jitted is None or self.guard is None:
+            self._prepare(batch)
         with self.context():
-            run = self._compiled or self._jitted
-            state, self.guard, metrics = run(state, self.guard, batch)
+            state, self.guard, metrics = (self._compiled or self._jitted)(state, self.guard, batch)
         if self._in_flight is not None:
             self._in_flight.append(metrics)
             if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
@@ -371,6 +380,10 @@ class WrappedStep:
         return state, metrics
 
 
-def wrap(step_fn, spec: Spec, mesh: Mesh | None = None, *, nan_guard: bool = True) -> WrappedStep:
-    """Apply `spec` to `step_fn`, a plain step or a `loss_step(loss_fn)`. See WrappedStep."""
-    return WrappedStep(step_fn, spec, mesh, nan_guard=nan_guard)
+def wrap(step_fn, spec: Spec, mesh: Mesh | None = None,
+         devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True) -> WrappedStep:
+    """Apply `spec` to `step_fn`, a plain step or a `loss_step(loss_fn)`. See WrappedStep.
+
+    `devices`: run on these devices (or the first n) instead of all of them; `mesh`: on this
+    mesh as it is."""
+    return WrappedStep(step_fn, spec, mesh, devices, nan_guard=nan_guard)

@@ -17,8 +17,21 @@ from spec_jax.core.health import check_nan_guard, init_nan_guard, nan_guard_step
 from spec_jax.core.spec import NanSpec
 
 
-def init_guard(step: int = 0) -> dict[str, jax.Array]:
-    return jax.tree.map(jnp.asarray, init_nan_guard(step))
+# The guard record travels as one int32 vector in this order: the step takes and donates one
+# small buffer rather than four (host time per step).
+FIELDS = tuple(init_nan_guard())
+
+
+def _unpack(vector) -> dict:
+    return {name: vector[i] for i, name in enumerate(FIELDS)}
+
+
+def _pack(guard: dict) -> jax.Array:
+    return jnp.stack([jnp.asarray(guard[name], jnp.int32) for name in FIELDS])
+
+
+def init_guard(step: int = 0) -> jax.Array:
+    return _pack(init_nan_guard(step))
 
 
 def _is_finite(metrics: dict[str, Any], new_state) -> jax.Array:
@@ -37,14 +50,14 @@ def _is_finite(metrics: dict[str, Any], new_state) -> jax.Array:
 def guarded(policy: NanSpec, guard, old_state, new_state, metrics):
     """(state, guard, metrics) after applying the policy to one step, all on device."""
     finite = _is_finite(metrics, new_state)
-    guard, take = nan_guard_step(policy, guard, finite, where=jnp.where)
+    guard, take = nan_guard_step(policy, _unpack(guard), finite, where=jnp.where)
     state = jax.tree.map(lambda new, old: jnp.where(take, new, old), new_state, old_state)
     if "valid_tokens" in metrics:  # a dropped step trained on no tokens (throughput, goodput)
         metrics = {**metrics, "valid_tokens": jnp.where(take, metrics["valid_tokens"], 0.0)}
-    return state, guard, {**metrics, "nonfinite": (~finite).astype(jnp.int32),
-                          "skipped_steps": guard["skipped"]}
+    return state, _pack(guard), {**metrics, "nonfinite": (~finite).astype(jnp.int32),
+                                 "skipped_steps": guard["skipped"]}
 
 
 def check(policy: NanSpec, guard) -> int:
     """Host side, at a sync point: raise HealthHalt if the guard tripped; else the skip count."""
-    return check_nan_guard(policy, jax.device_get(guard))
+    return check_nan_guard(policy, _unpack(jax.device_get(guard)))

@@ -1,0 +1,130 @@
+"""What `spec_jax.wrap` costs over plain `jax.jit` with donation, on an unchanged user step.
+
+The user's code is an image classifier written the way flax's MNIST/ImageNet examples write one:
+a small CNN module, a `TrainState` with an optax optimizer, and a `train_step(state, batch)`
+that takes `value_and_grad` of the cross-entropy, applies the gradients and returns
+`(state, metrics)`. Both sides get the same host (NumPy) batches, so both pay the transfer:
+- plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
+- wrapped: `spec_jax.wrap(train_step, spec)` (placement, donation, non-finite guard, metrics).
+Rounds alternate (and swap order) so that machine drift hits both; each round times
+`--steps` steps ended by one `block_until_ready`, in wall time and in this process's CPU time
+(all its threads: host dispatch and XLA's compute alike; on a loaded machine the CPU time is the
+steadier of the two, as waiting for a core does not count). Prints the median ms/step of each,
+the median of the per-round ratios, and the load average (the machine may be shared).
+    python bench/wrap_overhead.py [--devices 1 8] [--rounds 15] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BATCH = 128
+
+
+def _measure(n_devices: int, rounds: int, steps: int) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax.training import train_state
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import spec_jax
+
+    class ConvNet(nn.Module):
+        """Two conv/pool stages and two dense layers: the usual MNIST-sized classifier."""
+
+        @nn.compact
+        def __call__(self, images):
+            h = images
+            for width in (32, 64):
+                h = nn.relu(nn.Conv(width, kernel_size=(3, 3))(h))
+                h = nn.avg_pool(h, window_shape=(2, 2), strides=(2, 2))
+            h = nn.relu(nn.Dense(256)(h.reshape(h.shape[0], -1)))
+            return nn.Dense(10)(h)
+
+    model, optimizer = ConvNet(), optax.sgd(0.05, momentum=0.9)
+
+    def create_state(key):
+        params = model.init(key, jnp.zeros((1, 28, 28, 1)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["image"])
+            one_hot = jax.nn.one_hot(batch["label"], 10)
+            return optax.softmax_cross_entropy(logits, one_hot).mean(), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+        return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": accuracy}
+
+    rng = np.random.default_rng(0)
+    batches = [{"image": rng.random((BATCH, 28, 28, 1), np.float32),
+                "label": rng.integers(0, 10, BATCH).astype(np.int32)} for _ in range(4)]
+
+    mesh = jax.make_mesh((n_devices,), ("data",))
+    on_data = NamedSharding(mesh, P("data"))
+    plain_step = jax.jit(train_step, donate_argnums=0)
+    spec = spec_jax.load_spec({"batch": {"global_batch": BATCH}})
+    wrapped_step = spec_jax.wrap(train_step, spec)
+    states = {
+        "plain": jax.device_put(create_state(jax.random.key(0)), NamedSharding(mesh, P())),
+        "wrapped": wrapped_step.init(create_state, jax.random.key(0)),
+    }
+    calls = {
+        "plain": lambda state, batch: plain_step(state, jax.device_put(batch, on_data)),
+        "wrapped": wrapped_step,
+    }
+
+    def timed_round(name: str) -> tuple[float, float]:
+        """(wall, CPU) seconds per step."""
+        state, call = states[name], calls[name]
+        wall, cpu = time.perf_counter(), time.process_time()
+        for i in range(steps):
+            state, _ = call(state, batches[i % len(batches)])
+        jax.block_until_ready(state)
+        states[name] = state
+        return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+    timed_round("plain"), timed_round("wrapped")  # compile and warm up
+    load_before = open("/proc/loadavg").read().split()[:3]
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "wrapped": []}
+    for r in range(rounds):
+        for name in ("plain", "wrapped") if r % 2 == 0 else ("wrapped", "plain"):
+            times[name].append(timed_round(name))
+    print(f"{n_devices} device(s), {os.cpu_count()} cores, batch {BATCH}, {rounds} rounds x "
+          f"{steps} steps; load average before {load_before}, after "
+          f"{open('/proc/loadavg').read().split()[:3]}")
+    for i, clock in enumerate(("wall", "CPU")):
+        plain, wrapped = (statistics.median(t[i] for t in times[k]) * 1e3
+                          for k in ("plain", "wrapped"))
+        ratios = [w[i] / p[i] for w, p in zip(times["wrapped"], times["plain"])]
+        print(f"  {clock:4s} plain jit {plain:8.2f} ms/step  wrapped {wrapped:8.2f} ms/step  "
+              f"wrapped/plain: median of rounds {statistics.median(ratios):.3f}x "
+              f"[{min(ratios):.3f} .. {max(ratios):.3f}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:  # a child: XLA_FLAGS must be set before jax is imported
+        _measure(args.devices[0], args.rounds, args.steps)
+        return
+    for n in args.devices:  # each device count in a fresh process
+        subprocess.run([sys.executable, __file__, "--one", "--devices", str(n),
+                        "--rounds", str(args.rounds), "--steps", str(args.steps)], check=True)
+
+
+if __name__ == "__main__":
+    main()
