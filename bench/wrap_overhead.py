@@ -5,7 +5,8 @@ a small CNN module, a `TrainState` with an optax optimizer, and a `train_step(st
 that takes `value_and_grad` of the cross-entropy, applies the gradients and returns
 `(state, metrics)`. Both sides get the same host (NumPy) batches, so both pay the transfer:
 - plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
-- wrapped: `spec_jax.wrap(train_step, spec)` (placement, donation, non-finite guard, metrics).
+- wrapped: `spec_jax.wrap(train_step, spec)` (placement, donation, non-finite guard, metrics);
+- unguarded: the same with `nan_guard=False`, to show what the guard's on-device check costs.
 Rounds alternate (and swap order) so that machine drift hits both; each round times
 `--steps` steps ended by one `block_until_ready`, in wall time and in this process's CPU time
 (all its threads: host dispatch and XLA's compute alike; on a loaded machine the CPU time is the
@@ -73,15 +74,14 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     on_data = NamedSharding(mesh, P("data"))
     plain_step = jax.jit(train_step, donate_argnums=0)
     spec = spec_jax.load_spec({"batch": {"global_batch": BATCH}})
-    wrapped_step = spec_jax.wrap(train_step, spec)
-    states = {
-        "plain": jax.device_put(create_state(jax.random.key(0)), NamedSharding(mesh, P())),
-        "wrapped": wrapped_step.init(create_state, jax.random.key(0)),
-    }
     calls = {
         "plain": lambda state, batch: plain_step(state, jax.device_put(batch, on_data)),
-        "wrapped": wrapped_step,
+        "wrapped": spec_jax.wrap(train_step, spec),
+        "unguarded": spec_jax.wrap(train_step, spec, nan_guard=False),
     }
+    states = {name: call.init(create_state, jax.random.key(0))
+              for name, call in calls.items() if name != "plain"}
+    states["plain"] = jax.device_put(create_state(jax.random.key(0)), NamedSharding(mesh, P()))
 
     def timed_round(name: str) -> tuple[float, float]:
         """(wall, CPU) seconds per step."""
@@ -93,22 +93,24 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
         states[name] = state
         return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
-    timed_round("plain"), timed_round("wrapped")  # compile and warm up
+    for name in calls:  # compile and warm up
+        timed_round(name)
     load_before = open("/proc/loadavg").read().split()[:3]
-    times: dict[str, list[tuple[float, float]]] = {"plain": [], "wrapped": []}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
     for r in range(rounds):
-        for name in ("plain", "wrapped") if r % 2 == 0 else ("wrapped", "plain"):
+        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
             times[name].append(timed_round(name))
     print(f"{n_devices} device(s), {os.cpu_count()} cores, batch {BATCH}, {rounds} rounds x "
           f"{steps} steps; load average before {load_before}, after "
           f"{open('/proc/loadavg').read().split()[:3]}")
     for i, clock in enumerate(("wall", "CPU")):
-        plain, wrapped = (statistics.median(t[i] for t in times[k]) * 1e3
-                          for k in ("plain", "wrapped"))
-        ratios = [w[i] / p[i] for w, p in zip(times["wrapped"], times["plain"])]
-        print(f"  {clock:4s} plain jit {plain:8.2f} ms/step  wrapped {wrapped:8.2f} ms/step  "
-              f"wrapped/plain: median of rounds {statistics.median(ratios):.3f}x "
-              f"[{min(ratios):.3f} .. {max(ratios):.3f}]")
+        plain = statistics.median(t[i] for t in times["plain"]) * 1e3
+        print(f"  {clock:4s} plain jit {plain:8.2f} ms/step")
+        for name in ("wrapped", "unguarded"):
+            ms = statistics.median(t[i] for t in times[name]) * 1e3
+            ratios = [w[i] / p[i] for w, p in zip(times[name], times["plain"])]
+            print(f"       {name:9s} {ms:8.2f} ms/step  /plain: median of rounds "
+                  f"{statistics.median(ratios):.3f}x [{min(ratios):.3f} .. {max(ratios):.3f}]")
 
 
 def main() -> None:
