@@ -51,7 +51,10 @@ def guarded(policy: NanSpec, guard, old_state, new_state, metrics):
     """(state, guard, metrics) after applying the policy to one step, all on device."""
     finite = _is_finite(metrics, new_state)
     guard, take = nan_guard_step(policy, _unpack(guard), finite, where=jnp.where)
-    state = jax.tree.map(lambda new, old: jnp.where(take, new, old), new_state, old_state)
+    if "grad_norm" in metrics:  # decided before the update: XLA fuses the select into it
+        state = jax.tree.map(lambda new, old: jnp.where(take, new, old), new_state, old_state)
+    else:  # decided after it: copy the kept state once rather than blend it element by element
+        state = jax.lax.cond(take, lambda: new_state, lambda: old_state)
     if "valid_tokens" in metrics:  # a dropped step trained on no tokens (throughput, goodput)
         metrics = {**metrics, "valid_tokens": jnp.where(take, metrics["valid_tokens"], 0.0)}
     return state, _pack(guard), {**metrics, "nonfinite": (~finite).astype(jnp.int32),
