@@ -21,14 +21,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax import layout
-from spec_jax.health import nan as nan_guard
-from spec_jax.metrics import gns
-from spec_jax.core.errors import UserInputError
+from spec_jax import collectives, layout
 from spec_jax.core.accumulation import interleaved_micro_batches
+from spec_jax.core.errors import UserInputError
 from spec_jax.core.mesh import check_batch, resolve_mesh
-from spec_jax.mesh import build_mesh, check_hierarchical
 from spec_jax.core.spec import Spec
+from spec_jax.health import nan as nan_guard
+from spec_jax.mesh import build_mesh, check_hierarchical
+from spec_jax.metrics import gns
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
 
@@ -266,8 +266,6 @@ class WrappedStep:
         gradient sums are then all-reduced over the data axes in a `shard_map`. Tokens and loss
         sums are scalars: summed over the replica axis directly.
         """
-        from spec_jax import collectives
-
         spec, mesh, data = self.spec, self.mesh, self.data_axes
         k, n = spec.batch.accumulation_steps, int(np.prod([self.mesh.shape[a] for a in data]))
         inner_rules = layout.flax_rules(spec, without=data)
