@@ -257,8 +257,8 @@ struct Avx512Lines {
 // ---- the reduction -------------------------------------------------------------------------
 
 template <typename T, typename Op, bool kMean, typename Lines, int kVB>
-TRAINSPEC_INLINE void ReduceKernel(const T* const* srcs, int n, T* const* dsts, int m,
-                                   size_t count, bool stream) {
+TRAINSPEC_INLINE void ReduceKernel(const T* const* srcs, size_t so, int n, T* const* dsts,
+                                   size_t dof, int m, size_t count, bool stream) {
   using Acc = typename Num<T>::Acc;
   constexpr size_t kW = kStepBytes / sizeof(T);
   const Op op{};
@@ -268,10 +268,10 @@ TRAINSPEC_INLINE void ReduceKernel(const T* const* srcs, int n, T* const* dsts, 
     return Num<T>::Store(a);
   };
   auto single = [&](size_t i) {  // one element, plain stores
-    Acc a = Num<T>::Load(srcs[0][i]);
-    for (int s = 1; s < n; ++s) a = op(a, Num<T>::Load(srcs[s][i]));
+    Acc a = Num<T>::Load(srcs[0][so + i]);
+    for (int s = 1; s < n; ++s) a = op(a, Num<T>::Load(srcs[s][so + i]));
     const T v = finish(a);
-    for (int d = 0; d < m; ++d) dsts[d][i] = v;
+    for (int d = 0; d < m; ++d) dsts[d][dof + i] = v;
   };
   // Which elements take the vector path depends only on `count`, never on where the buffers
   // happen to lie, so an element is always computed by the same instructions.
@@ -281,10 +281,10 @@ TRAINSPEC_INLINE void ReduceKernel(const T* const* srcs, int n, T* const* dsts, 
   constexpr int kVecs = static_cast<int>(kW) / L::kLanes;
   for (; i + kW <= count; i += kW) {
     V acc[kVecs];
-    const T* s0 = srcs[0] + i;
+    const T* s0 = srcs[0] + so + i;
     for (int v = 0; v < kVecs; ++v) acc[v] = L::Load(s0 + v * L::kLanes);
     for (int s = 1; s < n; ++s) {
-      const T* sp = srcs[s] + i;
+      const T* sp = srcs[s] + so + i;
       for (int v = 0; v < kVecs; ++v) acc[v] = op(acc[v], L::Load(sp + v * L::kLanes));
     }
     if (kMean) {
@@ -293,7 +293,7 @@ TRAINSPEC_INLINE void ReduceKernel(const T* const* srcs, int n, T* const* dsts, 
     alignas(64) T out[kW];
     for (int v = 0; v < kVecs; ++v) L::Store(acc[v], out + v * L::kLanes);
     for (int d = 0; d < m; ++d) {
-      T* p = dsts[d] + i;
+      T* p = dsts[d] + dof + i;
       if (stream && reinterpret_cast<uintptr_t>(p) % kLine == 0) {
         Lines::Put(p, out);
       } else {
@@ -305,27 +305,33 @@ TRAINSPEC_INLINE void ReduceKernel(const T* const* srcs, int n, T* const* dsts, 
 }
 
 template <typename T, typename Lines, int kVB>
-TRAINSPEC_INLINE void ReduceTyped(RedOp op, const void* const* srcs, int n, void* const* dsts,
-                                  int m, size_t count, bool stream) {
+TRAINSPEC_INLINE void ReduceTyped(RedOp op, const void* const* srcs, size_t so, int n,
+                                  void* const* dsts, size_t dof, int m, size_t count,
+                                  bool stream) {
   auto* s = reinterpret_cast<const T* const*>(srcs);
   auto* d = reinterpret_cast<T* const*>(dsts);
   switch (op) {
-    case RedOp::kSum: ReduceKernel<T, AddOp, false, Lines, kVB>(s, n, d, m, count, stream); break;
-    case RedOp::kMean: ReduceKernel<T, AddOp, true, Lines, kVB>(s, n, d, m, count, stream); break;
-    case RedOp::kMax: ReduceKernel<T, MaxOp, false, Lines, kVB>(s, n, d, m, count, stream); break;
-    case RedOp::kMin: ReduceKernel<T, MinOp, false, Lines, kVB>(s, n, d, m, count, stream); break;
+#define TRAINSPEC_KERNEL_ARGS s, so, n, d, dof, m, count, stream
+    case RedOp::kSum: ReduceKernel<T, AddOp, false, Lines, kVB>(TRAINSPEC_KERNEL_ARGS); break;
+    case RedOp::kMean: ReduceKernel<T, AddOp, true, Lines, kVB>(TRAINSPEC_KERNEL_ARGS); break;
+    case RedOp::kMax: ReduceKernel<T, MaxOp, false, Lines, kVB>(TRAINSPEC_KERNEL_ARGS); break;
+    case RedOp::kMin: ReduceKernel<T, MinOp, false, Lines, kVB>(TRAINSPEC_KERNEL_ARGS); break;
+#undef TRAINSPEC_KERNEL_ARGS
   }
 }
 
 template <typename Lines, int kVB>
-TRAINSPEC_INLINE void ReduceAny(ElemType type, RedOp op, const void* const* srcs, int n,
-                                void* const* dsts, int m, size_t count, bool stream) {
+TRAINSPEC_INLINE void ReduceAny(ElemType type, RedOp op, const void* const* srcs, size_t so,
+                                int n, void* const* dsts, size_t dof, int m, size_t count,
+                                bool stream) {
   switch (type) {
-    case ElemType::kF32: ReduceTyped<float, Lines, kVB>(op, srcs, n, dsts, m, count, stream); break;
-    case ElemType::kF64: ReduceTyped<double, Lines, kVB>(op, srcs, n, dsts, m, count, stream); break;
-    case ElemType::kS32: ReduceTyped<int32_t, Lines, kVB>(op, srcs, n, dsts, m, count, stream); break;
-    case ElemType::kBF16: ReduceTyped<Bf16, Lines, kVB>(op, srcs, n, dsts, m, count, stream); break;
-    case ElemType::kF16: ReduceTyped<F16, Lines, kVB>(op, srcs, n, dsts, m, count, stream); break;
+#define TRAINSPEC_TYPED_ARGS op, srcs, so, n, dsts, dof, m, count, stream
+    case ElemType::kF32: ReduceTyped<float, Lines, kVB>(TRAINSPEC_TYPED_ARGS); break;
+    case ElemType::kF64: ReduceTyped<double, Lines, kVB>(TRAINSPEC_TYPED_ARGS); break;
+    case ElemType::kS32: ReduceTyped<int32_t, Lines, kVB>(TRAINSPEC_TYPED_ARGS); break;
+    case ElemType::kBF16: ReduceTyped<Bf16, Lines, kVB>(TRAINSPEC_TYPED_ARGS); break;
+    case ElemType::kF16: ReduceTyped<F16, Lines, kVB>(TRAINSPEC_TYPED_ARGS); break;
+#undef TRAINSPEC_TYPED_ARGS
   }
 }
 
@@ -346,25 +352,26 @@ TRAINSPEC_INLINE void StreamCopyWith(void* dst, const void* src, size_t bytes) {
 
 // ---- the variants --------------------------------------------------------------------------
 
-using ReduceFn = void (*)(ElemType, RedOp, const void* const*, int, void* const*, int, size_t,
-                          bool);
+using ReduceFn = void (*)(ElemType, RedOp, const void* const*, size_t, int, void* const*, size_t,
+                          int, size_t, bool);
 using CopyFn = void (*)(void*, const void*, size_t);
 
+// The arguments of every reduction variant, as ReduceInto takes them.
+#define TRAINSPEC_REDUCE_PARAMS                                                           \
+  ElemType t, RedOp op, const void* const* s, size_t so, int n, void* const* d, size_t dof, \
+      int m, size_t c, bool stream
+#define TRAINSPEC_REDUCE_ARGS t, op, s, so, n, d, dof, m, c, stream
+
 #if defined(TRAINSPEC_X86)
-__attribute__((flatten)) void ReduceBaseline(ElemType t, RedOp op, const void* const* s, int n,
-                                             void* const* d, int m, size_t c, bool stream) {
-  ReduceAny<Sse2Lines, 16>(t, op, s, n, d, m, c, stream);
+__attribute__((flatten)) void ReduceBaseline(TRAINSPEC_REDUCE_PARAMS) {
+  ReduceAny<Sse2Lines, 16>(TRAINSPEC_REDUCE_ARGS);
 }
-__attribute__((target("avx2"), flatten)) void ReduceAvx2(ElemType t, RedOp op,
-                                                         const void* const* s, int n,
-                                                         void* const* d, int m, size_t c,
-                                                         bool stream) {
-  ReduceAny<Avx2Lines, 32>(t, op, s, n, d, m, c, stream);
+__attribute__((target("avx2"), flatten)) void ReduceAvx2(TRAINSPEC_REDUCE_PARAMS) {
+  ReduceAny<Avx2Lines, 32>(TRAINSPEC_REDUCE_ARGS);
 }
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), flatten)) void ReduceAvx512(
-    ElemType t, RedOp op, const void* const* s, int n, void* const* d, int m, size_t c,
-    bool stream) {
-  ReduceAny<Avx512Lines, 64>(t, op, s, n, d, m, c, stream);
+    TRAINSPEC_REDUCE_PARAMS) {
+  ReduceAny<Avx512Lines, 64>(TRAINSPEC_REDUCE_ARGS);
 }
 __attribute__((flatten)) void CopyBaseline(void* d, const void* s, size_t b) {
   StreamCopyWith<Sse2Lines>(d, s, b);
@@ -376,9 +383,8 @@ __attribute__((target("avx512f"), flatten)) void CopyAvx512(void* d, const void*
   StreamCopyWith<Avx512Lines>(d, s, b);
 }
 #else
-__attribute__((flatten)) void ReduceBaseline(ElemType t, RedOp op, const void* const* s, int n,
-                                             void* const* d, int m, size_t c, bool stream) {
-  ReduceAny<PlainLines, 16>(t, op, s, n, d, m, c, stream);
+__attribute__((flatten)) void ReduceBaseline(TRAINSPEC_REDUCE_PARAMS) {
+  ReduceAny<PlainLines, 16>(TRAINSPEC_REDUCE_ARGS);
 }
 void CopyBaseline(void* d, const void* s, size_t b) { std::memcpy(d, s, b); }
 #endif
@@ -427,10 +433,10 @@ const Kernels& Active() {
 
 }  // namespace
 
-void ReduceInto(ElemType type, RedOp op, const void* const* srcs, int n, void* const* dsts,
-                int m, size_t count, bool stream) {
+void ReduceInto(ElemType type, RedOp op, const void* const* srcs, size_t src_offset, int n,
+                void* const* dsts, size_t dst_offset, int m, size_t count, bool stream) {
   if (count == 0 || m == 0) return;
-  Active().reduce(type, op, srcs, n, dsts, m, count, stream);
+  Active().reduce(type, op, srcs, src_offset, n, dsts, dst_offset, m, count, stream);
 }
 
 void StreamCopy(void* dst, const void* src, size_t bytes) {
