@@ -251,7 +251,7 @@ Status AdmitLocked(Registry& reg, const MeetingKey& key, Slot* slot, int rank, i
         prev->second->phase.load(std::memory_order_acquire) == kCollecting) {
       std::ostringstream s;
       s << who << ": rank " << rank << " joined twice (two devices claim the same rank; "
-        << "ranks never claimed: " << RankList(prev->second->arrived, 0) << ")";
+        << "ranks not arrived: " << RankList(prev->second->arrived, 0) << ")";
       Status refused = Invalid(s.str());
       FailLocked(prev->second.get(), refused);
       reg.RememberFailedRun(key.run_id, refused);
