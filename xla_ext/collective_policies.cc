@@ -260,7 +260,9 @@ Status Broadcast::Prepare(const CollectiveCall& c) {
   return Status{};
 }
 
-void Broadcast::Unit(const Peers& p, size_t r) const { CopyOut(p.out[r], p.in[root], bytes, stream); }
+void Broadcast::Unit(const Peers& p, size_t r) const {
+  CopyOut(p.out[r], p.in[root], bytes, stream);
+}
 
 Status Permute::Prepare(const CollectiveCall& c) {
   if (static_cast<int64_t>(c.attrs.size()) != c.group_size) {

@@ -21,41 +21,49 @@ namespace trainspec {
 // Number of elements of an array with these dimensions.
 size_t Count(const std::vector<int64_t>& dims);
 
+template <Collective kCollective>
 struct PolicyBase {
+  static constexpr Collective kOp = kCollective;
   size_t units = 0;
   size_t written_bytes = 0;
+};
+
+// What the two reductions share.
+template <Collective kCollective>
+struct Reduction : PolicyBase<kCollective> {
+  ElemType type;
+  RedOp op;
+  bool stream;  // non-temporal stores
+};
+
+// What the ops that copy a member's whole input share.
+template <Collective kCollective>
+struct WholeCopy : PolicyBase<kCollective> {
+  size_t bytes;
+  bool stream;
 };
 
 // Unit u reduces elements [u * unit, (u + 1) * unit) of all inputs (rank order) and writes
 // them into every member's output: reduce-scatter and all-gather in one pass, reading each
 // input once and writing each output once, with no staging buffer.
-struct AllReduce : PolicyBase {
-  static constexpr Collective kOp = Collective::kAllReduce;
+struct AllReduce : Reduction<Collective::kAllReduce> {
   Status Prepare(const CollectiveCall& c);
   void Unit(const Peers& p, size_t u) const;
-  ElemType type;
-  RedOp op;
   size_t count, unit;
-  bool stream;
 };
 
 // Block b of every input is reduced straight into member b's output: each input byte is read
 // once and each output byte written once. With the scatter dimension leading (outer == 1) a
 // block is one contiguous run, cut into pieces so that units stay small; otherwise a unit is
 // one member's block in every outer row.
-struct ReduceScatter : PolicyBase {
-  static constexpr Collective kOp = Collective::kReduceScatter;
+struct ReduceScatter : Reduction<Collective::kReduceScatter> {
   Status Prepare(const CollectiveCall& c);
   void Unit(const Peers& p, size_t u) const;
-  ElemType type;
-  RedOp op;
   size_t outer, dim, inner, row, piece, pieces;
-  bool stream;
 };
 
 // Unit r fills member r's output: every member's block, in rank order, in every outer row.
-struct AllGather : PolicyBase {
-  static constexpr Collective kOp = Collective::kAllGather;
+struct AllGather : PolicyBase<Collective::kAllGather> {
   Status Prepare(const CollectiveCall& c);
   void Unit(const Peers& p, size_t r) const;
   size_t outer, block;
@@ -64,8 +72,7 @@ struct AllGather : PolicyBase {
 
 // Unit r fills member r's output with chunk r of every member's input. From the later of the
 // split and concat axes on, both a chunk and its destination are contiguous runs.
-struct AllToAll : PolicyBase {
-  static constexpr Collective kOp = Collective::kAllToAll;
+struct AllToAll : PolicyBase<Collective::kAllToAll> {
   Status Prepare(const CollectiveCall& c);
   void Unit(const Peers& p, size_t r) const;
   std::vector<int64_t> chunk, in_strides, out_strides;
@@ -74,24 +81,18 @@ struct AllToAll : PolicyBase {
 };
 
 // Unit r copies the root's input into member r's output.
-struct Broadcast : PolicyBase {
-  static constexpr Collective kOp = Collective::kBroadcast;
+struct Broadcast : WholeCopy<Collective::kBroadcast> {
   Status Prepare(const CollectiveCall& c);
   void Unit(const Peers& p, size_t r) const;
   int64_t root;
-  size_t bytes;
-  bool stream;
 };
 
 // Unit r copies the input of member sources[r] into member r's output (zeros for -1, like
 // lax.ppermute for ranks nobody sends to).
-struct Permute : PolicyBase {
-  static constexpr Collective kOp = Collective::kPermute;
+struct Permute : WholeCopy<Collective::kPermute> {
   Status Prepare(const CollectiveCall& c);
   void Unit(const Peers& p, size_t r) const;
   const int64_t* sources;  // the call's attrs, alive while the call runs
-  size_t bytes;
-  bool stream;
 };
 
 }  // namespace trainspec

@@ -81,7 +81,8 @@ ffi::Error Decode(Collective op, ffi::RunId run_id, const ffi::AnyBuffer& x,
     if (names.last_is_list && i + 1 == names.count) {
       auto list = attrs.get<ffi::Span<const int64_t>>(names.names[i]);
       if (list.has_error()) {
-        return Invalid(op, std::string("attribute ") + names.names[i] + " (int64 array) is missing");
+        return Invalid(op, std::string("attribute ") + names.names[i] +
+                               " (int64 array) is missing");
       }
       c->attrs.insert(c->attrs.end(), list->begin(), list->end());
     } else {

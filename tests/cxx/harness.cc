@@ -410,8 +410,9 @@ void TestFailures() {
   }
   {  // devices 6 and 7 both claim rank 6
     const int64_t run = next_run++;
-    ExpectAllFail(RunThreads(Collective::kAllReduce, n,
-                             [&](int r) { return all_reduce(run, std::min(r, 6), n, kSum, kLong); }),
+    ExpectAllFail(RunThreads(Collective::kAllReduce, n, [&](int r) {
+      return all_reduce(run, std::min(r, 6), n, kSum, kLong);
+    }),
                   Code::kInvalidArgument, "rank 6 joined twice", 5.0, "duplicate rank");
   }
   {  // device 7 says the group has 4 members
