@@ -16,7 +16,6 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax import collectives
 from spec_jax.collectives import ext
 
 DEVICES = np.array(jax.devices())
