@@ -56,6 +56,28 @@ def loss_step(loss_fn: LossFn) -> LossStep:
     return LossStep(loss_fn)
 
 
+@dataclasses.dataclass(frozen=True)
+class GradStep:
+    """A plain step split at its gradient, so that trainspec sees the gradient of each
+    data-parallel replica before the reduction (and so measures GNS; docs/wrapping.md).
+
+    `grad_fn(params, batch) -> (grads, metrics)`: the mean gradient over the batch's rows and
+    a dict of scalars (averaged over replicas); `update_fn(state, grads) -> state`. Called
+    directly it is the ordinary step `update_fn(state, grad_fn(state.params, batch)[0])`.
+    """
+
+    grad_fn: Callable[[Any, Any], tuple[Any, dict]]
+    update_fn: Callable[[Any, Any], Any]
+
+    def __call__(self, state, batch):
+        grads, metrics = self.grad_fn(state.params, batch)
+        return self.update_fn(state, grads), metrics
+
+
+def grad_step(grad_fn, update_fn) -> GradStep:
+    return GradStep(grad_fn, update_fn)
+
+
 def _split_micro(batch, k: int):
     """Every leaf (B, ...) -> (k, B/k, ...), by the spec's interleaved rule."""
     return jax.tree.map(lambda x: interleaved_micro_batches(x, k), batch)
@@ -145,12 +167,11 @@ class WrappedStep:
         if k > 1 and not isinstance(step_fn, LossStep):
             raise UserInputError(
                 f"batch.micro_batch: {k} accumulation steps need a step built with "
-                "spec_jax.loss_step(loss_fn); an opaque step function cannot be accumulated"
+                "spec_jax.loss_step(loss_fn); this step's loss cannot be accumulated"
             )
         # metrics.gns: where the small batch comes from, or why nothing is measured
         self.gns_source, self.gns_note = gns.resolve(
-            spec.metrics.gns, int(np.prod([self.mesh.shape[a] for a in self.data_axes])), k,
-            isinstance(step_fn, LossStep))
+            spec.metrics.gns, self.replicas, k, isinstance(step_fn, (LossStep, GradStep)))
         self.state_shardings = None
         self._jitted = None
         self._compiled = None  # set by compile(): the executable that then runs every step
@@ -201,6 +222,8 @@ class WrappedStep:
         batch_shardings = jax.tree.map(lambda x: self.batch_sharding(np.ndim(x)), batch)
         if isinstance(self.step_fn, LossStep):
             fn = self._loss_step_fn(batch_shardings)
+        elif isinstance(self.step_fn, GradStep) and self.gns_source == gns.REPLICAS:
+            fn = self._grad_step_fn()
         else:
             fn = self.step_fn
         replicated = NamedSharding(self.mesh, P())
@@ -252,6 +275,61 @@ class WrappedStep:
         return step
 
     @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the product of the data-role axes' sizes."""
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
+
+    def _reduce_over_replicas(self, stacked):
+        """Sum per-replica gradients (stacked on a leading axis bound to the data axes) through
+        the spec's collectives backend; the result is laid out like the parameters."""
+        from spec_jax import collectives
+
+        spec, data = self.spec, self.data_axes
+        group = data if len(data) > 1 else data[0]
+        param_pspecs = self.state_pspecs.params
+
+        def body(g):
+            # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
+            # shard packed into a single buffer, rather than one collective per leaf.
+            leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
+            flat = collectives.all_reduce(
+                jnp.concatenate([x.ravel() for x in leaves]), group, "sum",
+                timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend)
+            offsets = np.cumsum([0] + [x.size for x in leaves])
+            return treedef.unflatten([
+                flat[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
+            ])
+
+        in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
+                                is_leaf=lambda x: isinstance(x, P))
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(in_specs,), out_specs=param_pspecs,
+                             check_vma=False)(stacked)
+
+    def _grad_step_fn(self):
+        """A GradStep with GNS over replicas: `grad_fn` per replica (vmap bound to the data
+        axes, as in the loss-step path), the replica means averaged by one explicit all-reduce,
+        then `update_fn`. B is counted in rows (the unit grad_fn averages over)."""
+        data, n = self.data_axes, self.replicas
+        inner_rules = layout.flax_rules(self.spec, without=data)
+
+        def step(state, batch):
+            per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+            with nn.logical_axis_rules(inner_rules):
+                grads, metrics = jax.vmap(self.step_fn.grad_fn, in_axes=(None, 0),
+                                          spmd_axis_name=data)(state.params, per_replica)
+            mean = jax.tree.map(lambda g: g / n, self._reduce_over_replicas(grads))
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            metrics = {
+                **jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics),
+                "grad_norm": optax.tree.norm(mean),
+                **gns.step_parts(jnp.mean(gns.stacked_sq_norms(grads)), rows / n,
+                                 gns.sq_norm(mean), rows),
+            }
+            return self.step_fn.update_fn(state, mean), metrics
+
+        return step
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """The data-role mesh axes that actually split (size > 1)."""
         return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
@@ -267,30 +345,11 @@ class WrappedStep:
         sums are scalars: summed over the replica axis directly.
         """
         spec, mesh, data = self.spec, self.mesh, self.data_axes
-        k, n = spec.batch.accumulation_steps, int(np.prod([self.mesh.shape[a] for a in data]))
+        k, n = spec.batch.accumulation_steps, self.replicas
         inner_rules = layout.flax_rules(spec, without=data)
         inner_batch_spec = lambda x: NamedSharding(  # noqa: E731
             mesh, layout.batch_partition_spec(spec, mesh, np.ndim(x), without=data))
-        param_pspecs = self.state_pspecs.params
-        group = data if len(data) > 1 else data[0]
-
-        def reduce_over_replicas(stacked):
-            def body(g):
-                # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
-                # shard packed into a single buffer, rather than one collective per leaf.
-                leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
-                flat = collectives.all_reduce(
-                    jnp.concatenate([x.ravel() for x in leaves]), group, "sum",
-                    timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend)
-                offsets = np.cumsum([0] + [x.size for x in leaves])
-                return treedef.unflatten([
-                    flat[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
-                ])
-
-            in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
-                                    is_leaf=lambda x: isinstance(x, P))
-            return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=param_pspecs,
-                                 check_vma=False)(stacked)
+        reduce_over_replicas = self._reduce_over_replicas
 
         def step(state, batch):
             def replica_sums(rows):
