@@ -392,7 +392,9 @@ class WrappedStep:
         if self.spec.batch.accumulation_steps == 1:
             return self.lower(state, batch)
         one_pass = self.spec.model_copy(update={
-            "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch})})
+            "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch}),
+            # one pass has no micro-batches: GNS over them (metrics.gns = true) cannot apply
+            "metrics": self.spec.metrics.model_copy(update={"gns": None})})
         flat = WrappedStep(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
         flat.state_pspecs, flat.state_shardings = self.state_pspecs, self.state_shardings
         return flat.lower(state, batch)
