@@ -282,8 +282,6 @@ class WrappedStep:
     def _reduce_over_replicas(self, stacked):
         """Sum per-replica gradients (stacked on a leading axis bound to the data axes) through
         the spec's collectives backend; the result is laid out like the parameters."""
-        from spec_jax import collectives
-
         spec, data = self.spec, self.data_axes
         group = data if len(data) > 1 else data[0]
         param_pspecs = self.state_pspecs.params
