@@ -242,17 +242,25 @@ class WrappedStep:
             donate_argnums=(0, 1),
         )
 
-    def reset_guard(self, step: int = 0) -> None:
-        """Start the non-finite guard afresh, `step` steps into the run (after a restore)."""
-        record = nan_guard.init_guard(step) if self.nan_guard else {}
+    def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
+        """Start the non-finite guard `step` steps into the run, with the counts of skipped
+        and consecutive non-finite steps a restored checkpoint carries."""
+        record = nan_guard.init_guard(step, skipped, consecutive) if self.nan_guard else {}
         self.guard = jax.device_put(record, NamedSharding(self.mesh, P()))
 
     def check_nonfinite(self) -> int:
-        """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped
-        since `reset_guard` (0 without the guard). Reads the small guard record only."""
+        """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped,
+        counted on from `reset_guard`'s (0 without the guard). Reads the small guard record only."""
         if not self.nan_guard or self.guard is None:
             return 0
         return nan_guard.check(self.spec.health.nan, self.guard)
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        """The guard's skipped and consecutive non-finite steps as of the last step whose
+        update was kept: what a checkpoint of the state carries on (zeros without the guard)."""
+        if not self.nan_guard or self.guard is None:
+            return {"skipped_steps": 0, "consecutive_nonfinite": 0}
+        return nan_guard.counts(self.guard)
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps
