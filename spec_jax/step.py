@@ -149,8 +149,8 @@ def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | Non
 class WrappedStep:
     """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`.
 
-    `nan_guard` (default on): the step applies `spec.health.nan` on device: an update whose loss
-    or gradients are not finite is dropped (state and `state.step` stay as they were), the
+    `nan_guard` (default on): the step applies `spec.health.nan` on device: an update whose loss,
+    gradients or new state (any floating array) are not finite is dropped (state and `state.step` stay as they were), the
     metrics gain `nonfinite` and `skipped_steps`, and `check_nonfinite()` raises HealthHalt when
     the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
     """
