@@ -246,18 +246,25 @@ void AllToAll::Unit(const Peers& p, size_t r) const {
   }
 }
 
+// The part of Prepare that broadcast and permute share: the output is the input's shape, and
+// unit r writes the whole of member r's output.
+template <Collective kOp>
+Status PrepareWholeCopy(const CollectiveCall& c, WholeCopy<kOp>* policy) {
+  if (Status s = CheckOutShape(kOp, c, c.in_dims); !s.ok()) return s;
+  policy->bytes = Count(c.in_dims) * ElemBytes(c.type);
+  policy->stream = StreamCopies(policy->bytes);
+  policy->units = c.group_size;
+  policy->written_bytes = policy->bytes * c.group_size;
+  return Status{};
+}
+
 Status Broadcast::Prepare(const CollectiveCall& c) {
   root = c.attrs[0];
   if (root < 0 || root >= c.group_size) {
     return InvalidCall(kOp, "root " + std::to_string(root) + " out of range for group size " +
                             std::to_string(c.group_size));
   }
-  if (Status s = CheckOutShape(kOp, c, c.in_dims); !s.ok()) return s;
-  bytes = Count(c.in_dims) * ElemBytes(c.type);
-  stream = StreamCopies(bytes);
-  units = c.group_size;
-  written_bytes = bytes * c.group_size;
-  return Status{};
+  return PrepareWholeCopy(c, this);
 }
 
 void Broadcast::Unit(const Peers& p, size_t r) const {
@@ -279,13 +286,8 @@ Status Permute::Prepare(const CollectiveCall& c) {
       return InvalidCall(kOp, "source rank " + std::to_string(s) + " sends to two ranks");
     }
   }
-  if (Status s = CheckOutShape(kOp, c, c.in_dims); !s.ok()) return s;
   sources = c.attrs.data();
-  bytes = Count(c.in_dims) * ElemBytes(c.type);
-  stream = StreamCopies(bytes);
-  units = c.group_size;
-  written_bytes = bytes * c.group_size;
-  return Status{};
+  return PrepareWholeCopy(c, this);
 }
 
 void Permute::Unit(const Peers& p, size_t r) const {
