@@ -1,6 +1,6 @@
 """trainspec: the spec (spec_jax.core, framework-free) and its reference implementation on JAX/XLA.
 
-The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`.
+The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`, `grad_step`.
 
 The JAX entry points are imported on first use, so that `import spec_jax.core` (which imports
 this package first) loads neither jax nor any other framework.
@@ -14,6 +14,7 @@ _JAX_ENTRY_POINTS = {
     "build_mesh": "spec_jax.mesh",
     "WrappedStep": "spec_jax.step",
     "loss_step": "spec_jax.step",
+    "grad_step": "spec_jax.step",
     "wrap": "spec_jax.step",
 }
 

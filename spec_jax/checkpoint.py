@@ -5,9 +5,15 @@ A checkpoint holds two items written together into one step directory:
 - `meta`: JSON with the step, the data position, the RNG, the spec and the run's length.
 
 Atomicity comes from orbax: a step is written into `<step>.orbax-checkpoint-tmp*` and renamed to
-`<step>` only once every item is complete, and orbax lists only renamed steps. On top of that a
-step counts as good only when it restores: a directory that lists but does not read back (a
-truncated copy, a foreign file) is skipped with a warning and the next older one is tried.
+`<step>` only once every item is complete, and orbax lists only renamed steps.
+
+Verified, not trusted: the meta holds a content checksum of every array (spec_jax.checksum),
+taken when the state is saved and recomputed on the restored arrays. A step that does not read
+back (truncated or deleted files, a foreign file) or whose arrays differ from their checksums
+(a flipped bit, overwritten bytes) is bad: the newest good step is restored instead, with one
+line naming the bad one and why, and the bad ones are moved aside into `<dir>-quarantine/`
+(kept, not deleted), so the re-trained steps take their place. When no step is good the run
+stops (UserInputError) and leaves them all in place; starting over is explicit (`set_aside`).
 
 Resharding: restore targets an abstract state whose leaves carry the *current* job's shardings,
 so a run saved on (data=4, fsdp=2) restores onto 4 devices, or onto (data=2, fsdp=4), directly.
@@ -16,20 +22,25 @@ resuming at step S on any mesh continues with exactly batch S, none seen twice o
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
+from spec_jax.checksum import checksums, first_mismatch
 from spec_jax.core.errors import UserInputError
 from spec_jax.core.spec import Spec
+from spec_jax.distributed import is_writer
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the meta holds per-array checksums
 # The sections that define the computation: resuming under a different one would silently
 # train another model. Placement (mesh, layout, collectives) and bookkeeping may change.
 MUST_MATCH = ("seed", "model", "optimizer", "batch", "precision")
@@ -71,6 +82,8 @@ class Checkpointer:
         self.spec = spec
         self.interval = spec.checkpoint.interval
         self.directory = (Path(run_dir) / spec.checkpoint.dir).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UserInputError(f"checkpoint.dir: {self.directory} exists and is not a directory")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=spec.checkpoint.keep,
             enable_async_checkpointing=spec.checkpoint.async_save,
@@ -79,7 +92,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "meta")
         )
-        self.last_saved: int | None = self.manager.latest_step()
+        self.last_saved: int | None = None  # set by a verified restore or a completed save call
 
     @property
     def enabled(self) -> bool:
@@ -89,9 +102,10 @@ class Checkpointer:
         return self.enabled and (step % self.interval == 0 or step == last_step)
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, step: int, state, total_steps: int, skipped_steps: int = 0) -> None:
+    def save(self, step: int, state, total_steps: int, health: dict | None = None) -> None:
         """Start writing `state` as of `step` (steps done = next batch index); returns at once
-        when `checkpoint.async_save`. The previous save is finished first (orbax)."""
+        when `checkpoint.async_save`. The previous save is finished first (orbax). `health`:
+        the non-finite guard's counts, restored with the state."""
         if not self.enabled or step == self.last_saved:
             return
         meta = {
@@ -102,18 +116,30 @@ class Checkpointer:
             # folds the step into it per step resumes its stream exactly.
             "rng": np.asarray(jax.random.key_data(jax.random.key(self.spec.seed))).tolist(),
             "total_steps": total_steps,
-            "skipped_steps": skipped_steps,
+            "health": health or {},
+            "checksums": checksums(state),
             "spec": self.spec.to_dict(),
         }
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-        )
+        with self._failing_saves_end_the_run():
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         self.last_saved = step
 
     def wait(self) -> None:
         """Block until the background save (if any) is complete and renamed into place."""
-        self.manager.wait_until_finished()
+        with self._failing_saves_end_the_run():
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _failing_saves_end_the_run(self):
+        """A save that fails is one line that ends the run, not a traceback or a hang."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001  whatever orbax or the file system raised
+            raise CheckpointSaveError(
+                f"checkpoint.dir: saving to {self.directory} failed: "
+                f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            ) from None
 
     def close(self) -> None:
         self.manager.close()
@@ -128,42 +154,102 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
     def restore(self, step: int, target):
-        """(state, meta) of `step`, resharded onto the shardings of `target` (see abstract_like).
+        """(state, meta) of `step`, resharded onto the shardings of `target` (see abstract_like)
+        and verified against its checksums; BadCheckpoint says why it is not good.
 
         The meta is read and checked first: a checkpoint of another model must be reported as
         such (UserInputError), not fail as an unreadable state."""
-        meta = self.read_meta(step)
+        try:
+            meta = self.read_meta(step)
+        except Exception as err:  # noqa: BLE001
+            raise BadCheckpoint(f"its meta does not read back ({_first_line(err)})") from None
         if meta.get("format") != FORMAT or meta.get("step") != step:
-            raise ValueError(f"meta of step {step} is not a trainspec v{FORMAT} checkpoint")
+            raise BadCheckpoint(f"it is not a trainspec format-{FORMAT} checkpoint of step {step}")
         check_compatible(meta["spec"], self.spec, self.directory)
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(target))))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_like(target))))
+        except Exception as err:  # noqa: BLE001
+            raise BadCheckpoint(f"its state does not read back ({_first_line(err)})") from None
+        differs = first_mismatch(meta["checksums"], restored.state)
+        if differs is not None:
+            raise BadCheckpoint(f"the checksum of {differs} differs from the one saved")
         return restored.state, meta
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
         """The newest good checkpoint resharded like `target`, or (None, None) when there is
         none. `target` carries the current job's shardings: the abstract state its step
-        planned, so that nothing is initialised only to be overwritten."""
+        planned, so that nothing is initialised only to be overwritten. Newer bad ones are
+        quarantined; if every one is bad, UserInputError (they all stay in place)."""
+        bad: list[tuple[int, str]] = []
         for step in self.good_steps():
             try:
                 state, meta = self.restore(step, target)
-            except UserInputError:
-                raise
-            except Exception as err:  # noqa: BLE001  unreadable = not good; try the older one
-                log.warning("checkpoint %d in %s is unreadable, trying an older one: %s",
-                            step, self.directory, str(err).splitlines()[0][:200])
+            except BadCheckpoint as why:
+                bad.append((step, str(why)))
                 continue
+            for bad_step, why in bad:
+                log.warning("checkpoint %d is bad (%s): moved to %s; resuming from checkpoint %d",
+                            bad_step, why, self._quarantine(bad_step), step)
+            self._reload_everywhere()
             self.last_saved = step
             return state, meta
+        if bad:
+            newest, why = bad[0]
+            raise UserInputError(
+                f"checkpoint.dir: all {len(bad)} checkpoints in {self.directory} are bad (newest, "
+                f"{newest}: {why}); they are kept; pass --restart to train from step 0")
         return None, None
+
+    # -- setting aside ------------------------------------------------------------------------
+    @property
+    def quarantine(self) -> Path:
+        return self.directory.with_name(self.directory.name + "-quarantine")
+
+    def _quarantine(self, step: int) -> Path:
+        """Move step `step` out of the listed checkpoints (process 0; the others only read)."""
+        target = self.quarantine / str(step)
+        suffix = 1
+        while target.exists():
+            target = self.quarantine / f"{step}.{suffix}"
+            suffix += 1
+        if is_writer():
+            self.quarantine.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), target)
+        return target
+
+    def _reload_everywhere(self) -> None:
+        """Every process lists the steps again once process 0 has moved some aside."""
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("trainspec checkpoints moved aside")
+        self.manager.reload()
+
+    def set_aside(self) -> list[Path]:
+        """Move every checkpoint into the quarantine (starting over keeps the old ones)."""
+        moved = [self._quarantine(step) for step in self.good_steps()]
+        self._reload_everywhere()
+        return moved
 
     def saved_total_steps(self) -> int | None:
         """The run length the newest good checkpoint was planned for (its LR schedule), if any."""
         for step in self.good_steps():
             try:
                 meta = self.read_meta(step)
-            except Exception:  # noqa: BLE001  same rule as restore_latest
+            except Exception:  # noqa: BLE001  an unreadable meta: restore_latest says why
                 continue
             check_compatible(meta["spec"], self.spec, self.directory)
             return int(meta["total_steps"])
         return None
+
+
+class BadCheckpoint(Exception):
+    """A checkpoint that does not read back, or whose arrays differ from their checksums."""
+
+
+class CheckpointSaveError(UserInputError):
+    """Writing a checkpoint failed (an unwritable `checkpoint.dir`, a full disk): the run ends."""
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200]}" if text else type(err).__name__

@@ -89,11 +89,10 @@ def _collective(adapter: Adapter, layout, case, dtype: str, x=None) -> str | Non
         if got.shape != want[coords].shape:
             return f"member {coords}: shape {got.shape}, expected {want[coords].shape}"
         got, exact = got.astype(np.float64), want[coords]
-        with np.errstate(invalid="ignore"):
-            ok = (np.abs(got - exact) <= tol[coords]) | (got == exact) \
-                | (np.isnan(got) & np.isnan(exact))
+        with np.errstate(invalid="ignore"):  # inf - inf: equal infinities are compared by ==
+            err = np.abs(got - exact)
+            ok = (err <= tol[coords]) | (got == exact) | (np.isnan(got) & np.isnan(exact))
         bad = ~ok
-        err = np.abs(got - exact)
         if bad.any():
             return (f"member {coords}: {int(bad.sum())} of {bad.size} elements out of "
                     f"tolerance (worst error {np.nanmax(err):.3g})")

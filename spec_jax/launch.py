@@ -2,11 +2,16 @@
 
 Each child gets TRAINSPEC_COORDINATOR / TRAINSPEC_NUM_PROCESSES / TRAINSPEC_PROCESS_ID, which
 both implementations join from (spec_jax/distributed.py for JAX, spec_jax/adapters/torch.py).
-This module imports no framework. Output lines are prefixed with the rank. If one child fails, the others are
-stopped (SIGTERM, then SIGKILL after a grace period), so a job never outlives a dead rank: with
-a peer gone the survivors would otherwise block in their next collective until a timeout.
-SIGINT/SIGTERM to the launcher are forwarded. Children die with the launcher (PR_SET_PDEATHSIG)
-so not even a SIGKILL of the launcher leaves orphans.
+This module imports no framework. Output lines are prefixed with the rank. If one child fails,
+the launcher names the first to fail (by when it exited, not by rank: once a rank dies the
+others abort in their next collective) and its status or signal, and stops the others
+(SIGTERM, then SIGKILL after the grace period), so a job never outlives a dead rank.
+
+SIGINT/SIGTERM to the launcher are forwarded to every rank as SIGTERM, the preemption notice:
+each rank finishes its step, checkpoints (all at the same step) and exits 143 (spec_jax.
+preemption); the launcher waits for that within the grace period (`--grace`), then exits
+128 + the signal it got. Children die with the launcher (PR_SET_PDEATHSIG) so not even a
+SIGKILL of the launcher leaves orphans.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ NUM_PROCESSES = "TRAINSPEC_NUM_PROCESSES"
 PROCESS_ID = "TRAINSPEC_PROCESS_ID"
 
 _PR_SET_PDEATHSIG = 1
+DEFAULT_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for every rank to write its checkpoint
 
 
 def free_port() -> int:
@@ -49,12 +55,14 @@ def _pump(rank: int, stream, out) -> None:
 
 
 class Launch:
-    def __init__(self, command: Sequence[str], nprocs: int, grace_s: float = 10.0,
+    def __init__(self, command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
                  port: int | None = None):
         self.command, self.nprocs, self.grace_s = list(command), nprocs, grace_s
         self.port = port or free_port()
         self.children: list[subprocess.Popen] = []
-        self._pumps: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []  # output pumps and exit watchers
+        self.exits: list[tuple[int, int]] = []  # (rank, status) in the order the ranks exited
+        self._exited = threading.Condition()
 
     def _env(self, rank: int) -> dict[str, str]:
         return {
@@ -74,9 +82,17 @@ class Launch:
             )
             self.children.append(child)
             print(f"[launch] rank {rank} pid {child.pid}", flush=True)
-            pump = threading.Thread(target=_pump, args=(rank, child.stdout, sys.stdout), daemon=True)
-            pump.start()
-            self._pumps.append(pump)
+            for target, args in ((_pump, (rank, child.stdout, sys.stdout)),
+                                 (self._watch, (rank, child))):
+                thread = threading.Thread(target=target, args=args, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _watch(self, rank: int, child: subprocess.Popen) -> None:
+        status = child.wait()
+        with self._exited:
+            self.exits.append((rank, status))
+            self._exited.notify_all()
 
     def _signal_all(self, sig: int) -> None:
         for child in self.children:
@@ -99,29 +115,41 @@ class Launch:
     def wait(self) -> int:
         """Exit status of the job: 0 if all ranks succeed, else the first failure's."""
         try:
-            while True:
-                codes = [c.poll() for c in self.children]
-                failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if failed:
-                    rank, code = failed[0]
-                    print(f"[launch] rank {rank} exited with {code}; stopping the others",
-                          file=sys.stderr, flush=True)
-                    self.stop_all()
-                    return code if code > 0 else 128 - code  # -9 (killed) -> 137, like a shell
-                if all(c == 0 for c in codes):
-                    return 0
-                time.sleep(0.05)
+            with self._exited:
+                while not (failed := [e for e in self.exits if e[1] != 0]) and \
+                        len(self.exits) < len(self.children):
+                    self._exited.wait(timeout=0.5)  # a timeout, so that signals get through
+            if not failed:
+                return 0
+            rank, status = failed[0]
+            print(f"[launch] rank {rank} {describe_status(status)} first; stopping the others",
+                  file=sys.stderr, flush=True)
+            self.stop_all()
+            return status if status > 0 else 128 - status  # -9 (killed) -> 137, like a shell
         finally:
-            for pump in self._pumps:
-                pump.join(timeout=1)
+            for thread in self._threads:
+                thread.join(timeout=1)
 
 
-def run(command: Sequence[str], nprocs: int, grace_s: float = 10.0) -> int:
+def describe_status(status: int) -> str:
+    """A child's exit as a person says it: "exited with status 3", "was killed by SIGKILL"."""
+    if status >= 0:
+        return f"exited with status {status}"
+    try:
+        return f"was killed by {signal.Signals(-status).name}"
+    except ValueError:
+        return f"was killed by signal {-status}"
+
+
+def run(command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S) -> int:
     launch = Launch(command, nprocs, grace_s)
 
     def forward(signum, _frame):
-        print(f"[launch] got signal {signum}; stopping all ranks", file=sys.stderr, flush=True)
+        print(f"[launch] {signal.Signals(signum).name}: every rank checkpoints and stops "
+              f"(grace {grace_s:g} s)", file=sys.stderr, flush=True)
         launch.stop_all()
+        statuses = ", ".join(f"rank {r} {describe_status(s)}" for r, s in sorted(launch.exits))
+        print(f"[launch] {statuses}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -21,15 +21,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax import init_checks, layout
+from spec_jax import collectives, init_checks, layout
 from spec_jax.batching import BatchPlacement
-from spec_jax.health import nan as nan_guard
-from spec_jax.metrics import gns
-from spec_jax.core.errors import UserInputError
 from spec_jax.core.accumulation import interleaved_micro_batches
+from spec_jax.core.errors import UserInputError
 from spec_jax.core.mesh import check_batch, resolve_mesh
-from spec_jax.mesh import build_mesh, check_hierarchical
 from spec_jax.core.spec import Spec
+from spec_jax.health import nan as nan_guard
+from spec_jax.mesh import build_mesh, check_hierarchical
+from spec_jax.metrics import gns
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
 
@@ -55,6 +55,28 @@ class LossStep:
 
 def loss_step(loss_fn: LossFn) -> LossStep:
     return LossStep(loss_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradStep:
+    """A plain step split at its gradient, so that trainspec sees the gradient of each
+    data-parallel replica before the reduction (and so measures GNS; docs/wrapping.md).
+
+    `grad_fn(params, batch) -> (grads, metrics)`: the mean gradient over the batch's rows and
+    a dict of scalars (averaged over replicas); `update_fn(state, grads) -> state`. Called
+    directly it is the ordinary step `update_fn(state, grad_fn(state.params, batch)[0])`.
+    """
+
+    grad_fn: Callable[[Any, Any], tuple[Any, dict]]
+    update_fn: Callable[[Any, Any], Any]
+
+    def __call__(self, state, batch):
+        grads, metrics = self.grad_fn(state.params, batch)
+        return self.update_fn(state, grads), metrics
+
+
+def grad_step(grad_fn, update_fn) -> GradStep:
+    return GradStep(grad_fn, update_fn)
 
 
 def _split_micro(batch, k: int):
@@ -128,10 +150,10 @@ def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | Non
 class WrappedStep:
     """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`.
 
-    `nan_guard` (default on): the step applies `spec.health.nan` on device: an update whose loss
-    or gradients are not finite is dropped (state and `state.step` stay as they were), the
-    metrics gain `nonfinite` and `skipped_steps`, and `check_nonfinite()` raises HealthHalt when
-    the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
+    `nan_guard` (default on): the step applies `spec.health.nan` on device: an update whose loss,
+    gradients or new state (any floating array) are not finite is dropped (state and
+    `state.step` stay as they were), the metrics gain `nonfinite` and `skipped_steps`, and
+    `check_nonfinite()` raises HealthHalt when the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
     `devices`: run on these devices (or the first n) instead of all of them.
     """
 
@@ -150,13 +172,12 @@ class WrappedStep:
         if k > 1 and not isinstance(step_fn, LossStep):
             raise UserInputError(
                 f"batch.micro_batch: {k} accumulation steps need a step built with "
-                "spec_jax.loss_step(loss_fn); an opaque step function cannot be accumulated "
+                "spec_jax.loss_step(loss_fn); this step's loss cannot be accumulated "
                 f"(set batch.micro_batch = {spec.batch.global_batch} to wrap it as it is)"
             )
         # metrics.gns: where the small batch comes from, or why nothing is measured
         self.gns_source, self.gns_note = gns.resolve(
-            spec.metrics.gns, int(np.prod([self.mesh.shape[a] for a in self.data_axes])), k,
-            isinstance(step_fn, LossStep))
+            spec.metrics.gns, self.replicas, k, isinstance(step_fn, (LossStep, GradStep)))
         self.batches = BatchPlacement(spec, self.mesh)
         self.state_shardings = None
         self._jitted = None
@@ -212,6 +233,8 @@ class WrappedStep:
         batch_shardings = self.batches.shardings(batch)
         if isinstance(self.step_fn, LossStep):
             fn = self._loss_step_fn(batch_shardings)
+        elif isinstance(self.step_fn, GradStep) and self.gns_source == gns.REPLICAS:
+            fn = self._grad_step_fn()
         else:
             fn = self.step_fn
         replicated = NamedSharding(self.mesh, P())
@@ -230,17 +253,25 @@ class WrappedStep:
             donate_argnums=(0, 1),
         )
 
-    def reset_guard(self, step: int = 0) -> None:
-        """Start the non-finite guard afresh, `step` steps into the run (after a restore)."""
-        record = nan_guard.init_guard(step) if self.nan_guard else {}
+    def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
+        """Start the non-finite guard `step` steps into the run, with the counts of skipped
+        and consecutive non-finite steps a restored checkpoint carries."""
+        record = nan_guard.init_guard(step, skipped, consecutive) if self.nan_guard else {}
         self.guard = jax.device_put(record, NamedSharding(self.mesh, P()))
 
     def check_nonfinite(self) -> int:
-        """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped
-        since `reset_guard` (0 without the guard). Reads the small guard record only."""
+        """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped,
+        counted on from `reset_guard`'s (0 without the guard). Reads the small guard record only."""
         if not self.nan_guard or self.guard is None:
             return 0
         return nan_guard.check(self.spec.health.nan, self.guard)
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        """The guard's skipped and consecutive non-finite steps as of the last step whose
+        update was kept: what a checkpoint of the state carries on (zeros without the guard)."""
+        if not self.nan_guard or self.guard is None:
+            return {"skipped_steps": 0, "consecutive_nonfinite": 0}
+        return nan_guard.counts(self.guard)
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps
@@ -263,6 +294,59 @@ class WrappedStep:
         return step
 
     @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the product of the data-role axes' sizes."""
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
+
+    def _reduce_over_replicas(self, stacked):
+        """Sum per-replica gradients (stacked on a leading axis bound to the data axes) through
+        the spec's collectives backend; the result is laid out like the parameters."""
+        spec, data = self.spec, self.data_axes
+        group = data if len(data) > 1 else data[0]
+        param_pspecs = self.state_pspecs.params
+
+        def body(g):
+            # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
+            # shard packed into a single buffer, rather than one collective per leaf.
+            leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
+            flat = collectives.all_reduce(
+                jnp.concatenate([x.ravel() for x in leaves]), group, "sum",
+                timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend)
+            offsets = np.cumsum([0] + [x.size for x in leaves])
+            return treedef.unflatten([
+                flat[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
+            ])
+
+        in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
+                                is_leaf=lambda x: isinstance(x, P))
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(in_specs,), out_specs=param_pspecs,
+                             check_vma=False)(stacked)
+
+    def _grad_step_fn(self):
+        """A GradStep with GNS over replicas: `grad_fn` per replica (vmap bound to the data
+        axes, as in the loss-step path), the replica means averaged by one explicit all-reduce,
+        then `update_fn`. B is counted in rows (the unit grad_fn averages over)."""
+        data, n = self.data_axes, self.replicas
+        inner_rules = layout.flax_rules(self.spec, without=data)
+
+        def step(state, batch):
+            per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+            with nn.logical_axis_rules(inner_rules):
+                grads, metrics = jax.vmap(self.step_fn.grad_fn, in_axes=(None, 0),
+                                          spmd_axis_name=data)(state.params, per_replica)
+            mean = jax.tree.map(lambda g: g / n, self._reduce_over_replicas(grads))
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            metrics = {
+                **jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics),
+                "grad_norm": optax.tree.norm(mean),
+                **gns.step_parts(jnp.mean(gns.stacked_sq_norms(grads)), rows / n,
+                                 gns.sq_norm(mean), rows),
+            }
+            return self.step_fn.update_fn(state, mean), metrics
+
+        return step
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """The data-role mesh axes that actually split (size > 1)."""
         return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
@@ -277,33 +361,12 @@ class WrappedStep:
         gradient sums are then all-reduced over the data axes in a `shard_map`. Tokens and loss
         sums are scalars: summed over the replica axis directly.
         """
-        from spec_jax import collectives
-
         spec, mesh, data = self.spec, self.mesh, self.data_axes
-        k, n = spec.batch.accumulation_steps, int(np.prod([self.mesh.shape[a] for a in data]))
+        k, n = spec.batch.accumulation_steps, self.replicas
         inner_rules = layout.flax_rules(spec, without=data)
         inner_batch_spec = lambda x: NamedSharding(  # noqa: E731
             mesh, layout.batch_partition_spec(spec, mesh, np.ndim(x), without=data))
-        param_pspecs = self.state_pspecs.params
-        group = data if len(data) > 1 else data[0]
-
-        def reduce_over_replicas(stacked):
-            def body(g):
-                # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
-                # shard packed into a single buffer, rather than one collective per leaf.
-                leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
-                flat = collectives.all_reduce(
-                    jnp.concatenate([x.ravel() for x in leaves]), group, "sum",
-                    timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend)
-                offsets = np.cumsum([0] + [x.size for x in leaves])
-                return treedef.unflatten([
-                    flat[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
-                ])
-
-            in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
-                                    is_leaf=lambda x: isinstance(x, P))
-            return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=param_pspecs,
-                                 check_vma=False)(stacked)
+        reduce_over_replicas = self._reduce_over_replicas
 
         def step(state, batch):
             def replica_sums(rows):
@@ -342,7 +405,9 @@ class WrappedStep:
         if self.spec.batch.accumulation_steps == 1:
             return self.lower(state, batch)
         one_pass = self.spec.model_copy(update={
-            "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch})})
+            "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch}),
+            # one pass has no micro-batches: GNS over them (metrics.gns = true) cannot apply
+            "metrics": self.spec.metrics.model_copy(update={"gns": None})})
         flat = WrappedStep(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
         flat.state_pspecs, flat.state_shardings = self.state_pspecs, self.state_shardings
         return flat.lower(state, batch)

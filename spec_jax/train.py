@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -26,13 +28,18 @@ from spec_jax.core.health import HealthHalt, ReplicaMismatch
 from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
 from spec_jax.health.guards import Guards
+from spec_jax.health.memory import check_host_batch, check_step
 from spec_jax.layout import strip_boxes
 from spec_jax.metrics import MetricsLogger
 from spec_jax.core.goodput import Goodput
 from spec_jax.models.transformer_flops import for_spec as model_flops
 from spec_jax.models.transformer import Transformer, next_token_loss
 from spec_jax.core.spec import Spec
+from spec_jax.preemption import Preempted, StopSignals
 from spec_jax.step import WrappedStep, loss_step, wrap
+
+
+log = logging.getLogger(__name__)
 
 
 def make_optimizer(spec: Spec, total_steps: int) -> optax.GradientTransformation:
@@ -150,6 +157,8 @@ class _Feed:
 
     def __init__(self, job: Job, position: int):
         self.data, self.rows = job.data, local_rows(job)
+        self.host_bytes = self.data.host_bytes(self.rows.stop - self.rows.start)
+        check_host_batch(self.host_bytes)  # before the batch takes the memory
         self.first = self._prefetched = self.data.batch(position, self.rows)
 
     def batch(self, index: int):
@@ -165,13 +174,18 @@ class _Session:
 
     Each concern is one method, so that `train` reads top to bottom; a rollback re-enters
     `_resume` on the remaining devices. `faults` is the test hook (health.faults): nothing is
-    injected unless a test passes one.
+    injected unless a test passes one. `restart` sets the existing checkpoints aside (kept)
+    and trains from step 0.
     """
 
-    def __init__(self, spec: Spec, run_dir: Path, steps: int, faults: Faults | None, progress: bool):
+    def __init__(self, spec: Spec, run_dir: Path, steps: int, faults: Faults | None,
+                 progress: bool, restart: bool = False):
         self.steps, self.faults = steps, faults or Faults()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = Checkpointer(spec, run_dir)
+        if restart:
+            for moved in self.ckpt.set_aside():
+                log.warning("--restart: checkpoint moved to %s", moved)
         self.total_steps = self.ckpt.saved_total_steps() or steps  # a resume keeps its LR schedule
         self.metrics_file = run_dir / spec.metrics.path
         self.rollbacks: list[dict] = []
@@ -185,6 +199,7 @@ class _Session:
         self.metrics_log = MetricsLogger.for_run(
             spec, self.job.step, self.state, self.feed.first, run_dir, steps, model_flops(spec),
             goodput=self.goodput, resume_after=self.step)
+        check_step(self.metrics_log.analysis.fields)  # before the first step takes the memory
 
     def _resume(self, spec: Spec) -> None:
         """Job on the largest mesh the spec allows, state from the newest good checkpoint
@@ -200,8 +215,10 @@ class _Session:
         self.goodput.add("checkpoint_restore" if meta else "initialization",
                          time.perf_counter() - t1)
         self.step = meta["data_position"] if meta else 0
-        self.job.step.reset_guard(self.step)
-        self.guards = Guards(spec, self.job, (meta or {}).get("skipped_steps", 0))
+        counts = (meta or {}).get("health", {})  # the non-finite counts carry on across a resume
+        self.job.step.reset_guard(self.step, counts.get("skipped_steps", 0),
+                                  counts.get("consecutive_nonfinite", 0))
+        self.guards = Guards(spec, self.job, counts.get("skipped_steps", 0))
         self.feed = _Feed(self.job, self.step)
 
     def _record(self, metrics, data_wait: float) -> None:
@@ -214,11 +231,12 @@ class _Session:
                              tok_s=f"{record['tokens_per_s']:.0f}",
                              mfu=f"{100 * (record['mfu'] or 0):.1f}%")
 
-    def _rolled_back_after_divergence(self) -> bool:
+    def _rolled_back_after_divergence(self, checkpointing: bool = False) -> bool:
         """Compare replica fingerprints when due (always before a checkpoint, which must never
         hold a corrupted replica). On a mismatch under `rollback`: exclude the diverged
         devices and resume from the last checkpoint on the rest; returns whether it did."""
-        if not (self.guards.fingerprint_due(self.step) or self.ckpt.due(self.step, self.steps)):
+        checkpointing = checkpointing or self.ckpt.due(self.step, self.steps)
+        if not (self.guards.fingerprint_due(self.step) or checkpointing):
             return False
         try:
             self.guards.check_replicas(self.step, self.state, self.ckpt.last_saved)
@@ -241,14 +259,37 @@ class _Session:
         io(*args)
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
 
-    def _checkpoint_if_due(self) -> None:
-        if self.ckpt.due(self.step, self.steps):
+    def _checkpoint(self, force: bool = False) -> None:
+        """Checkpoint the current step when due (or `force`d by a stop signal)."""
+        if force or self.ckpt.due(self.step, self.steps):
             self.guards.check_nonfinite()  # never checkpoint a state the NaN guard froze
             self._timed_checkpoint_io(
-                self.ckpt.save, self.step, self.state, self.total_steps, self.guards.skipped)
+                self.ckpt.save, self.step, self.state, self.total_steps, self.guards.counts())
+
+    def _halted(self, halt: HealthHalt) -> HealthHalt:
+        """Checkpoint the state the guard froze (the last good one) and say where it is, or
+        that nothing kept it."""
+        if not self.ckpt.enabled:
+            return HealthHalt(f"{halt}; no checkpoint kept a state (checkpoint.interval = 0)",
+                              halt.last_good_step)
+        self.ckpt.save(halt.last_good_step, self.state, self.total_steps, self.guards.counts())
+        self.ckpt.wait()
+        return HealthHalt(f"{halt}; the state after step {halt.last_good_step} is checkpoint "
+                          f"{halt.last_good_step} in {self.ckpt.directory}", halt.last_good_step)
+
+    def _preempted(self, signum: int) -> Preempted:
+        """After a stop signal: checkpoint this step on every process and wait for it."""
+        name = signal.Signals(signum).name
+        if not self.ckpt.enabled:
+            return Preempted(f"{name} after step {self.step}; no checkpoint written "
+                             "(checkpoint.interval = 0)", signum)
+        self._checkpoint(force=True)
+        self._timed_checkpoint_io(self.ckpt.wait)
+        return Preempted(f"{name} after step {self.step}; checkpoint {self.step} is in "
+                         f"{self.ckpt.directory}", signum)
 
     def train(self) -> None:
-        with contextlib.closing(self.metrics_log):
+        with contextlib.closing(self.metrics_log), StopSignals() as signals:
             self.metrics_log.start()
             try:
                 while self.step < self.steps:
@@ -260,15 +301,17 @@ class _Session:
                         self.state, metrics = self.job.step(self.state, batch)
                     self.state = self.faults.state(self.step, self.state)
                     self._record(metrics, data_wait)
-                    if self._rolled_back_after_divergence():
+                    signum = signals.due(self.step)
+                    if self._rolled_back_after_divergence(checkpointing=signum is not None):
                         continue
-                    self._checkpoint_if_due()
-            except HealthHalt as halt:
-                if not isinstance(halt, ReplicaMismatch):  # the guard froze the last good state
-                    self.ckpt.save(halt.last_good_step, self.state, self.total_steps,
-                                   self.guards.skipped)
+                    if signum is not None:
+                        raise self._preempted(signum)
+                    self._checkpoint()
+            except ReplicaMismatch:
                 self.ckpt.wait()
                 raise
+            except HealthHalt as halt:
+                raise self._halted(halt) from None
         self.bar.close()
         jax.block_until_ready(self.state)
         # The final checkpoint is complete before the summary says so.
@@ -300,10 +343,15 @@ def run(
     progress: bool = True,
     summary_json: Path | None = None,
     faults: Faults | None = None,
+    restart: bool = False,
 ) -> dict[str, Any]:
     """Train to step `steps` (default `train.steps`), resuming from the newest good checkpoint
-    in `run_dir`; write metrics JSONL and checkpoints; return the summary."""
-    session = _Session(spec, run_dir, steps or spec.train.steps, faults, progress)
+    in `run_dir` (or from step 0 with `restart`, the old checkpoints set aside); write metrics
+    JSONL and checkpoints; return the summary.
+
+    Raises HealthHalt when a guard stops the run, Preempted after SIGTERM/SIGINT (with the
+    checkpoint written), UserInputError when the checkpoints are all bad or a save fails."""
+    session = _Session(spec, run_dir, steps or spec.train.steps, faults, progress, restart)
     session.train()
     summary = session.summary(spec_label)
     if summary_json is not None and is_writer():

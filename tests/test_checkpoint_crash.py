@@ -71,3 +71,29 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference, trial):
     assert killed_at - summary["resumed_from"] <= 2 * INTERVAL  # one interval + one in flight
     assert _losses(tmp_path) == reference
     print(f"trial {trial}: killed after step {killed_at}, resumed from {complete[-1]}")
+
+
+def test_sigterm_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, reference):
+    """SIGTERM mid-run: the step in progress finishes, is checkpointed (between the regular
+    checkpoints), and the process exits 143 saying where; the rerun loses no step."""
+    proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_env(), cwd=ROOT)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= INTERVAL + 2):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    stopped_at = max(_losses(tmp_path))
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"trainspec: stopped: SIGTERM after step {stopped_at}; checkpoint "
+                           f"{stopped_at} is in "), line
+    assert stopped_at in _complete_steps(tmp_path)
+
+    result = subprocess.run(_cmd(tmp_path), capture_output=True, text=True, env=_env(), cwd=ROOT,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"] == stopped_at
+    assert _losses(tmp_path) == reference

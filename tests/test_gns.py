@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from spec_jax import loss_step, wrap
+from spec_jax import grad_step, loss_step, wrap
 from spec_jax.core.gns import NoiseScale, unbiased_parts
 from spec_jax.core.data import ByteBatches
 from spec_jax.core.errors import UserInputError
@@ -45,14 +45,26 @@ def _mean_and_error(values):
     return values.mean(), 4 * values.std(ddof=1) / np.sqrt(len(values))
 
 
-def _run_regression(axes, micro=None):
+def _regression_grad(params, batch):  # the same model as a grad/update split (rows as unit)
+    loss = lambda p: _regression_loss(p, batch)[0] / batch["y"].shape[0]  # noqa: E731
+    return jax.grad(loss)(params), {}
+
+
+def _apply_grads(state, grads):
+    return state.apply_gradients(grads=grads)
+
+
+FORMS = {"loss_step": loss_step(_regression_loss), "grad_step": grad_step(_regression_grad, _apply_grads)}
+
+
+def _run_regression(axes, micro=None, form="loss_step"):
     rng = np.random.default_rng(0)
     w_star = rng.standard_normal(D).astype(np.float32)
     delta = rng.standard_normal(D).astype(np.float32)
     delta /= np.linalg.norm(delta)  # |delta|^2 = 1
     spec = load_spec({"mesh": {"axes": axes},
                       "batch": {"global_batch": ROWS, "micro_batch": micro or ROWS}})
-    step = wrap(loss_step(_regression_loss), spec)
+    step = wrap(FORMS[form], spec)
     state = step.init(lambda: TrainState.create(
         apply_fn=None, params={"w": jnp.asarray(w_star + delta)}, tx=FROZEN))
     parts = []
@@ -65,12 +77,13 @@ def _run_regression(axes, micro=None):
     return step, grad_sq, trace
 
 
-@pytest.mark.parametrize("axes, micro, source", [
-    ({"data": {"size": 8}}, None, "replicas"),                        # B_small = 32 rows
-    ({"data": {"size": 1}, "fsdp": {"size": 8}}, 32, "micro_batches"),  # one replica, 8 micro
+@pytest.mark.parametrize("axes, micro, source, form", [
+    ({"data": {"size": 8}}, None, "replicas", "loss_step"),                # B_small = 32 rows
+    ({"data": {"size": 1}, "fsdp": {"size": 8}}, 32, "micro_batches", "loss_step"),  # 8 micro
+    ({"data": {"size": 8}}, None, "replicas", "grad_step"),  # plain step split at its gradient
 ])
-def test_closed_form_linear_regression(axes, micro, source):
-    step, grad_sq, trace = _run_regression(axes, micro)
+def test_closed_form_linear_regression(axes, micro, source, form):
+    step, grad_sq, trace = _run_regression(axes, micro, form)
     assert step.gns_source == source
     truth_grad_sq, truth_trace = 1.0, D * (1.0 + SIGMA**2) + 1.0
     g, g_err = _mean_and_error(grad_sq)

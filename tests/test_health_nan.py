@@ -3,8 +3,11 @@ import jax
 import numpy as np
 import pytest
 
+from spec_jax.checkpoint import Checkpointer
+from spec_jax.core.errors import UserInputError
 from spec_jax.core.health import HealthHalt
-from spec_jax.train import build_job
+from spec_jax.health.faults import Faults
+from spec_jax.train import build_job, run
 
 from tiny import tiny_spec
 
@@ -60,3 +63,46 @@ def test_halt_freezes_state_at_the_last_good_step():
     with pytest.raises(HealthHalt, match="at step 2 .*policy = halt") as err:
         job.step.check_nonfinite()
     assert err.value.last_good_step == 1
+
+
+def _unvalidated(spec, **optimizer):
+    """The spec with optimizer fields that validation refuses (to test the guard behind it)."""
+    return spec.model_copy(update={"optimizer": spec.optimizer.model_copy(update=optimizer)})
+
+
+def test_infinite_learning_rate_is_refused_by_validation():
+    with pytest.raises(UserInputError, match="optimizer.learning_rate.*finite"):
+        tiny_spec("optimizer.learning_rate=inf")
+    with pytest.raises(UserInputError, match="optimizer.learning_rate"):
+        tiny_spec("optimizer.learning_rate=1e30")
+
+
+def test_nan_in_the_updated_state_is_caught_before_any_checkpoint_holds_it(tmp_path):
+    """Finite loss and gradients, NaN parameters after the update: the guard checks the new
+    state on device, so the halt keeps (and checkpoints) the state before step 1."""
+    spec = _unvalidated(tiny_spec("health.nan.policy='halt'", "checkpoint.interval=2",
+                                  "checkpoint.async_save=false"), learning_rate=float("inf"))
+    with pytest.raises(HealthHalt, match=r"at step 1 .*state after step 0 is checkpoint 0"):
+        run(spec, tmp_path, steps=4, progress=False)
+    ckpt = Checkpointer(spec, tmp_path)
+    assert ckpt.good_steps() == [0]
+    state, _ = ckpt.restore_latest(build_job(spec, init=False).abstract_state)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+def test_halt_without_checkpoints_says_nothing_was_kept(tmp_path):
+    spec = tiny_spec("health.nan.policy='halt'", "checkpoint.interval=0")
+    with pytest.raises(HealthHalt, match=r"at step 2 .*no checkpoint kept a state") as err:
+        run(spec, tmp_path, steps=4, progress=False, faults=Faults(nan_steps=frozenset({2})))
+    assert "kept" not in str(err.value).split(";")[0]
+
+
+def test_consecutive_nonfinite_steps_count_across_a_resume(tmp_path):
+    """Steps 3-4 non-finite, checkpoint at 4, resume, steps 5-6 non-finite: 4 in a row is over
+    max_consecutive_skips = 3 although neither run alone saw more than 2."""
+    spec = tiny_spec("health.nan.max_consecutive_skips=3", "checkpoint.interval=4",
+                     "checkpoint.async_save=false")
+    first = run(spec, tmp_path, steps=4, progress=False, faults=Faults(nan_steps=frozenset({3, 4})))
+    assert first["skipped_steps"] == 2
+    with pytest.raises(HealthHalt, match=r"at step 6 .*max_consecutive_skips = 3"):
+        run(spec, tmp_path, steps=8, progress=False, faults=Faults(nan_steps=frozenset({5, 6})))

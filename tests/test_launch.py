@@ -72,3 +72,37 @@ def test_missing_command_is_one_line_exit_2():
     result = subprocess.run([*LAUNCH, "--nprocs", "2"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == "trainspec: error: launch: give the command after --, e.g. -- trainspec train"
+
+
+def test_the_first_rank_to_fail_is_named_with_its_signal():
+    """Rank 1 is killed; rank 0 then aborts (as a gloo peer does, exit 134): the launcher
+    names rank 1, the first to fail, and its signal, and exits as rank 1 did."""
+    script = ("import os, signal, sys, time\n"
+              "print('ready', flush=True)\n"
+              "if os.environ['TRAINSPEC_PROCESS_ID'] == '1': time.sleep(1); "
+              "os.kill(os.getpid(), signal.SIGKILL)\n"
+              "time.sleep(1.3); sys.exit(134)\n")
+    out, _ = _start(sys.executable, "-c", script).communicate(timeout=60)
+    assert "[launch] rank 1 was killed by SIGKILL first; stopping the others" in out, out
+    assert "rank 0" not in out.split("first;")[0].splitlines()[-1]
+
+
+def test_sigterm_is_forwarded_and_the_ranks_get_the_grace_period_to_save():
+    """Each rank takes 1 s to 'save' after SIGTERM, then exits 143: the launcher waits for
+    both (grace 10 s), reports them, and exits 143."""
+    script = ("import os, signal, sys, time\n"
+              "def stop(*_): time.sleep(1); print('saved', flush=True); sys.exit(143)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(600)\n")
+    job = subprocess.Popen([*LAUNCH, "--nprocs", "2", "--grace", "10", "--", sys.executable,
+                            "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    lines = []
+    while sum("ready" in line for line in lines) < 2:
+        lines.append(job.stdout.readline())
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 143, out
+    assert out.count("] saved") == 2, out
+    assert "[launch] rank 0 exited with status 143, rank 1 exited with status 143" in out, out

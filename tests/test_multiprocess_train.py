@@ -57,13 +57,29 @@ def spec_file(tmp_path_factory):
     return path
 
 
-def _launch(spec_file, run_dir, *train_args, nprocs=2, **popen):
+def _launch(spec_file, run_dir, *train_args, nprocs=2, grace="2", **popen):
     command = [sys.executable, "-m", "spec_jax.cli.main", "launch", "--nprocs", str(nprocs),
-               "--grace", "2", "--", sys.executable, "-m", "spec_jax.cli.main", "train",
+               "--grace", grace, "--", sys.executable, "-m", "spec_jax.cli.main", "train",
                "--host-devices", "4", "--quiet", "--spec", str(spec_file), "--run-dir",
                str(run_dir), *train_args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **popen)
+
+
+def _launch_until_recorded(records, spec_file, run_dir, *train_args, **launch):
+    """A job launched and running until `records` metric records are written; its output
+    lines collect in the returned list (read by the returned thread)."""
+    job = _launch(spec_file, run_dir, *train_args, **launch)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= records):
+        assert job.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.1)
+    return job, lines, reader
 
 
 def _finish(job, timeout=300):
@@ -140,17 +156,8 @@ def test_killed_rank_stops_a_training_job(spec_file, tmp_path):
     """kill -9 of rank 1 mid-run (after step 2 is recorded): launch stops rank 0, which would
     otherwise wait in its next collective, and exits 137 within the bound; no rank is left."""
     run_dir = tmp_path / "killed"
-    job = _launch(spec_file, run_dir, "--steps", "10000", "--set",
-                  "collectives.backend=hierarchical")
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")),
-                              daemon=True)
-    reader.start()
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert job.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
-        time.sleep(0.2)
+    job, lines, reader = _launch_until_recorded(
+        2, spec_file, run_dir, "--steps", "10000", "--set", "collectives.backend=hierarchical")
     pids = [int(m.group(1)) for line in list(lines)
             if (m := re.match(r"\[launch\] rank \d+ pid (\d+)", line))]
     assert len(pids) == 2, lines
@@ -162,7 +169,31 @@ def test_killed_rank_stops_a_training_job(spec_file, tmp_path):
     assert code == 137, "".join(lines)[-4000:]
     assert elapsed < KILL_BOUND_S, elapsed
     assert not any(_alive(pid) for pid in pids), "a rank outlived the job"
-    assert any("rank 1 exited with -9; stopping the others" in line for line in lines)
+    assert any("rank 1 was killed by SIGKILL first; stopping the others" in line for line in lines)
+
+
+def test_sigterm_to_launch_checkpoints_every_rank_and_resumes_bitwise(spec_file, tmp_path):
+    """SIGTERM to the launcher mid-run: both ranks finish the same step, checkpoint it, and
+    exit 143; the relaunch resumes there and every loss equals an uninterrupted run's."""
+    steps, ckpt = "40", ["--set", "checkpoint.interval=1000"]  # only the stop's checkpoint
+    reference = tmp_path / "reference"
+    _finish(_launch(spec_file, reference, "--steps", steps, *ckpt))
+    run_dir = tmp_path / "stopped"
+    job, lines, reader = _launch_until_recorded(3, spec_file, run_dir, "--steps", steps, *ckpt,
+                                                grace="60")
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 143, "".join(lines)[-4000:]
+    reader.join(timeout=5)
+    saved = sorted(int(p) for p in os.listdir(run_dir / "checkpoints"))
+    assert len(saved) == 1 and 3 <= saved[0] < int(steps), saved
+    out = "".join(lines)
+    assert "[launch] rank 0 exited with status 143, rank 1 exited with status 143" in out, out
+    assert f"SIGTERM after step {saved[0]}; checkpoint {saved[0]} is in" in out, out
+    _finish(_launch(spec_file, run_dir, "--steps", steps, *ckpt, "--summary-json",
+                    str(tmp_path / "resumed.json")))
+    assert json.loads((tmp_path / "resumed.json").read_text())["resumed_from"] == saved[0]
+    resumed = [(r["step"], r["loss"]) for r in _records(run_dir)]
+    assert resumed == [(r["step"], r["loss"]) for r in _records(reference)]
 
 
 # ---- checks that need no second process -----------------------------------------------------

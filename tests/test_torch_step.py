@@ -76,3 +76,22 @@ def test_sixteen_bit_compute_learns(tmp_path, adapter, compute):
     assert session.job.model.head.compute == getattr(torch, compute)
     session.train()
     assert session.losses[8] < session.losses[1] - 0.2, session.losses
+
+
+def test_arrays_cross_frameworks_through_dlpack(adapter):
+    """The interface's conversions: a jax array viewed by torch and back, bytes unchanged, and
+    the same fingerprint from each implementation (the xla_ext custom call for JAX)."""
+    import jax.numpy as jnp
+    from spec_jax.adapters.jax import JaxAdapter
+    from spec_jax.core.fingerprint import fingerprint_reference
+
+    jax_adapter = JaxAdapter("xla")
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7
+    as_torch = adapter.from_dlpack(jax_adapter.to_dlpack(x))
+    back = jax_adapter.from_dlpack(adapter.to_dlpack(as_torch))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+    want = tuple(int(w) for w in fingerprint_reference(np.asarray(x)))
+    assert adapter.fingerprint(as_torch) == jax_adapter.fingerprint(x) == want
+    half = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)  # no NumPy dtype: raw bytes
+    raw = half.view(torch.int16).numpy()
+    assert adapter.fingerprint(half) == tuple(int(w) for w in fingerprint_reference(raw))

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "handlers.h"
+#include "reduce_kernels.h"
 #include "rendezvous.h"
 
 namespace nb = nanobind;
@@ -40,4 +41,7 @@ NB_MODULE(_xla_ext, m) {
   });
   // Debug aid for leak tests: rendezvous slots alive right now (0 when no collective runs).
   m.def("live_rendezvous_count", &trainspec::LiveRendezvousCount);
+  // Which reduction kernel variant this process runs ("baseline", "avx2" or "avx512"): the
+  // best the CPU supports, lowered by TRAINSPEC_XLA_EXT_ISA (reduce_kernels.h).
+  m.def("active_isa", []() { return trainspec::IsaName(trainspec::ActiveIsa()); });
 }

@@ -17,14 +17,16 @@ enum class ElemType { kF32, kF64, kS32, kBF16, kF16 };
 enum class RedOp { kSum, kMean, kMax, kMin };
 enum class Isa { kBaseline, kAvx2, kAvx512 };
 
-// For every i < count and every d < m:
-//   dsts[d][i] = srcs[0][i] (op) srcs[1][i] (op) ... (op) srcs[n-1][i],
-// combined left to right in that order; mean is that sum divided by n. bfloat16/float16 are
-// accumulated in float32 and rounded once (nearest even); int32 sums wrap. max/min propagate
-// NaN. `stream`: write with non-temporal stores (the caller issues StoreFence() before anyone
-// else reads the destinations).
-void ReduceInto(ElemType type, RedOp op, const void* const* srcs, int n, void* const* dsts,
-                int m, size_t count, bool stream);
+// For every i < count and every d < m, with offsets and i counted in elements:
+//   dsts[d][dst_offset + i] =
+//       srcs[0][src_offset + i] (op) srcs[1][src_offset + i] (op) ... (op) srcs[n-1][...],
+// combined left to right in that order; mean is that sum divided by n. (Offsets rather than shifted
+// pointer arrays, so that callers pass the members' base pointers as they are.) bfloat16/float16
+// are accumulated in float32 and rounded once (nearest even); int32 sums wrap. max/min propagate
+// NaN. `stream`: write with non-temporal stores (the caller issues StoreFence() before anyone else
+// reads the destinations).
+void ReduceInto(ElemType type, RedOp op, const void* const* srcs, size_t src_offset, int n,
+                void* const* dsts, size_t dst_offset, int m, size_t count, bool stream);
 
 // memcpy that bypasses the cache on the destination side (non-temporal stores where aligned).
 void StreamCopy(void* dst, const void* src, size_t bytes);

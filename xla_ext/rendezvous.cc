@@ -87,8 +87,9 @@ void WakeAll(std::atomic<uint32_t>* word) {
 }
 
 struct Instance {
-  explicit Instance(int n) : members(n), arrived(n, 0) {}
-  std::vector<Member> members;
+  explicit Instance(int n) : ins(n, nullptr), outs(n, nullptr), arrived(n, 0) {}
+  std::vector<const void*> ins;  // per rank, filled as members arrive
+  std::vector<void*> outs;
   std::vector<uint8_t> arrived;
   Signature signature;
   int first_rank = -1;  // whose signature the others are compared with
@@ -97,7 +98,7 @@ struct Instance {
   std::atomic<uint32_t> phase{kCollecting};
   std::atomic<size_t> next_unit{0};   // kShared: the next unit nobody has taken yet
   std::atomic<size_t> units_done{0};
-  std::string failure;  // written under the registry mutex before phase becomes kFailed
+  Status failure;  // written under the registry mutex before phase becomes kFailed
 };
 
 struct Slot {
@@ -125,10 +126,10 @@ struct KeyEq {
 struct Registry {
   std::mutex mu;
   std::unordered_map<MeetingKey, std::unique_ptr<Slot>, KeyHash, KeyEq> slots;
-  std::unordered_map<int64_t, std::string> failed_runs;
+  std::unordered_map<int64_t, Status> failed_runs;
   std::deque<int64_t> failed_order;
 
-  void RememberFailedRun(int64_t run_id, const std::string& why) {
+  void RememberFailedRun(int64_t run_id, const Status& why) {
     if (failed_runs.emplace(run_id, why).second) {
       failed_order.push_back(run_id);
       if (failed_order.size() > kMaxFailedRuns) {
@@ -166,7 +167,7 @@ std::string RankList(const std::vector<uint8_t>& arrived, uint8_t want) {
 }
 
 // Marks a still-collecting meeting failed and wakes its members. Registry mutex held.
-void FailLocked(Instance* inst, std::string why) {
+void FailLocked(Instance* inst, Status why) {
   inst->failure = std::move(why);
   inst->phase.store(kFailed, std::memory_order_release);
   WakeAll(&inst->phase);
@@ -201,7 +202,7 @@ uint32_t WaitForPhase(Instance* inst, uint32_t a, uint32_t b, Clock::time_point 
         s << who << ": timed out after " << timeout_ms / 1000.0 << " s waiting for ranks "
           << RankList(inst->arrived, 0) << " (arrived: " << RankList(inst->arrived, 1)
           << "); a member skipped this collective or is stuck";
-        FailLocked(inst, s.str());
+        FailLocked(inst, Status{Code::kDeadlineExceeded, s.str()});
       }
       continue;
     }
@@ -212,11 +213,97 @@ uint32_t WaitForPhase(Instance* inst, uint32_t a, uint32_t b, Clock::time_point 
   }
 }
 
+Status Invalid(std::string message) { return Status{Code::kInvalidArgument, std::move(message)}; }
+
+// Fails every meeting of the slot that is still collecting: its members would otherwise wait
+// out their timeout for a peer that has already been refused. Registry mutex held.
+void FailCollectingLocked(Slot* slot, const Status& why) {
+  for (auto& [invocation, inst] : slot->instances) {
+    if (inst->phase.load(std::memory_order_acquire) == kCollecting) FailLocked(inst.get(), why);
+  }
+}
+
+// Checks the arriving member against the slot and the meeting it would join. Registry mutex
+// held; returns the refusal (the affected meetings already failed) or OK.
+Status AdmitLocked(Registry& reg, const MeetingKey& key, Slot* slot, int rank, int group_size,
+                   const std::string& who) {
+  if (auto it = reg.failed_runs.find(key.run_id); it != reg.failed_runs.end()) {
+    return Status{it->second.code,
+                  who + ": an earlier collective of this execution failed: " +
+                      it->second.message};
+  }
+  if (slot->group_size != group_size) {
+    std::ostringstream s;
+    s << who << ": rank " << rank << " uses group size " << group_size
+      << " but another member of the same group uses " << slot->group_size;
+    Status refused = Invalid(s.str());
+    FailCollectingLocked(slot, refused);
+    reg.RememberFailedRun(key.run_id, refused);
+    return refused;
+  }
+  // A member enters invocation k+1 only after invocation k had all members (see
+  // rendezvous.h), so finding this rank still waiting in invocation k means that two devices
+  // claim it: fail that meeting now rather than let both wait for the missing rank.
+  const uint64_t invocation = slot->entries[rank];
+  if (invocation > 0) {
+    auto prev = slot->instances.find(invocation - 1);
+    if (prev != slot->instances.end() && prev->second->arrived[rank] &&
+        prev->second->phase.load(std::memory_order_acquire) == kCollecting) {
+      std::ostringstream s;
+      s << who << ": rank " << rank << " joined twice (two devices claim the same rank; "
+        << "ranks not arrived: " << RankList(prev->second->arrived, 0) << ")";
+      Status refused = Invalid(s.str());
+      FailLocked(prev->second.get(), refused);
+      reg.RememberFailedRun(key.run_id, refused);
+      return refused;
+    }
+  }
+  return Status{};
+}
+
+// Runs units from the shared counter until none is left; true if this member finished the
+// last one (and so marked the meeting done).
+bool TakeUnits(Instance* inst, const Work& work, const Peers& peers) {
+  bool finished_last = false;
+  for (;;) {
+    const size_t u = inst->next_unit.fetch_add(1, std::memory_order_relaxed);
+    if (u >= work.units) return finished_last;
+    work.run(work.op, peers, u);
+    if (inst->units_done.fetch_add(1, std::memory_order_acq_rel) + 1 == work.units) {
+      inst->phase.store(kDone, std::memory_order_release);
+      WakeAll(&inst->phase);
+      finished_last = true;
+    }
+  }
+}
+
 }  // namespace
 
-std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
-                 const Signature& signature, Member self, int64_t timeout_ms, Plan plan,
-                 size_t units, const Share& share) {
+std::string Signature::Difference(const Signature& theirs) const {
+  auto show = [](const SignatureField& f) {
+    if (f.label != nullptr) return std::string(f.label);
+    const std::vector<int64_t>& v = f.values;
+    std::ostringstream s;
+    s << "[";
+    for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+    s << "]";
+    return s.str();
+  };
+  for (size_t i = 0; i < fields.size() || i < theirs.fields.size(); ++i) {
+    if (i >= fields.size() || i >= theirs.fields.size()) return "number of attributes";
+    const SignatureField& a = fields[i];
+    const SignatureField& b = theirs.fields[i];
+    if (std::string(a.name) != b.name) return std::string("attribute ") + a.name;
+    if (a.values != b.values) {
+      return std::string(a.name) + ": " + show(a) + " vs " + show(b);
+    }
+  }
+  return "";
+}
+
+Status Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
+            const Signature& signature, const void* in, void* out, int64_t timeout_ms,
+            const Work& work) {
   const std::string who = Describe(op_name, key, group_size);
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   Registry& reg = GetRegistry();
@@ -224,7 +311,7 @@ std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group
   Instance* inst = nullptr;
   uint64_t invocation = 0;
   bool last = false;
-  std::string refused;
+  Status refused;
 
   // Leaving frees the meeting and the slot once nobody is inside; a failure poisons the run.
   auto leave = [&]() {
@@ -238,19 +325,12 @@ std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group
 
   {
     std::lock_guard<std::mutex> lock(reg.mu);
-    if (auto it = reg.failed_runs.find(key.run_id); it != reg.failed_runs.end()) {
-      return who + ": an earlier collective of this execution failed: " + it->second;
-    }
     auto& slot_ptr = reg.slots[key];
     if (!slot_ptr) slot_ptr = std::make_unique<Slot>(group_size);
     slot = slot_ptr.get();
-    if (slot->group_size != group_size) {
-      std::ostringstream s;
-      s << who << ": rank " << rank << " uses group size " << group_size
-        << " but another member of the same group uses " << slot->group_size;
-      refused = s.str();
+    if (Status s = AdmitLocked(reg, key, slot, rank, group_size, who); !s.ok()) {
       if (slot->inside == 0) reg.slots.erase(key);
-      return refused;
+      return s;
     }
     invocation = slot->entries[rank]++;
     auto& inst_ptr = slot->instances[invocation];
@@ -259,26 +339,23 @@ std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group
     ++slot->inside;
     ++inst->inside;
 
-    const uint32_t phase = inst->phase.load(std::memory_order_acquire);
-    if (phase == kFailed) {
+    if (inst->phase.load(std::memory_order_acquire) == kFailed) {
       refused = inst->failure;
-    } else if (inst->arrived[rank]) {
-      std::ostringstream s;
-      s << who << ": rank " << rank << " joined twice (two devices claim the same rank)";
-      FailLocked(inst, s.str());
-      refused = inst->failure;
-    } else if (inst->first_rank >= 0 && inst->signature != signature) {
-      std::ostringstream s;
-      s << who << ": rank " << rank << " disagrees with rank " << inst->first_rank
-        << " on dtype, shape or attributes";
-      FailLocked(inst, s.str());
-      refused = inst->failure;
-    } else {
-      if (inst->first_rank < 0) {
-        inst->first_rank = rank;
-        inst->signature = signature;
+    } else if (inst->first_rank >= 0) {
+      if (std::string diff = signature.Difference(inst->signature); !diff.empty()) {
+        std::ostringstream s;
+        s << who << ": rank " << rank << " disagrees with rank " << inst->first_rank
+          << " on " << diff;
+        FailLocked(inst, Invalid(s.str()));
+        refused = inst->failure;
       }
-      inst->members[rank] = self;
+    } else {
+      inst->first_rank = rank;
+      inst->signature = signature;
+    }
+    if (refused.ok()) {
+      inst->ins[rank] = in;
+      inst->outs[rank] = out;
       inst->arrived[rank] = 1;
       if (++inst->arrivals == group_size) {
         inst->phase.store(kAllArrived, std::memory_order_release);
@@ -286,56 +363,38 @@ std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group
       }
     }
   }
-  if (!refused.empty()) {
+  if (!refused.ok()) {
     leave();
     return refused;
   }
 
-  auto finish = [inst]() {
-    inst->phase.store(kDone, std::memory_order_release);
-    WakeAll(&inst->phase);
-  };
+  const Peers peers{inst->ins.data(), inst->outs.data(), group_size};
   uint32_t phase;
-  if (plan == Plan::kLastArriverForAll) {
+  if (work.plan == Plan::kLastArriverForAll || work.units == 0) {
     if (last) {
-      for (size_t u = 0; u < units; ++u) share(inst->members, u);
-      finish();
+      for (size_t u = 0; u < work.units; ++u) work.run(work.op, peers, u);
+      inst->phase.store(kDone, std::memory_order_release);
+      WakeAll(&inst->phase);
       phase = kDone;
     } else {
       phase = WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
     }
   } else {
     if (last) {
-      if (units == 0) {
-        finish();
-      } else {
-        WakeAll(&inst->phase);
-      }
+      WakeAll(&inst->phase);
       phase = kAllArrived;
     } else {
       phase = WaitForPhase(inst, kAllArrived, kDone, deadline, who, timeout_ms);
     }
-    bool finished_last = false;
     if (phase == kAllArrived) {
-      for (;;) {
-        const size_t u = inst->next_unit.fetch_add(1, std::memory_order_relaxed);
-        if (u >= units) break;
-        share(inst->members, u);
-        if (inst->units_done.fetch_add(1, std::memory_order_acq_rel) + 1 == units) {
-          finish();
-          finished_last = true;
-        }
-      }
-    }
-    if (phase == kAllArrived && !finished_last && units > 0) {
-      phase = WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
-    } else if (phase == kAllArrived) {
-      phase = kDone;
+      phase = TakeUnits(inst, work, peers)
+                  ? kDone
+                  : WaitForPhase(inst, kDone, kDone, deadline, who, timeout_ms);
     }
   }
-  std::string failure = phase == kFailed ? inst->failure : std::string();
+  Status result = phase == kFailed ? inst->failure : Status{};
   leave();
-  return failure;
+  return result;
 }
 
 int64_t LiveRendezvousCount() {

@@ -16,18 +16,33 @@
 // once every member has left, the Slot is freed and a later entry starts again from zero,
 // which is consistent because all members left the same number of times (no member can be
 // more than one invocation ahead: it cannot leave invocation k before all joined it).
+// The same fact makes a duplicate rank detectable: a rank entering invocation k+1 while it
+// is still waiting in invocation k is a second device claiming that rank.
 //
 // Nothing is kept after a meeting ends, except a bounded list of runs whose collectives
 // failed, so that a member arriving after its peers gave up fails at once instead of
 // waiting out its own timeout.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
 namespace trainspec {
+
+// Why a collective failed; the FFI layer maps each to an XLA FFI error code.
+enum class Code {
+  kOk,
+  kInvalidArgument,   // bad operands or attributes, members disagree, duplicate rank
+  kDeadlineExceeded,  // a member did not arrive within the timeout
+};
+
+struct Status {
+  Code code = Code::kOk;
+  std::string message;
+  bool ok() const { return code == Code::kOk; }
+};
 
 struct MeetingKey {
   int64_t run_id;
@@ -35,22 +50,24 @@ struct MeetingKey {
   int64_t group;
 };
 
-// What a member contributes: its buffers, and what the others must agree on.
-struct Member {
-  const void* in;
-  void* out;
+// What the members of one meeting must agree on: named fields (dtype, shapes, attributes),
+// so that a disagreement names the field that differs.
+struct SignatureField {
+  const char* name;
+  std::vector<int64_t> values;  // compared
+  const char* label;            // shown instead of the values when set (a dtype's name)
+};
+struct Signature {
+  std::vector<SignatureField> fields;
+  // "" when equal, otherwise "<field>: <ours> vs <theirs>" for the first field that differs.
+  std::string Difference(const Signature& theirs) const;
 };
 
-struct Signature {
-  int dtype;
-  std::vector<int64_t> in_dims;
-  std::vector<int64_t> out_dims;
-  std::vector<int64_t> params;  // op-specific attributes (reduce op, axes, root, ...)
-  bool operator==(const Signature& o) const {
-    return dtype == o.dtype && in_dims == o.in_dims && out_dims == o.out_dims &&
-           params == o.params;
-  }
-  bool operator!=(const Signature& o) const { return !(*this == o); }
+// The buffers of all members, indexed by rank; valid while the work runs.
+struct Peers {
+  const void* const* in;
+  void* const* out;
+  int n;
 };
 
 // How the data movement is divided among the members once all have arrived. The work is cut
@@ -67,15 +84,22 @@ enum class Plan {
   kShared,
 };
 
-// `share(members, unit)` moves the data of one unit; members[r] are the buffers of rank r. It
-// must not fail: everything that can be checked is checked before.
-using Share = std::function<void(const std::vector<Member>& members, size_t unit)>;
+// The work of one member's call. `run(op, peers, unit)` moves the data of one unit and must
+// not fail (everything that can be checked is checked before). Every member passes an
+// equivalent `op` (same signature), so whichever member's is used gives the same bytes.
+struct Work {
+  void (*run)(const void* op, const Peers& peers, size_t unit);
+  const void* op;
+  size_t units;
+  Plan plan;
+};
 
-// Joins the meeting as `rank` of `group_size`; returns "" on success, otherwise a message
-// that names the op, the call site and (on timeout) the ranks that never arrived.
-std::string Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
-                 const Signature& signature, Member self, int64_t timeout_ms, Plan plan,
-                 size_t units, const Share& share);
+// Joins the meeting as `rank` of `group_size` with buffers `in`/`out`. On failure the message
+// names the op, the call site and what went wrong (the ranks that never arrived, the field
+// that differs, the rank claimed twice, the disagreeing group sizes).
+Status Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
+            const Signature& signature, const void* in, void* out, int64_t timeout_ms,
+            const Work& work);
 
 // Number of slots currently held (0 when no collective is in flight); for leak tests.
 int64_t LiveRendezvousCount();

@@ -6,71 +6,16 @@ surface. Arrays are the framework's own; they cross frameworks through DLPack or
 
 Collectives act on the calling member's block, over the mesh axes `axes` (one name or a tuple,
 ranked row-major in the tuple's order, like `lax.axis_index`), with the tiled semantics of
-spec_jax/core/collectives_reference.py. `check_call` is the argument validation every
-implementation performs before it communicates, so that a bad call fails the same way
-everywhere (the conformance suite's ILLEGAL cases).
+spec_jax/core/collectives_reference.py, their arguments validated by
+spec_jax.core.collective_calls.check_call before anything is communicated.
 """
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
 from typing import Any
 
 GUARANTEES = ("deterministic", "nondeterministic")  # docs/spec.md, section 4
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute")
-ALL_REDUCE_OPS = ("sum", "mean", "max", "min")
-REDUCE_SCATTER_OPS = ("sum", "mean")
-
-
-def _axis(name: str, ndim: int, axis: int, what: str) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{name}: {what}={axis} is out of range for an operand of rank {ndim}")
-    return axis % ndim
-
-
-def _divisible(name: str, shape: Sequence[int], axis: int, what: str, n: int, axes) -> None:
-    axis = _axis(name, len(shape), axis, what)
-    if shape[axis] % n:
-        raise ValueError(f"{name}: operand dimension {axis} ({what}) has size {shape[axis]}, "
-                         f"not divisible by the group size {n} of axis {axes!r}")
-
-
-def check_call(op: str, shape: Sequence[int], is_float: bool, n: int, axes,
-               kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Validate one collective call on an operand of `shape` in a group of `n` members;
-    returns the normalised keyword arguments. Raises ValueError naming the argument."""
-    kw = dict(kwargs)
-    timeout = kw.pop("timeout_s", None)
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout!r}")
-    if op in ("all_reduce", "reduce_scatter"):
-        allowed = ALL_REDUCE_OPS if op == "all_reduce" else REDUCE_SCATTER_OPS
-        red = kw.setdefault("op", "sum")
-        if red not in allowed:
-            raise ValueError(f"{op}: op must be one of {allowed}, got {red!r}")
-        if red == "mean" and not is_float:  # never change the dtype behind the caller's back
-            raise ValueError(f"{op}: op='mean' needs a floating dtype; use op='sum' and divide")
-    if op == "reduce_scatter":
-        _divisible(op, shape, kw.setdefault("scatter_dimension", 0), "scatter_dimension", n, axes)
-    elif op == "all_gather":
-        _axis(op, len(shape), kw.setdefault("axis", 0), "axis")
-    elif op == "all_to_all":
-        _divisible(op, shape, kw["split_axis"], "split_axis", n, axes)
-        _axis(op, len(shape), kw["concat_axis"], "concat_axis")
-    elif op == "broadcast":
-        root = kw.setdefault("root", 0)
-        if not (isinstance(root, int) and 0 <= root < n):
-            raise ValueError(f"broadcast: root must be an int in [0, {n}), got {root!r}")
-    elif op == "permute":
-        perm = tuple((int(s), int(d)) for s, d in kw["perm"])
-        for pair in perm:
-            if not all(0 <= r < n for r in pair):
-                raise ValueError(f"permute: pair {pair} has a rank outside [0, {n})")
-        for side, ranks in (("sources", [s for s, _ in perm]), ("destinations", [d for _, d in perm])):
-            if len(set(ranks)) != len(ranks):
-                raise ValueError(f"permute: {side} must be unique, got perm={perm}")
-        kw["perm"] = perm
-    return kw
 
 
 class Adapter(abc.ABC):
@@ -110,8 +55,7 @@ class Adapter(abc.ABC):
         """Run `collective` over `axes` of a row-major grid of the job's first
         prod(mesh_shape) devices named `mesh_axes`, every member on its block of `blocks`
         (NumPy, (*mesh_shape, *local)) cast to `dtype`. Returns {member coordinates: result
-        widened to float64 (int64 for int32)} for the members this process holds. Arguments
-        are validated with `check_call` before anything is communicated. The conformance
+        widened to float64 (int64 for int32)} for the members this process holds. The conformance
         runner calls this; programs use the framework's own in-program form."""
 
     @abc.abstractmethod

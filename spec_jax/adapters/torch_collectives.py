@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from spec_jax.adapters.base import check_call
+from spec_jax.core.collective_calls import check_call
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
@@ -55,7 +55,9 @@ class Group:
 def call(group: Group, collective: str, x: torch.Tensor, **kwargs) -> torch.Tensor:
     """Run `collective` on this member's block `x` (validated first, as every implementation
     does)."""
-    kw = check_call(collective, tuple(x.shape), x.is_floating_point(), group.n, group.ranks, kwargs)
+    dtype = str(x.dtype).removeprefix("torch.")
+    kw = check_call(collective, tuple(x.shape), dtype, x.is_floating_point(), group.n,
+                    group.ranks, kwargs)
     return OPS[collective](group, x, **kw)
 
 

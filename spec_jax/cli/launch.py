@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from spec_jax.core.errors import UserInputError
+from spec_jax.launch import DEFAULT_GRACE_S
 
 
 def register(subparsers) -> None:
@@ -13,8 +14,10 @@ def register(subparsers) -> None:
         "output by rank, forwards signals, and stops all of them if one fails.",
     )
     p.add_argument("--nprocs", type=int, required=True, help="number of processes")
-    p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks: on a SIGTERM "
+                   f"to the launcher, the time the ranks have to write their checkpoint "
+                   f"(default {DEFAULT_GRACE_S:g})")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     p.set_defaults(func=run)
 

@@ -33,7 +33,7 @@ def run(args) -> int:
     ensure_host_devices(args.host_devices)
     from spec_jax.core.errors import UserInputError
     from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
-    from spec_jax.sweep import sweep
+    from spec_jax.tools.sweep import sweep
 
     if args.eval_batches < 1:
         raise UserInputError(f"--eval-batches: expected a positive integer, got {args.eval_batches}")

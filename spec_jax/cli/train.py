@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +29,9 @@ def register(subparsers) -> None:
     p.add_argument("--exclude-devices", type=_device_ids, default=[], metavar="ID,ID,...",
                    help="device ids not to use (added to mesh.exclude_devices); the mesh shrinks "
                    "to the largest that still satisfies the spec")
+    p.add_argument("--restart", action="store_true",
+                   help="train from step 0: move the run's checkpoints aside (kept, into "
+                   "CHECKPOINT_DIR-quarantine) instead of resuming from them")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--framework", choices=("jax", "torch"), default="jax",
                    help="implementation that trains (default jax; torch: docs/adapters.md)")
@@ -72,7 +77,13 @@ def run(args) -> int:
     from spec_jax.core.health import HealthHalt
     from spec_jax.health.exclusion import exclude
     from spec_jax.health.faults import Faults
+    from spec_jax.checkpoint import CheckpointSaveError
+    from spec_jax.preemption import Preempted
 
+    # orbax logs a failed background save as tracebacks from its threads; the save's error
+    # is reported here as one line instead.
+    logging.getLogger("absl").addFilter(
+        lambda record: record.levelno < logging.ERROR or "/orbax/" not in record.pathname)
     spec = load_spec(Path(spec_path), args.overrides)
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)
@@ -85,10 +96,20 @@ def run(args) -> int:
             progress=not args.quiet,
             summary_json=args.summary_json,
             faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
+            restart=args.restart,
         )
-    except HealthHalt as halt:  # one clear line; the last good state is checkpointed
+    except HealthHalt as halt:  # one clear line, saying where the last good state is
         print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3
+    except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
+        print(f"trainspec: stopped: {stop}", file=sys.stderr)
+        return stop.exit_status
+    except CheckpointSaveError as err:
+        # After a failed save orbax's background threads wait forever for signals that will
+        # not come, and the interpreter would wait for them at exit: leave without them.
+        print(f"trainspec: error: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     from spec_jax.distributed import is_writer
 
     if is_writer():  # once per job, not once per process

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spec_jax.core.collectives_reference import ALL_REDUCE_OPS, REDUCE_SCATTER_OPS
+from spec_jax.core.collective_calls import check_call
 from spec_jax.core.errors import UserInputError
 
 # Backend name -> module implementing the six ops. Imported on first use, so the xla backend
@@ -122,42 +122,15 @@ def _check_dtype(name: str, x, impl: ModuleType):
     return x
 
 
-def _check_timeout(timeout_s) -> None:
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-
-
-def _check_op(name: str, op: str, allowed: tuple[str, ...], x) -> None:
-    if op not in allowed:
-        raise ValueError(f"{name}: op must be one of {allowed}, got {op!r}")
-    # lax.pmean of int32 silently returns float32; we refuse instead of changing the dtype.
-    if op == "mean" and not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        raise ValueError(f"{name}: op='mean' needs a floating dtype, got {jnp.result_type(x)}; "
-                         "use op='sum' and divide")
-
-
-def _check_axis(name: str, x, axis, what: str) -> int:
-    ndim = jnp.ndim(x)
-    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
-        raise ValueError(f"{name}: {what}={axis!r} is out of range for an operand of rank {ndim}")
-    return int(axis) % ndim
-
-
-def _check_divisible(name: str, x, axis, what: str, axis_name) -> int:
-    axis = _check_axis(name, x, axis, what)
-    n, size = lax.axis_size(axis_name), jnp.shape(x)[axis]
-    if size % n:
-        raise ValueError(f"{name}: operand dimension {axis} ({what}) has size {size}, "
-                         f"not divisible by the group size {n} of axis {axis_name!r}")
-    return axis
-
-
-def _checked(name: str, x, axis_name, timeout_s, backend):
-    """(backend module, operand) after the checks every op shares."""
+def _checked(name: str, x, axis_name, backend, kwargs: dict):
+    """(backend module, operand, normalised arguments) after the checks every implementation
+    makes (spec_jax.core.collective_calls) and this API's own (group, backend dtype)."""
     impl = get_backend(backend)
     _check_group(name, axis_name)
-    _check_timeout(timeout_s)
-    return impl, _check_dtype(name, x, impl)
+    dtype = jnp.result_type(x)
+    kw = check_call(name, jnp.shape(x), str(dtype), bool(jnp.issubdtype(dtype, jnp.inexact)),
+                    lax.axis_size(axis_name), axis_name, kwargs)
+    return impl, _check_dtype(name, x, impl), kw
 
 
 # ---- the op set -------------------------------------------------------------------------------
@@ -165,55 +138,37 @@ def _checked(name: str, x, axis_name, timeout_s, backend):
 
 def all_reduce(x, axis_name, op="sum", *, timeout_s=None, backend=None):
     """Every member gets the reduction (sum, mean, max or min) of all members' `x`."""
-    impl, x = _checked("all_reduce", x, axis_name, timeout_s, backend)
-    _check_op("all_reduce", op, ALL_REDUCE_OPS, x)
-    return impl.all_reduce(x, axis_name, op, timeout_s=timeout_s)
+    impl, x, kw = _checked("all_reduce", x, axis_name, backend, {"op": op, "timeout_s": timeout_s})
+    return impl.all_reduce(x, axis_name, kw["op"], timeout_s=timeout_s)
 
 
 def reduce_scatter(x, axis_name, *, scatter_dimension=0, op="sum", timeout_s=None, backend=None):
     """Member k gets block k (along `scatter_dimension`) of the sum/mean over members."""
-    impl, x = _checked("reduce_scatter", x, axis_name, timeout_s, backend)
-    _check_op("reduce_scatter", op, REDUCE_SCATTER_OPS, x)
-    d = _check_divisible("reduce_scatter", x, scatter_dimension, "scatter_dimension", axis_name)
-    return impl.reduce_scatter(x, axis_name, scatter_dimension=d, op=op, timeout_s=timeout_s)
+    impl, x, kw = _checked("reduce_scatter", x, axis_name, backend, {
+        "op": op, "scatter_dimension": scatter_dimension, "timeout_s": timeout_s})
+    return impl.reduce_scatter(x, axis_name, **kw, timeout_s=timeout_s)
 
 
 def all_gather(x, axis_name, *, axis=0, timeout_s=None, backend=None):
     """Every member gets all members' `x` concatenated along `axis`, in rank order."""
-    impl, x = _checked("all_gather", x, axis_name, timeout_s, backend)
-    a = _check_axis("all_gather", x, axis, "axis")
-    return impl.all_gather(x, axis_name, axis=a, timeout_s=timeout_s)
+    impl, x, kw = _checked("all_gather", x, axis_name, backend, {"axis": axis, "timeout_s": timeout_s})
+    return impl.all_gather(x, axis_name, **kw, timeout_s=timeout_s)
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, timeout_s=None, backend=None):
     """Member k gets block k (along `split_axis`) of every member, concatenated on `concat_axis`."""
-    impl, x = _checked("all_to_all", x, axis_name, timeout_s, backend)
-    s = _check_divisible("all_to_all", x, split_axis, "split_axis", axis_name)
-    c = _check_axis("all_to_all", x, concat_axis, "concat_axis")
-    return impl.all_to_all(x, axis_name, s, c, timeout_s=timeout_s)
+    impl, x, kw = _checked("all_to_all", x, axis_name, backend, {
+        "split_axis": split_axis, "concat_axis": concat_axis, "timeout_s": timeout_s})
+    return impl.all_to_all(x, axis_name, kw["split_axis"], kw["concat_axis"], timeout_s=timeout_s)
 
 
 def broadcast(x, axis_name, root=0, *, timeout_s=None, backend=None):
     """Every member gets member `root`'s `x`."""
-    impl, x = _checked("broadcast", x, axis_name, timeout_s, backend)
-    n = lax.axis_size(axis_name)
-    if not (isinstance(root, (int, np.integer)) and 0 <= root < n):
-        raise ValueError(f"broadcast: root must be an int in [0, {n}), got {root!r}")
-    return impl.broadcast(x, axis_name, int(root), timeout_s=timeout_s)  # root: static
+    impl, x, kw = _checked("broadcast", x, axis_name, backend, {"root": root, "timeout_s": timeout_s})
+    return impl.broadcast(x, axis_name, kw["root"], timeout_s=timeout_s)  # root: static
 
 
 def permute(x, axis_name, perm, *, timeout_s=None, backend=None):
     """Member dst gets member src's `x` for each (src, dst) in `perm`; the others get zeros."""
-    impl, x = _checked("permute", x, axis_name, timeout_s, backend)
-    n = lax.axis_size(axis_name)
-    try:
-        perm = tuple((int(s), int(d)) for s, d in perm)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"permute: perm must be (src, dst) pairs of ints, got {perm!r}") from err
-    for pair in perm:
-        if not all(0 <= r < n for r in pair):
-            raise ValueError(f"permute: pair {pair} has a rank outside [0, {n})")
-    for side, ranks in (("sources", [s for s, _ in perm]), ("destinations", [d for _, d in perm])):
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"permute: {side} must be unique, got perm={perm}")
-    return impl.permute(x, axis_name, perm, timeout_s=timeout_s)
+    impl, x, kw = _checked("permute", x, axis_name, backend, {"perm": perm, "timeout_s": timeout_s})
+    return impl.permute(x, axis_name, kw["perm"], timeout_s=timeout_s)

@@ -43,6 +43,11 @@ class ByteBatches:
             raise ValueError(f"corpus of {self.corpus.size} bytes is shorter than seq_len {seq_len}")
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
 
+    def host_bytes(self, rows: int) -> int:
+        """Peak host memory of building `rows` rows of a batch: the start offsets of the whole
+        batch, the gather's int64 indices and uint8 bytes, the int32 windows, the float32 mask."""
+        return 8 * self.global_batch + rows * ((self.seq_len + 1) * (8 + 1 + 4) + 4 * self.seq_len)
+
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, self.corpus.size - self.seq_len - 1, self.global_batch)[rows]

@@ -38,12 +38,13 @@ class ReplicaMismatch(HealthHalt):
 
 # -- non-finite steps -------------------------------------------------------------------------
 
-def init_nan_guard(step: int = 0) -> dict[str, np.int32]:
-    """The guard record; `step` is the number of steps already taken (the data position)."""
+def init_nan_guard(step: int = 0, skipped: int = 0, consecutive: int = 0) -> dict[str, np.int32]:
+    """The guard record; `step` is the number of steps already taken (the data position);
+    `skipped`, `consecutive`: the counts a resumed run carries on (from its checkpoint)."""
     return {
         "step": np.int32(step),          # steps taken through this guard
-        "skipped": np.int32(0),          # non-finite steps dropped, total
-        "consecutive": np.int32(0),      # ... in a row, up to the last step
+        "skipped": np.int32(skipped),    # non-finite steps dropped, total
+        "consecutive": np.int32(consecutive),  # ... in a row, up to the last step
         "tripped_at": np.int32(-1),      # step (1-based) at which the guard halted; -1 = not
     }
 
@@ -83,11 +84,18 @@ def check_nan_guard(policy: NanSpec, guard: dict) -> int:
     else:
         why = (f"more than health.nan.max_consecutive_skips = "
                f"{policy.max_consecutive_skips} consecutive non-finite steps")
-    raise HealthHalt(
-        f"non-finite loss or gradients at step {bad} ({why}); halted with the state "
-        f"after step {bad - 1} kept",
-        last_good_step=bad - 1,
-    )
+    # Where the state of step bad - 1 is kept (if anywhere) is for the caller to add.
+    raise HealthHalt(f"non-finite loss, gradients or state at step {bad} ({why})",
+                     last_good_step=bad - 1)
+
+
+def nan_guard_counts(guard: dict) -> dict[str, int]:
+    """The counts a checkpoint of the guarded state carries: as of the last step taken (a
+    tripped guard froze the state before the step that tripped it, so that one is not counted)."""
+    g = {k: int(v) for k, v in guard.items()}
+    tripped = int(g["tripped_at"] >= 0)
+    return {"skipped_steps": g["skipped"] - tripped,
+            "consecutive_nonfinite": g["consecutive"] - tripped}
 
 
 # -- replica fingerprints ---------------------------------------------------------------------

@@ -28,8 +28,17 @@ DTYPES = Literal["float32", "bfloat16", "float16"]
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # the spec's default, and a collective's outside a spec
 
 
+# Upper bounds that no run on today's machines reaches: a value above one is a typo or a unit
+# error, refused at validation rather than met as a process the kernel kills mid-run.
+MAX_SEQUENCES = 2**24
+MAX_WIDTH = 2**20
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: inf and nan are refused in every float field (a learning rate of
+    # inf validated, then made every parameter NaN after one step).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              allow_inf_nan=False)
 
 
 class MeshAxis(_Section):
@@ -110,12 +119,13 @@ class PrecisionSpec(_Section):
 
 
 class BatchSpec(_Section):
-    global_batch: int = Field(32, ge=1, description="Sequences per optimizer step, all replicas.")
+    global_batch: int = Field(32, ge=1, le=MAX_SEQUENCES,
+                              description="Sequences per optimizer step, all replicas.")
     micro_batch: int | None = Field(
-        None, ge=1, description="Sequences per micro-batch, all replicas; accumulation steps = "
+        None, ge=1, le=MAX_SEQUENCES, description="Sequences per micro-batch, all replicas; accumulation steps = "
         "global_batch / micro_batch. Default: global_batch (no accumulation)."
     )
-    seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
+    seq_len: int = Field(128, ge=1, le=MAX_WIDTH, description="Tokens per sequence.")
 
     @model_validator(mode="after")
     def _divides(self):
@@ -179,11 +189,11 @@ class MetricsSpec(_Section):
 class ModelSpec(_Section):
     """The reference decoder-only transformer that `trainspec train` builds."""
 
-    vocab_size: int = Field(256, ge=2, description="Byte-level by default.")
-    d_model: int = Field(128, ge=1)
-    n_layers: int = Field(2, ge=1)
-    n_heads: int = Field(4, ge=1)
-    d_ff: int = Field(512, ge=1)
+    vocab_size: int = Field(256, ge=2, le=MAX_WIDTH, description="Byte-level by default.")
+    d_model: int = Field(128, ge=1, le=MAX_WIDTH)
+    n_layers: int = Field(2, ge=1, le=2**12)
+    n_heads: int = Field(4, ge=1, le=2**12)
+    d_ff: int = Field(512, ge=1, le=MAX_WIDTH)
 
     @model_validator(mode="after")
     def _heads(self):
@@ -194,7 +204,8 @@ class ModelSpec(_Section):
 
 class OptimizerSpec(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
-    learning_rate: float = Field(3e-3, gt=0)
+    learning_rate: float = Field(3e-3, gt=0, le=10.0,
+                                 description="Peak learning rate (above 10 is a typo).")
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip_norm: float | None = Field(1.0, gt=0)

@@ -20,9 +20,9 @@ from spec_jax.health.replicas import ReplicaFingerprints
 
 class Guards:
     def __init__(self, spec: Spec, job, skipped_before: int = 0):
-        """`skipped_before`: non-finite steps skipped before the checkpoint this run resumed."""
+        """`skipped_before`: non-finite steps skipped before the checkpoint this run resumed
+        (the guard on device counts on from there)."""
         self.spec = spec
-        self.skipped_before = skipped_before
         participants = [f"process {i}" for i in range(jax.process_count())]
         self.stragglers = StragglerDetector(spec.health.stragglers, participants)
         self.skipped = skipped_before
@@ -53,7 +53,11 @@ class Guards:
         return {"skipped_steps": self.skipped, "stragglers": report["stragglers"]}
 
     def check_nonfinite(self) -> None:
-        self.skipped = self.skipped_before + self.job.step.check_nonfinite()
+        self.skipped = self.job.step.check_nonfinite()
+
+    def counts(self) -> dict[str, int]:
+        """The non-finite guard's counts, to checkpoint with the state (a host sync)."""
+        return self.job.step.nonfinite_counts()
 
     def fingerprint_due(self, step: int) -> bool:
         n = self.spec.health.fingerprints.interval

@@ -1,0 +1,117 @@
+"""Checkpoints are verified on restore: a corrupted one is detected, set aside and re-trained;
+when every one is bad the run stops with one line; the summary names only good checkpoints."""
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from spec_jax.checkpoint import Checkpointer
+from spec_jax.cli.main import main
+from spec_jax.train import build_job, run
+
+from tiny import TINY, tiny_spec
+
+SPEC = ["checkpoint.interval=2", "checkpoint.keep=3", "checkpoint.async_save=false"]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished run with checkpoints 2 and 4, copied afresh by each test."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    run(tiny_spec(*SPEC), run_dir, steps=STEPS, progress=False)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4"]
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def _largest_file(step_dir: Path) -> Path:
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+
+
+def _flip_bit(step_dir: Path) -> None:
+    path = _largest_file(step_dir)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _garbage(step_dir: Path) -> None:
+    path = _largest_file(step_dir)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = np.random.default_rng(0).bytes(4096)
+    path.write_bytes(bytes(data))
+
+
+def _truncate(step_dir: Path) -> None:
+    path = _largest_file(step_dir)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _delete(step_dir: Path) -> None:
+    _largest_file(step_dir).unlink()
+
+
+def _wrong_checksum(step_dir: Path) -> None:
+    """Readable bytes that are not the ones saved (what a flip inside a value looks like)."""
+    meta_path = step_dir / "meta" / "metadata"  # orbax's JsonSave file
+    meta = json.loads(meta_path.read_text())
+    leaf = sorted(meta["checksums"])[0]
+    meta["checksums"][leaf] = "0" * 16
+    meta_path.write_text(json.dumps(meta))
+
+
+CORRUPTIONS = [_flip_bit, _garbage, _truncate, _delete, _wrong_checksum]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+def test_a_bad_checkpoint_is_detected_and_set_aside(run_dir, corrupt, caplog):
+    spec = tiny_spec(*SPEC)
+    corrupt(run_dir / "checkpoints" / "4")
+    ckpt = Checkpointer(spec, run_dir)
+    state, meta = ckpt.restore_latest(build_job(spec, init=False).abstract_state)
+    assert meta["step"] == 2 and ckpt.last_saved == 2
+    lines = [r.getMessage() for r in caplog.records if "is bad" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("checkpoint 4 is bad (")
+    assert (run_dir / "checkpoints-quarantine" / "4").is_dir()  # moved aside, not deleted
+    assert ckpt.good_steps() == [2]
+
+
+def test_a_fallback_retrains_and_replaces_the_bad_checkpoint(run_dir):
+    _flip_bit(run_dir / "checkpoints" / "4")
+    summary = run(tiny_spec(*SPEC), run_dir, steps=STEPS, progress=False)
+    assert summary["resumed_from"] == 2 and summary["last_checkpoint"] == 4
+    # the re-trained checkpoint 4 verifies; a later run resumes from it, with no fallback
+    again = run(tiny_spec(*SPEC), run_dir, steps=STEPS, progress=False)
+    assert again["resumed_from"] == 4 and again["final_loss"] == summary["final_loss"]
+
+
+def test_all_bad_stops_with_one_line_and_keeps_them(run_dir, capsys):
+    for step in ("2", "4"):
+        _garbage(run_dir / "checkpoints" / step)
+    records = (run_dir / "metrics.jsonl").read_text()
+    argv = ["train", "--quiet", "--steps", str(STEPS), "--run-dir", str(run_dir),
+            *[a for s in TINY + SPEC for a in ("--set", s)]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "all 2 checkpoints" in err[0] and "--restart" in err[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4"]
+    assert (run_dir / "metrics.jsonl").read_text() == records  # history untouched
+    # starting over is explicit, and sets the bad ones aside rather than deleting them
+    assert main(argv + ["--restart"]) == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints-quarantine").iterdir()) == ["2", "4"]
+    summary_ckpt = Checkpointer(tiny_spec(*SPEC), run_dir)
+    state, meta = summary_ckpt.restore_latest(build_job(tiny_spec(*SPEC), init=False).abstract_state)
+    assert meta["step"] == STEPS
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

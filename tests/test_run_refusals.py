@@ -1,0 +1,83 @@
+"""A run that cannot go well stops at once with one line: an unwritable checkpoint directory,
+a failing save, a batch or step that does not fit in memory."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from spec_jax.core.errors import UserInputError
+from spec_jax.health.memory import GIB, check_host_batch, check_step
+from spec_jax.train import run
+
+from tiny import TINY, tiny_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+BOUND_S = 30  # issue 10: a failed save ends the run within 30 s
+
+
+def _train(run_dir, *sets, steps=4):
+    overrides = [a for s in [*TINY, *sets] for a in ("--set", s)]
+    return [sys.executable, "-m", "spec_jax.cli.main", "train", "--quiet", "--steps", str(steps),
+            "--run-dir", str(run_dir), *overrides]
+
+
+def _env():
+    return {**os.environ, "XLA_FLAGS": "", "TRAINSPEC_FAULTS": "{}"}
+
+
+def test_checkpoint_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a directory")
+    t0 = time.monotonic()
+    result = subprocess.run(_train(tmp_path), capture_output=True, text=True, env=_env(),
+                            cwd=ROOT, timeout=BOUND_S)
+    print(f"exited after {time.monotonic() - t0:.1f} s")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"trainspec: error: checkpoint.dir: {tmp_path / 'checkpoints'} exists and is not a directory"]
+
+
+def test_a_save_that_fails_mid_run_ends_it_with_one_line(tmp_path):
+    """The checkpoint directory turns into a file after the first save: the next (background)
+    save fails; the run ends with one line, exit 2, and does not hang at shutdown."""
+    proc = subprocess.Popen(_train(tmp_path, "checkpoint.interval=2", "metrics.interval=1",
+                                   steps=10000), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    first = tmp_path / "checkpoints" / "2"
+    deadline = time.monotonic() + 300
+    while not first.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
+    (tmp_path / "checkpoints").write_text("")
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        proc.kill()
+    print(f"exited {time.monotonic() - t0:.1f} s after the directory was replaced")
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainspec: error: checkpoint.dir: saving to"), err
+
+
+def test_a_batch_larger_than_the_host_is_refused_before_it_is_built(tmp_path):
+    spec = tiny_spec("batch.global_batch=16777216", "batch.micro_batch=16", "batch.seq_len=4096")
+    with pytest.raises(UserInputError, match=r"^batch.global_batch, batch.micro_batch, "
+                       r"batch.seq_len .*: this process's share of the batch needs \d+\.\d+ GiB"):
+        run(spec, tmp_path, steps=1, progress=False)
+
+
+def test_memory_checks_compare_with_what_is_available():
+    check_host_batch(GIB, available=2 * GIB)
+    with pytest.raises(UserInputError, match="needs 2.00 GiB but 1.00 GiB"):
+        check_host_batch(2 * GIB, available=GIB)
+    step = {"memory_peak_bytes": 3 * GIB, "memory_argument_bytes": GIB}
+    cpus = jax.local_devices()[:2]  # host devices: (peak - arguments) each, from host memory
+    check_step(step, cpus, host_available=4 * GIB)
+    with pytest.raises(UserInputError, match="compiled step's buffers on 2 host devices"):
+        check_step(step, cpus, host_available=3 * GIB)
