@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from spec_jax.core.errors import UserInputError
+from spec_jax.core.errors import FfiVersionError, UserInputError
 
 SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling",
                       "conformance")
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"trainspec: error: {err}", file=sys.stderr)
         return 2
+    except FfiVersionError as err:
+        print(f"trainspec: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("trainspec: interrupted", file=sys.stderr)
         return 130
