@@ -21,7 +21,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="trainspec", description="Run and measure spec-driven training on JAX.")
+    parser = _Parser(prog="trainspec",
+                     description="Run and measure spec-driven training on JAX or PyTorch.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(f"spec_jax.cli.{name}").register(subparsers)
