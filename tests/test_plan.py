@@ -1,0 +1,130 @@
+"""The planner (spec_jax.core.plan) against what compiles and runs here (docs/plan.md).
+
+Every layout the planner accepts for the validation model at 1-8 devices, and 2 processes x 4
+devices through the single-process dcn path (mesh.py lays a dcn factor out within one process,
+so the compiled program, its memory and its collectives are those of the 2 x 4 job; its DCN
+link is in-process here). Each layout is compiled once. The CPU profile is calibrated in the
+same run: matmul peak, collective alpha-beta (bench rows), the activation overheads from the
+tensor = 1, 2, 4 single-replica layouts and the achievable fraction from the 1-device step.
+"""
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import pytest
+
+from spec_jax.cli.main import main
+from spec_jax.core.plan.hardware import load_profile
+from spec_jax.core.plan.model import predict
+from spec_jax.core.plan.search import all_layouts
+from spec_jax.core.plan.transformer import parameters
+from spec_jax.metrics.flops import for_spec
+from spec_jax.plan_check import calibrate_cpu, fit_achievable_fraction, layout_of, measure_layout
+from spec_jax.spec import load_spec
+
+MODEL = ["model.d_model=128", "model.n_heads=8", "model.d_ff=256", "model.n_layers=1",
+         "batch.seq_len=32"]
+MEMORY_TOL, COMM_TOL, TIME_TOL = 0.10, 0.02, 0.30
+CALIBRATION = ((1, 1, 1), (1, 1, 2), (1, 1, 4))  # (data, fsdp, tensor) fitted, not validated
+
+
+def spec_for(data, fsdp, tensor, dcn=1):
+    shards = data * fsdp
+    micro = shards * -(-8 // shards)  # >= 8 rows, divisible by the batch shards
+    return load_spec(None, MODEL + [
+        f"mesh.axes.data.size={data}", f"mesh.axes.data.dcn={dcn}", f"mesh.axes.fsdp.size={fsdp}",
+        f"mesh.axes.tensor.size={tensor}", f"batch.micro_batch={micro}",
+        f"batch.global_batch={2 * micro}"])
+
+
+def accepted_layouts():
+    """(data, fsdp, tensor, dcn) of every layout the planner accepts at 1-8 devices, + 2 x 4."""
+    cpu = load_profile("cpu")
+    out = []
+    for n in range(1, 9):
+        for lay in all_layouts(spec_for(1, 1, 1), n, cpu.ici_domain):
+            d, f, t = (lay.sizes[a] for a in ("data", "fsdp", "tensor"))
+            if not predict(spec_for(d, f, t), lay, cpu, 0, 0).reasons:
+                out.append((d, f, t, 1))
+    return out + [(2, 1, 4, 2)]
+
+
+LAYOUTS = accepted_layouts()
+
+
+def test_parameter_table_matches_the_flax_model():
+    import flax.linen as nn
+
+    from spec_jax.models.transformer import Transformer
+
+    spec = spec_for(1, 1, 1)
+    model = Transformer(spec.model)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jax.numpy.zeros((1, 8), "int32"))
+    logical = nn.get_partition_spec(abstract)["params"]
+    flat = {"/".join(k.key for k in path): (leaf.value.shape, tuple(spec_))
+            for (path, leaf), spec_ in zip(jax.tree_util.tree_leaves_with_path(
+                abstract["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)),
+                jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))}
+    assert flat == {p.path: (p.shape, p.logical) for p in parameters(spec.model)}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--devices", "8", "--hardware", "nope"], "unknown hardware"),
+    (["--devices", "8", "--set", "mesh.axes.tensor.size=16"], "does not divide --devices 8"),
+    (["--devices", "8", "--hardware", "h100_sxm", "--layers", "200", "--d-model", "16384",
+      "--heads", "128", "--d-ff", "65536"], "exceeds the 80 GB"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+@functools.lru_cache(maxsize=None)
+def measured(layout):
+    d, f, t, dcn = layout
+    return measure_layout(spec_for(d, f, t, dcn), d * f * t)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    points = [(spec_for(*c), math.prod(c), measured(c + (1,))["memory_peak_bytes"])
+              for c in CALIBRATION]
+    cpu = calibrate_cpu(load_profile("cpu"), points)
+    # the achievable fraction: from the 1-device step, measured in this run
+    spec = spec_for(1, 1, 1)
+    first = _predict(spec, 1, cpu)
+    return fit_achievable_fraction(cpu, first.compute_s, first.comm_s["exposed"],
+                                   measured((1, 1, 1, 1))["step_time_s"])
+
+
+def _predict(spec, n, profile):
+    f = for_spec(spec)
+    return predict(spec, layout_of(spec, n), profile, f.model_per_token(), f.hardware_per_token())
+
+
+def _comm_errors(predicted: dict, hlo: dict) -> dict:
+    keys = {(k, a) for k, v in {**predicted, **hlo}.items() for a in {**predicted.get(k, {}), **hlo.get(k, {})}}
+    return {f"{k}@{a}": predicted.get(k, {}).get(a, 0.0) / hlo.get(k, {}).get(a, 1e-9) - 1 for k, a in keys}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "d{}f{}t{}dcn{}".format(*l))
+def test_prediction_within_tolerance(layout, profile):
+    d, f, t, dcn = layout
+    spec = spec_for(d, f, t, dcn)
+    got = measured(layout)
+    pred = _predict(spec, d * f * t, profile)
+    assert pred.fits, pred.reasons
+    comm = _comm_errors(pred.comm_by_kind_and_axis(), got["comm_bytes_by_kind_and_axis"])
+    assert all(abs(e) <= COMM_TOL for e in comm.values()), comm
+    mem = pred.memory_bytes / got["memory_peak_bytes"] - 1
+    time = pred.step_time_s / got["step_time_s"] - 1
+    print(f"PLANROW d={d} f={f} t={t} dcn={dcn} mem {pred.memory_bytes:.0f}/{got['memory_peak_bytes']} "
+          f"({mem:+.3f}) comm worst {max(map(abs, comm.values()), default=0):.4f} time "
+          f"{pred.step_time_s * 1e3:.1f}/{got['step_time_s'] * 1e3:.1f} ms ({time:+.3f}) "
+          f"load {os.getloadavg()[0]:.1f}")
+    if (d, f, t) not in CALIBRATION:
+        assert abs(mem) <= MEMORY_TOL, (pred.memory, got["memory_peak_bytes"])
+    assert abs(time) <= TIME_TOL, (pred.step_time_s, got["step_times_s"])
