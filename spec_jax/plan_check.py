@@ -9,7 +9,6 @@ activation overheads, so that `trainspec plan --hardware cpu` predicts this mach
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 
@@ -30,10 +29,19 @@ def layout_of(spec: Spec, n_devices: int) -> Layout:
     return Layout(dict(zip(resolved.names, resolved.sizes)), dict(zip(resolved.names, resolved.dcn)))
 
 
-@functools.lru_cache(maxsize=4)
-def _host_state(model_key: str, spec: Spec):
-    """The initial state on the host, built once per model: every layout places the same
-    values (device_put with its shardings) instead of compiling its own init."""
+_HOST_STATES: dict[str, list] = {}
+
+
+def _host_state(spec: Spec) -> list:
+    """The initial state's leaves on the host, built once per model: every layout places the
+    same values (device_put with its shardings) instead of compiling its own init."""
+    key = "".join(s.model_dump_json() for s in (spec.model, spec.optimizer, spec.precision))
+    if key not in _HOST_STATES:
+        _HOST_STATES[key] = _initial_leaves(spec)
+    return _HOST_STATES[key]
+
+
+def _initial_leaves(spec: Spec) -> list:
     job = build_job(spec, build_mesh(spec.model_copy(update={"mesh": _single_mesh(spec)}),
                                      jax.devices()[:1]))
     return jax.tree.leaves(jax.device_get(job.state))
@@ -48,8 +56,7 @@ def measure_layout(spec: Spec, n_devices: int, steps: int = 5) -> dict:
     """Compile once, run `steps` timed steps after one warm-up; median step time."""
     mesh = build_mesh(spec, jax.devices()[:n_devices])
     step, abstract = build_abstract_job(spec, mesh)
-    key = spec.model.model_dump_json() + spec.optimizer.model_dump_json() + spec.precision.model_dump_json()
-    leaves = _host_state(key, spec)
+    leaves = _host_state(spec)
     treedef = jax.tree.structure(step.state_shardings)
     state = jax.device_put(jax.tree.unflatten(treedef, leaves), step.state_shardings)
     batch = step.shard_batch(ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batch(0))

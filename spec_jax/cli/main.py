@@ -12,10 +12,7 @@ import sys
 from spec_jax.core.errors import FfiVersionError, UserInputError
 
 SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling",
-                      "conformance", "plan")
-=======
-                      "plan")
->>>>>>> 0ec9ed7 (trainspec plan: framework-free planning model (memory, comm by kind/axis ICI/DCN, FLOPs, alpha-beta step time, MFU), hardware profiles with sources, layout search; validation test against compiled memory, HLO comm and measured step time)
+                      "conformance", "plan", "doctor")
 
 
 class _Parser(argparse.ArgumentParser):
