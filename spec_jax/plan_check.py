@@ -52,29 +52,45 @@ def _single_mesh(spec: Spec):
     return spec.mesh.model_copy(update={"axes": axes, "exclude_devices": []})
 
 
-def measure_layout(spec: Spec, n_devices: int, steps: int = 5) -> dict:
-    """Compile once, run `steps` timed steps after one warm-up; median step time."""
+@dataclasses.dataclass
+class Runner:
+    """A compiled step with its state and batch: each `once()` runs one step, timed."""
+
+    step: object
+    state: object
+    batch: object
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self.state, metrics = self.step(self.state, self.batch)
+        jax.block_until_ready(metrics)
+        return time.perf_counter() - t0
+
+
+def compile_layout(spec: Spec, n_devices: int) -> tuple[Runner, dict]:
+    """Compile the step on the first n devices: (runner, compiled memory and HLO comm)."""
     mesh = build_mesh(spec, jax.devices()[:n_devices])
-    step, abstract = build_abstract_job(spec, mesh)
-    leaves = _host_state(spec)
+    step, _ = build_abstract_job(spec, mesh)
     treedef = jax.tree.structure(step.state_shardings)
-    state = jax.device_put(jax.tree.unflatten(treedef, leaves), step.state_shardings)
+    state = jax.device_put(jax.tree.unflatten(treedef, _host_state(spec)), step.state_shardings)
     batch = step.shard_batch(ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batch(0))
     compiled = step.compile(state, batch)
-    volume = comm.analyze_compiled(compiled, mesh)
-    times = []
-    for i in range(steps + 1):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        if i:  # the first call carries one-off work (allocations, thread start-up)
-            times.append(time.perf_counter() - t0)
-    return {
+    runner = Runner(step, state, batch)
+    runner.once()  # one-off work (allocations, thread start-up) stays out of the timings
+    return runner, {
         "memory_peak_bytes": memory.compiled_memory(compiled)["memory_peak_bytes"],
-        "comm_bytes_by_kind_and_axis": volume.by_kind_and_axis(),
-        "step_time_s": statistics.median(times),
-        "step_times_s": times,
+        "comm_bytes_by_kind_and_axis": comm.analyze_compiled(compiled, mesh).by_kind_and_axis(),
     }
+
+
+def paired_step_times(runner: Runner, reference: Runner, steps: int = 7) -> tuple[float, float]:
+    """Median step times of `runner` and `reference`, their steps alternating so that both
+    see the same load on a shared machine (as `trainspec bench step` alternates specs)."""
+    times, ref_times = [], []
+    for _ in range(steps):
+        ref_times.append(reference.once())
+        times.append(runner.once())
+    return statistics.median(times), statistics.median(ref_times)
 
 
 def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
@@ -117,3 +133,10 @@ def fit_achievable_fraction(profile: Profile, predicted_compute_s: float, predic
     compute = max(measured_s - predicted_comm_s, 0.1 * measured_s)
     return dataclasses.replace(profile, achievable_fraction=profile.achievable_fraction
                                * predicted_compute_s / compute)
+
+
+def load_factor(reference_predicted_s: float, reference_measured_s: float) -> float:
+    """How much slower the machine runs now than when it was calibrated: the reference
+    layout's measured step over its prediction, from steps paired with the layout's own. On a
+    CPU, compute and the in-process collectives share the same cores, so load slows both."""
+    return reference_measured_s / reference_predicted_s

@@ -44,12 +44,15 @@ class Profile:
     dcn: Link
     sources: tuple[str, ...]
     shared_host_compute: bool = False
+    host_cores: int = 1  # cores the shared host compute is spread over (CPU profile)
     ici_domain_devices: int | None = None  # devices one ICI domain spans (default: a host)
     # What the compiler keeps beyond the counted activations (docs/plan.md); 1 = the count.
     activation_overhead: float = 1.0             # on the tensor-split activations
     activation_overhead_replicated: float = 1.0  # on the rest
     # XLA:CPU lowers a reduce-scatter to an all-reduce and a slice (same S, all-reduce cost).
     reduce_scatter_as_all_reduce: bool = False
+    # Attention without stored scores (flash attention); XLA:CPU materialises them.
+    fused_attention: bool = False
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -57,10 +60,12 @@ class Profile:
         return self.peak_flops[dtype]
 
     def device_flops(self, dtype: str, devices_in_use: int) -> float:
-        """Achievable FLOP/s of one device; devices of a host share its cores on a CPU."""
+        """Achievable FLOP/s of one device. On a CPU the devices of a host share its cores,
+        and one device's program runs on about one core (XLA:CPU parallelises small ops
+        little), so each gets peak / max(devices in use, cores)."""
         rate = self.peak(dtype) * self.achievable_fraction
         if self.shared_host_compute:
-            rate /= min(devices_in_use, self.devices_per_host)
+            rate /= max(min(devices_in_use, self.devices_per_host), self.host_cores)
         return rate
 
     @property
@@ -87,10 +92,12 @@ def _from_dict(data: dict, origin: str) -> Profile:
             dcn=Link(float(data["dcn"]["alpha_s"]), float(data["dcn"]["bandwidth_Bps"])),
             sources=tuple(data.get("sources", ())),
             shared_host_compute=bool(data.get("shared_host_compute", False)),
+            host_cores=int(data.get("host_cores", 1)),
             ici_domain_devices=data.get("ici_domain_devices"),
             activation_overhead=float(data.get("activation_overhead", 1.0)),
             activation_overhead_replicated=float(data.get("activation_overhead_replicated", 1.0)),
             reduce_scatter_as_all_reduce=bool(data.get("reduce_scatter_as_all_reduce", False)),
+            fused_attention=bool(data.get("fused_attention", False)),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise UserInputError(f"--hardware {origin}: bad profile ({err!r} missing or malformed)") from None

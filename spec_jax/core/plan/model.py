@@ -190,7 +190,8 @@ def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
     tensor = layout.group(_role_axes(spec, layout, "tensor"))[0]
     shards = layout.group(_role_axes(spec, layout, "fsdp") + data)[0]
     tokens = spec.batch.micro / shards * spec.batch.seq_len
-    per_token = token_activations(spec.model, spec.batch.seq_len, spec.remat.policy)
+    per_token = token_activations(spec.model, spec.batch.seq_len, spec.remat.policy,
+                                  profile.fused_attention)
     out["activations"] = tokens * cb * (
         per_token.replicated * profile.activation_overhead_replicated
         + per_token.split / tensor * profile.activation_overhead)

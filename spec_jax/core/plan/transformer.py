@@ -56,18 +56,22 @@ class TokenActivations:
     split: float
 
 
-def token_activations(m: ModelSpec, seq_len: int, remat: str) -> TokenActivations:
+def token_activations(m: ModelSpec, seq_len: int, remat: str,
+                      fused_attention: bool = False) -> TokenActivations:
     """Per layer, without remat: the block input, attention-norm output, residual after
     attention and MLP-norm output (4 d, replicated); q, k, v and the attention output (4 d),
     scores and probabilities (2 H T), the MLP input projection and its GELU (2 d_ff), split.
     Outside the layers: the one-hot input (V, replicated), logits and log-softmax (2 V, split).
+
+    With `fused_attention` (flash attention: cuDNN on GPUs, Pallas on TPUs) the scores are
+    never stored: one log-sum-exp per head and token is kept instead of 2 H T.
 
     `full` remat keeps only each block's input (d); the dots policies keep the matmul outputs
     (q, k, v, attention output, MLP projections) and recompute the rest; with
     `dots_with_no_batch_dims_saveable` the attention einsums (batch dims) are recomputed too.
     """
     d, h, f, L = m.d_model, m.n_heads, m.d_ff, m.n_layers
-    scores = 2 * h * seq_len
+    scores = h if fused_attention else 2 * h * seq_len
     replicated, split = {
         "full": (d, 0),
         "dots_saveable": (d, 4 * d + scores / 2 + f),
