@@ -83,14 +83,37 @@ def compile_layout(spec: Spec, n_devices: int) -> tuple[Runner, dict]:
     }
 
 
-def paired_step_times(runner: Runner, reference: Runner, steps: int = 7) -> tuple[float, float]:
-    """Median step times of `runner` and `reference`, their steps alternating so that both
-    see the same load on a shared machine (as `trainspec bench step` alternates specs)."""
-    times, ref_times = [], []
+class ComputeProbe:
+    """A fixed matmul workload on each of the first n devices (one program, all at once): how
+    fast the machine runs n device threads right now, to pair with a layout's steps."""
+
+    def __init__(self, n_devices: int, size: int = 256, repeats: int = 16):
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        mesh = Mesh(jax.devices()[:n_devices], ("d",))
+
+        def work(a):
+            return jax.lax.fori_loop(0, repeats, lambda _, x: jnp.tanh(x @ a), a)
+
+        self.x = jax.device_put(jnp.ones((n_devices * size, size), jnp.float32) / size,
+                                NamedSharding(mesh, P("d")))
+        self.fn = jax.jit(jax.shard_map(work, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        self.once()
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self.fn(self.x).block_until_ready()
+        return time.perf_counter() - t0
+
+
+def paired_step_times(runner, reference, steps: int = 11) -> list[tuple[float, float]]:
+    """(step time, reference time) pairs, the two alternating, so that both of a pair see the
+    same load on a shared machine (as `trainspec bench step` alternates specs)."""
+    pairs = []
     for _ in range(steps):
-        ref_times.append(reference.once())
-        times.append(runner.once())
-    return statistics.median(times), statistics.median(ref_times)
+        ref = reference.once()
+        pairs.append((runner.once(), ref))
+    return pairs
 
 
 def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
@@ -127,16 +150,26 @@ def calibrate_cpu(profile: Profile, memory_points: list[tuple[Spec, int, float]]
     return calibrated
 
 
-def fit_achievable_fraction(profile: Profile, predicted_compute_s: float, predicted_comm_s: float,
-                            measured_s: float) -> Profile:
-    """The fraction of peak that makes one measured step (compute + comm) come out right."""
-    compute = max(measured_s - predicted_comm_s, 0.1 * measured_s)
-    return dataclasses.replace(profile, achievable_fraction=profile.achievable_fraction
-                               * predicted_compute_s / compute)
+def fit_compute(profile: Profile, points) -> Profile:
+    """The achievable fraction and the per-program overhead that make measured steps come out
+    right: `points` are (prediction, measured seconds) of one device at two or more batch
+    sizes (different work, the same program), solved by least squares for
+    measured - comm = compute x (fraction / fitted fraction) + overhead."""
+    xs = [p.compute_s for p, _ in points]
+    ys = [m - p.comm_s["exposed"] for p, m in points]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    overhead = max(my - slope * mx, 0.0)
+    if overhead == 0.0:  # noise made the intercept negative: all of it is compute
+        slope = sum(ys) / sum(xs)
+    return dataclasses.replace(profile, achievable_fraction=profile.achievable_fraction / slope,
+                               program_overhead_s=overhead)
 
 
-def load_factor(reference_predicted_s: float, reference_measured_s: float) -> float:
-    """How much slower the machine runs now than when it was calibrated: the reference
-    layout's measured step over its prediction, from steps paired with the layout's own. On a
-    CPU, compute and the in-process collectives share the same cores, so load slows both."""
-    return reference_measured_s / reference_predicted_s
+def load_factors(profile: Profile, n_devices: int, probe_times, calibration_probe_s: float) -> list[float]:
+    """How much slower n device threads run now than the profile assumes, per probe run: the
+    compute probe on those devices over what the profile expects from the 1-device probe
+    timed at calibration (the same per-device work at the profile's share of the host for n
+    devices). On a CPU, load slows compute and in-process collectives alike."""
+    expected = calibration_probe_s * profile.device_flops("float32", 1) / profile.device_flops("float32", n_devices)
+    return [t / expected for t in probe_times]

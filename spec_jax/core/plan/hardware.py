@@ -45,6 +45,9 @@ class Profile:
     sources: tuple[str, ...]
     shared_host_compute: bool = False
     host_cores: int = 1  # cores the shared host compute is spread over (CPU profile)
+    # Per step and device program: dispatch and per-operation costs that do not grow with
+    # the work (significant for small models on XLA:CPU); shares the host like compute.
+    program_overhead_s: float = 0.0
     ici_domain_devices: int | None = None  # devices one ICI domain spans (default: a host)
     # What the compiler keeps beyond the counted activations (docs/plan.md); 1 = the count.
     activation_overhead: float = 1.0             # on the tensor-split activations
@@ -67,6 +70,12 @@ class Profile:
         if self.shared_host_compute:
             rate /= max(min(devices_in_use, self.devices_per_host), self.host_cores)
         return rate
+
+    def program_overhead(self, devices_in_use: int) -> float:
+        """The per-step program overhead of one device, stretched as compute is when the
+        devices share the host."""
+        return self.program_overhead_s * self.device_flops("float32", 1) / self.device_flops(
+            "float32", devices_in_use)
 
     @property
     def ici_domain(self) -> int:
@@ -93,6 +102,7 @@ def _from_dict(data: dict, origin: str) -> Profile:
             sources=tuple(data.get("sources", ())),
             shared_host_compute=bool(data.get("shared_host_compute", False)),
             host_cores=int(data.get("host_cores", 1)),
+            program_overhead_s=float(data.get("program_overhead_s", 0.0)),
             ici_domain_devices=data.get("ici_domain_devices"),
             activation_overhead=float(data.get("activation_overhead", 1.0)),
             activation_overhead_replicated=float(data.get("activation_overhead_replicated", 1.0)),

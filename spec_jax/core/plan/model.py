@@ -67,6 +67,7 @@ class Prediction:
     model_flops_per_step: float
     hardware_flops_per_step: float
     compute_s: float
+    overhead_s: float
     comm_s: dict[str, float]
     step_time_s: float
     mfu: float
@@ -238,7 +239,7 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
             hardware_flops_per_token: float) -> Prediction:
     """Memory, communication, FLOPs, step time and MFU of `spec` under `layout` on `profile`.
 
-    step time = compute + (1 - comm_overlap) x communication, where compute is the hardware
+    step time = compute + overhead + (1 - comm_overlap) x communication, where compute is the hardware
     FLOPs of one device at `achievable_fraction` of its peak and each collective costs
     alpha + bus bytes / bandwidth on its ICI part and on its DCN part (hierarchically)."""
     n = layout.n_devices
@@ -253,7 +254,8 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     ici = sum(profile.ici.time(c.ici_bus_bytes, c.calls) for c in comms if c.group > c.group_dcn)
     dcn = sum(profile.dcn.time(c.dcn_bus_bytes, c.calls) for c in comms if c.group_dcn > 1)
     comm_s = {"ici": ici, "dcn": dcn, "exposed": (ici + dcn) * (1 - profile.comm_overlap)}
-    step = compute_s + comm_s["exposed"]
+    overhead_s = profile.program_overhead(per_host)
+    step = compute_s + overhead_s + comm_s["exposed"]
     peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
     mem = memory(spec, layout, profile) if not reasons else {"total": float("nan")}
     if not reasons and mem["total"] > profile.memory_bytes:
@@ -264,7 +266,7 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     return Prediction(
         layout=dict(layout.sizes), dcn=dict(layout.dcn), n_devices=n, memory=mem,
         collectives=comms, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
-        compute_s=compute_s, comm_s=comm_s, step_time_s=step,
+        compute_s=compute_s, overhead_s=overhead_s, comm_s=comm_s, step_time_s=step,
         mfu=model_flops / (step * n * peak) if step > 0 else 0.0, tokens_per_step=tokens,
         fits=not reasons, reasons=reasons)
 
