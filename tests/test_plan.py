@@ -25,10 +25,10 @@ from spec_jax.core.plan.hardware import load_profile
 from spec_jax.core.plan.model import predict
 from spec_jax.core.plan.search import all_layouts
 from spec_jax.core.plan.transformer import parameters
-from spec_jax.metrics.flops import for_spec
-from spec_jax.plan_check import (ComputeProbe, calibrate_cpu, compile_layout,
+from spec_jax.models.transformer_flops import for_spec
+from spec_jax.cli.plan_check import (ComputeProbe, calibrate_cpu, compile_layout,
                                  fit_compute, layout_of, load_factors, paired_step_times)
-from spec_jax.spec import load_spec
+from spec_jax.core.spec import load_spec
 
 MODEL = ["model.d_model=128", "model.n_heads=8", "model.d_ff=256", "model.n_layers=1",
          "batch.seq_len=32"]

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 STATUSES = ("ok", "info", "warn", "fail")
 BANDWIDTH_WARN = 0.25  # below this share of the profile's bus bandwidth: a warning
@@ -145,7 +145,9 @@ def run(args) -> int:
     rows = platform_rows() + topology_rows()
     results = doctor.quick_device_checks(ids, fault)
     if not args.quick:
-        results += doctor.collective_results(ids, [b for b in backends if b != "hierarchical"])
+        from spec_jax.collectives.selftest import collective_results
+
+        results += collective_results(ids, [b for b in backends if b != "hierarchical"])
     rows += numerics_rows(results)
     if not args.quick:
         rows += collectives_rows([b for b in backends if b != "hierarchical"], profile)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 MODEL_FLAGS = {"layers": "model.n_layers", "d_model": "model.d_model", "heads": "model.n_heads",
                "d_ff": "model.d_ff", "vocab": "model.vocab_size", "seq_len": "batch.seq_len",
@@ -42,7 +42,7 @@ def register(subparsers) -> None:
 
 
 def _spec(args):
-    from spec_jax.spec import DEFAULT_SPEC_PATH, load_spec
+    from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
 
     sets = [f"{MODEL_FLAGS[f]}={getattr(args, f)}" for f in MODEL_FLAGS if getattr(args, f) is not None]
     if args.global_batch is not None and args.micro_batch is None:
@@ -65,7 +65,7 @@ def _profile(args):
 
 def predictor(profile):
     from spec_jax.core.plan.model import predict
-    from spec_jax.metrics.flops import for_spec
+    from spec_jax.models.transformer_flops import for_spec
 
     def run(spec, layout):
         f = for_spec(spec)
@@ -139,7 +139,7 @@ def plot(spec, profile, predict, path: Path, devices: int) -> None:
     import matplotlib.pyplot as plt
 
     from spec_jax.core.plan import search
-    from spec_jax.spec import load_spec
+    from spec_jax.core.spec import load_spec
 
     per_device = max(1, spec.batch.micro // devices)
     k = spec.batch.accumulation_steps

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from spec_jax.spec import Spec
+from spec_jax.core.spec import Spec
 
 # Which roles each conventional logical axis is sharded over by default (docs/spec.md).
 DEFAULT_ROLE_RULES = {

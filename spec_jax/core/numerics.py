@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
 
+DTYPES = ("float32", "bfloat16", "float16")  # the float dtypes the self-test checks
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 ALGORITHMS = ("sequential", "pairwise")
 
@@ -64,3 +66,16 @@ def matmul_error_bound(a: np.ndarray, b: np.ndarray, working: str, output: str) 
     k = a64.shape[-1]
     return ((depth("pairwise", k) + 1) * EPS[working] / 2 * (np.abs(a64) @ np.abs(b64))
             + EPS[output] / 2 * np.abs(a64 @ b64) + np.finfo(np.float64).tiny)
+
+
+SUM_SCALE = 1000.0  # inputs are scaled so every sum stays near this: float16 overflows at 65504
+_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def selftest_inputs(shape, dtype: str, seed: int) -> np.ndarray:
+    """Positive values in [0.5, 1.5) x min(1, 1000 / n), rounded to `dtype` and returned as
+    float64: a dropped element moves a sum by a share 1/n of it, far above the rounding
+    bounds, and the reference sees exactly the values the device sums."""
+    scale = min(1.0, SUM_SCALE / shape[-1])
+    x = np.random.default_rng(seed).uniform(0.5, 1.5, shape) * scale
+    return x.astype(_NUMPY_DTYPES[dtype]).astype(np.float64)

@@ -1,11 +1,11 @@
 """Is this machine fit to train? Per-device numerics, collective conformance and links.
 
 Numerics (per device, one program over all devices): float32, bfloat16 and float16 sums and
-means over long and odd lengths (and along the last axis of odd 2-D shapes), through jnp, an
-explicit XLA reduce, and each collectives backend's all_reduce; a matmul. Each result is held
+means over long and odd lengths (and along the last axis of odd 2-D shapes), through jnp and an
+explicit XLA reduce; a matmul. Each result is held
 against the exact float64 reference and the error bound of its algorithm (spec_jax.core.numerics):
-XLA's reductions are trees (pairwise bound, float32 accumulation); a collective's order is
-unspecified, so the sequential bound, which holds for any order, is used there.
+XLA's reductions are trees (pairwise bound, float32 accumulation). The collectives backends'
+all_reduce is checked the same way by spec_jax.collectives.selftest (`trainspec doctor`).
 
 A planted fault (`Fault`) replaces one device's reduction with a kernel that drops the last
 partial block of `block` elements, the shape-dependent kind of bug a tolerance-free check
@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spec_jax.core import numerics
 
 AXIS = "dev"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = numerics.DTYPES
 LENGTHS = (1, 7, 127, 129, 4099, 65537, 1000003)  # odd, and straddling power-of-two blocks
 SHAPES_2D = ((17, 257), (3, 4099))                 # reduced along the last axis
 MATMUL = ((127, 255), (255, 129))
@@ -37,18 +37,6 @@ class Fault:
 
     device: int
     block: int = 128
-
-
-SUM_SCALE = 1000.0  # inputs are scaled so every sum stays near this: float16 overflows at 65504
-
-
-def _inputs(shape, dtype: str, seed: int) -> np.ndarray:
-    """Positive values in [0.5, 1.5) x min(1, 1000 / n): a dropped element moves the sum by a
-    share 1/n of it, far above the rounding bounds; rounded to `dtype` so the reference sees
-    exactly what the device does."""
-    scale = min(1.0, SUM_SCALE / shape[-1])
-    x = np.random.default_rng(seed).uniform(0.5, 1.5, shape) * scale
-    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
 
 
 def _reductions(fault_position: int | None, block: int):
@@ -95,7 +83,7 @@ def reduction_results(device_ids, fault: Fault | None = None) -> list[numerics.R
     shapes = [(n,) for n in LENGTHS] + list(SHAPES_2D)
     for dtype in DTYPES:
         for i, shape in enumerate(shapes):
-            x = _inputs(shape, dtype, seed=i)
+            x = numerics.selftest_inputs(shape, dtype, seed=i)
             got = _per_device(lambda a: {k: f(a) for k, f in kernels.items()}, mesh, x, dtype)
             n = shape[-1]
             rows = x.reshape(-1, n)
@@ -118,7 +106,7 @@ def matmul_results(device_ids) -> list[numerics.Result]:
     mesh = _mesh(tuple(device_ids))
     results = []
     for dtype in DTYPES:
-        a, b = _inputs(MATMUL[0], dtype, 11), _inputs(MATMUL[1], dtype, 12)
+        a, b = numerics.selftest_inputs(MATMUL[0], dtype, 11), numerics.selftest_inputs(MATMUL[1], dtype, 12)
         bound = numerics.matmul_error_bound(a, b, "float32", dtype)
         ref = a @ b
         bd = jax.device_put(jnp.asarray(b, dtype), NamedSharding(mesh, P()))
@@ -128,32 +116,6 @@ def matmul_results(device_ids) -> list[numerics.Result]:
             worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
             results.append(numerics.Result(f"matmul {dtype} {MATMUL[0]}x{MATMUL[1]}", dev,
                                            float(abs(c[worst] - ref[worst])), float(bound[worst])))
-    return results
-
-
-def collective_results(device_ids, backends) -> list[numerics.Result]:
-    """Each backend's all_reduce(sum) of a per-device odd-length vector against float64."""
-    from spec_jax import collectives
-
-    mesh = _mesh(tuple(device_ids))
-    n_dev, length = len(device_ids), 4099
-    results = []
-    for backend in backends:
-        for dtype in DTYPES:
-            x = _inputs((n_dev, length), dtype, 21)
-            arr = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, P(AXIS)))
-            fn = jax.jit(jax.shard_map(
-                lambda a: collectives.all_reduce(a, AXIS, "sum", backend=backend),
-                mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
-            got = np.asarray(fn(arr).astype(jnp.float32), np.float64).reshape(n_dev, length)
-            exact = x.sum(axis=0)  # 8 terms: float64 is exact here
-            bound = ((n_dev - 1) * numerics.EPS[dtype] / 2 * np.abs(x).sum(axis=0)
-                     + numerics.EPS[dtype] / 2 * np.abs(exact))
-            for dev, row in zip(device_ids, got):
-                ratio = np.abs(row - exact) / bound
-                worst = int(np.argmax(ratio))
-                results.append(numerics.Result(f"all_reduce[{backend}] {dtype} n={length}", dev,
-                                               float(abs(row[worst] - exact[worst])), float(bound[worst])))
     return results
 
 

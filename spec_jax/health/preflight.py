@@ -15,7 +15,7 @@ import numpy as np
 
 from spec_jax.health import doctor
 from spec_jax.health.exclusion import exclude
-from spec_jax.spec import Spec
+from spec_jax.core.spec import Spec
 
 log = logging.getLogger(__name__)
 

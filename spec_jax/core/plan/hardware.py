@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from spec_jax.errors import UserInputError
+from spec_jax.core.errors import UserInputError
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from spec_jax.core.layout_rules import dim_axes, logical_rules
 from spec_jax.core.plan.hardware import Profile, bus_factor
 from spec_jax.core.plan.transformer import parameters, token_activations
-from spec_jax.spec import Spec
+from spec_jax.core.spec import Spec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "sgd": 1}  # mu and nu; momentum (in the parameter dtype)

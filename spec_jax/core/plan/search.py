@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from spec_jax.core.plan.hardware import Profile
 from spec_jax.core.plan.model import Layout, Prediction
-from spec_jax.errors import UserInputError
-from spec_jax.spec import Spec
+from spec_jax.core.errors import UserInputError
+from spec_jax.core.spec import Spec
 
 ROLE_ORDER = ("data", "fsdp", "tensor")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spec_jax.spec import ModelSpec
+from spec_jax.core.spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,12 +15,13 @@ import time
 import jax
 import jax.numpy as jnp
 
+from spec_jax.core.data import ByteBatches
+from spec_jax.core.mesh import resolve_mesh
 from spec_jax.core.plan.hardware import Profile, calibrate
 from spec_jax.core.plan.model import Layout, fit_activation_overheads
-from spec_jax.data import ByteBatches
-from spec_jax.mesh import build_mesh, resolve_mesh
+from spec_jax.core.spec import Spec
+from spec_jax.mesh import build_mesh
 from spec_jax.metrics import comm, memory
-from spec_jax.spec import Spec
 from spec_jax.train import build_abstract_job, build_job
 
 
