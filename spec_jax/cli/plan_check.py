@@ -43,8 +43,8 @@ def _host_state(spec: Spec) -> list:
 
 
 def _initial_leaves(spec: Spec) -> list:
-    job = build_job(spec, build_mesh(spec.model_copy(update={"mesh": _single_mesh(spec)}),
-                                     jax.devices()[:1]))
+    single = spec.model_copy(update={"mesh": _single_mesh(spec)})
+    job = build_job(single, build_mesh(single, jax.devices()[:1]))
     return jax.tree.leaves(jax.device_get(job.state))
 
 
