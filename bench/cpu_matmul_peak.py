@@ -12,7 +12,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 import jax  # noqa: E402
 
-from spec_jax.cli.plan_check import matmul_peak  # noqa: E402  (the same measurement, one size)
+from spec_jax.tools.plan_check import matmul_peak  # noqa: E402  (the same measurement, one size)
 
 
 if __name__ == "__main__":

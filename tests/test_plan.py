@@ -26,7 +26,7 @@ from spec_jax.core.plan.model import predict
 from spec_jax.core.plan.search import all_layouts
 from spec_jax.core.plan.transformer import parameters
 from spec_jax.models.transformer_flops import for_spec
-from spec_jax.cli.plan_check import (ComputeProbe, calibrate_cpu, compile_layout,
+from spec_jax.tools.plan_check import (ComputeProbe, calibrate_cpu, compile_layout,
                                  fit_compute, layout_of, load_factors, paired_step_times)
 from spec_jax.core.spec import load_spec
 

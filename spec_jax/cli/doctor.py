@@ -109,7 +109,7 @@ def numerics_rows(results) -> list[dict]:
 
 
 def collectives_rows(backends, profile) -> list[dict]:
-    from spec_jax.collectives import bench
+    from spec_jax.tools import collectives_bench as bench
 
     rows = []
     measured = bench.sweep(list(bench.OPS), ["float32"], backends, [64 << 10], "sum", 2, 1)

@@ -133,7 +133,7 @@ def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
 
 def collective_rows(sizes=(16 << 10, 256 << 10, 1 << 20, 4 << 20)) -> list[dict]:
     """`trainspec bench collectives --json` rows of the xla all_reduce over all devices."""
-    from spec_jax.collectives import bench, report
+    from spec_jax.tools import collectives_bench as bench, collectives_report as report
 
     return [report.as_dict(r) for r in bench.sweep(["all_reduce"], ["float32"], ["xla"],
                                                    list(sizes), "sum", 10, 3)]
