@@ -11,26 +11,14 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-
-def best_rate(n: int, repeats: int = 10) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.matmul)
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+from spec_jax.tools.plan_check import matmul_peak  # noqa: E402  (the same measurement, one size)
 
 
 if __name__ == "__main__":
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"jax {jax.__version__}, devices {jax.devices()}")
-    rates = {n: best_rate(n) for n in (256, 512, 1024, 2048)}
+    rates = {n: matmul_peak(n, repeats=10) for n in (256, 512, 1024, 2048)}
     for n, r in rates.items():
         print(f"  n={n:5d}: {r / 1e9:8.2f} GFLOP/s")
     print(f"peak (largest best rate): {max(rates.values()):.3g} FLOP/s")

@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from spec_jax.core import topology
+
 # The job description every rank reads (framework-neutral: no framework is imported here).
 COORDINATOR = "TRAINSPEC_COORDINATOR"
 NUM_PROCESSES = "TRAINSPEC_NUM_PROCESSES"
@@ -47,6 +49,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _child_setup(cpus: set[int] | None):
+    """Between fork and exec: die with the launcher, and pin to `cpus` (inherited by every
+    thread the rank starts, its input threads included)."""
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
 def _pump(rank: int, stream, out) -> None:
     for line in iter(stream.readline, ""):
         out.write(f"[rank {rank}] {line}")
@@ -56,8 +68,12 @@ def _pump(rank: int, stream, out) -> None:
 
 class Launch:
     def __init__(self, command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
-                 port: int | None = None):
+                 port: int | None = None, bind: str | None = None):
         self.command, self.nprocs, self.grace_s = list(command), nprocs, grace_s
+        nodes = topology.numa_nodes()
+        self.bind = bind or topology.default_policy(nodes)  # numa where there are several nodes
+        allowed = os.sched_getaffinity(0)
+        self.cpus = [topology.bind_cpus(self.bind, r, nprocs, nodes, allowed) for r in range(nprocs)]
         self.port = port or free_port()
         self.children: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []  # output pumps and exit watchers
@@ -71,17 +87,19 @@ class Launch:
             NUM_PROCESSES: str(self.nprocs),
             PROCESS_ID: str(rank),
             "PYTHONUNBUFFERED": "1",
+            "TRAINSPEC_BIND": self.bind,  # shown by `trainspec doctor`
         }
 
     def start(self) -> None:
         for rank in range(self.nprocs):
             child = subprocess.Popen(
                 self.command, env=self._env(rank), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent,
+                stderr=subprocess.STDOUT, text=True, preexec_fn=_child_setup(self.cpus[rank]),
                 start_new_session=True,  # its own process group: we signal the whole group
             )
             self.children.append(child)
-            print(f"[launch] rank {rank} pid {child.pid}", flush=True)
+            pinned = f", --bind {self.bind}: CPUs {sorted(self.cpus[rank])}" if self.cpus[rank] else ""
+            print(f"[launch] rank {rank} pid {child.pid}{pinned}", flush=True)
             for target, args in ((_pump, (rank, child.stdout, sys.stdout)),
                                  (self._watch, (rank, child))):
                 thread = threading.Thread(target=target, args=args, daemon=True)
@@ -141,8 +159,9 @@ def describe_status(status: int) -> str:
         return f"was killed by signal {-status}"
 
 
-def run(command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S) -> int:
-    launch = Launch(command, nprocs, grace_s)
+def run(command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
+        bind: str | None = None) -> int:
+    launch = Launch(command, nprocs, grace_s, bind=bind)
 
     def forward(signum, _frame):
         print(f"[launch] {signal.Signals(signum).name}: every rank checkpoints and stops "

@@ -13,33 +13,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from spec_jax.core.layout_rules import DEFAULT_ROLE_RULES, dim_axes, logical_rules  # noqa: F401
 from spec_jax.core.spec import Spec
-
-# Which roles each conventional logical axis is sharded over by default (docs/spec.md).
-DEFAULT_ROLE_RULES = {
-    "batch": ("data", "fsdp"),
-    "length": (),
-    "embed": ("fsdp",),
-    "mlp": ("tensor",),
-    "heads": ("tensor",),
-    "kv": (),
-    "vocab": ("tensor",),
-    "layers": (),
-}
-
-
-def logical_rules(spec: Spec, without: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
-    """Logical axis -> mesh axes: role defaults, overridden by `layout.rules`.
-
-    `without` drops mesh axes that the caller handles itself (e.g. the data axes inside a
-    computation vmapped over replicas).
-    """
-    rules = {
-        logical: tuple(a for role in roles for a in spec.mesh.axes_with_role(role))
-        for logical, roles in DEFAULT_ROLE_RULES.items()
-    }
-    rules.update({logical: tuple(axes) for logical, axes in spec.layout.rules.items()})
-    return {logical: tuple(a for a in axes if a not in without) for logical, axes in rules.items()}
 
 
 def flax_rules(spec: Spec, without: Sequence[str] = ()) -> list[tuple[str, tuple[str, ...] | None]]:
@@ -48,16 +23,8 @@ def flax_rules(spec: Spec, without: Sequence[str] = ()) -> list[tuple[str, tuple
 
 
 def _mesh_axes_for_dim(rules, logical, dim_size, mesh: Mesh, used: set[str]):
-    """Mesh axes for one dimension: drop size-1 and already-used axes; replicate if uneven."""
-    if logical is None:
-        return None
-    if logical not in rules:
-        raise ValueError(f"logical axis '{logical}' has no rule; add it to layout.rules")
-    axes = tuple(a for a in rules[logical] if a not in used and mesh.shape[a] > 1)
-    if not axes or dim_size % math.prod(mesh.shape[a] for a in axes):
-        return None  # an uneven split is replicated rather than padded: see docs/spec.md
-    used.update(axes)
-    return axes if len(axes) > 1 else axes[0]
+    axes = dim_axes(rules, logical, dim_size, dict(mesh.shape), used)
+    return None if not axes else axes if len(axes) > 1 else axes[0]
 
 
 def to_partition_spec(logical: P, shape: Sequence[int], rules, mesh: Mesh) -> P:

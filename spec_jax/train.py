@@ -29,6 +29,7 @@ from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
 from spec_jax.health.guards import Guards
 from spec_jax.health.memory import check_host_batch, check_step
+from spec_jax.health.preflight import preflight
 from spec_jax.layout import strip_boxes
 from spec_jax.metrics import MetricsLogger
 from spec_jax.core.goodput import Goodput
@@ -190,6 +191,8 @@ class _Session:
         self.metrics_file = run_dir / spec.metrics.path
         self.rollbacks: list[dict] = []
         self.goodput = Goodput()  # from here: initialisation and restore count as badput
+        fault = faults.faulty_reduction_fault() if faults else None
+        spec, self.preflight = preflight(spec, self.goodput, fault)  # health.preflight
         self._resume(spec)
         self.start = self.step
         self.bar = _progress_bar(steps, progress and is_writer())
@@ -326,6 +329,7 @@ class _Session:
             "last_checkpoint": self.ckpt.last_saved,
             "rollbacks": self.rollbacks,
             "excluded_devices": list(spec.mesh.exclude_devices),
+            "preflight": self.preflight,
             **self.guards.summary(),
             "mesh": self.job.mesh_shape,
             "accumulation_steps": spec.batch.accumulation_steps,

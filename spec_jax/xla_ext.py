@@ -14,6 +14,7 @@ import jax
 import jaxlib.version
 
 from spec_jax import _xla_ext
+from spec_jax.core.errors import FfiVersionError
 
 PLATFORM = "cpu"
 
@@ -41,10 +42,6 @@ def ffi_api_mismatch(built: tuple[int, int], built_jaxlib: str,
             f"{built[0]}.{built[1]}) but jaxlib {running_jaxlib} (XLA FFI API "
             f"{running[0]}.{running[1]}) is installed; reinstall trainspec into this environment "
             f"with `pip install --no-build-isolation` so that it compiles against this jaxlib")
-
-
-class FfiVersionError(ImportError):
-    """The compiled handlers do not fit the installed jaxlib (the message says how to fix it)."""
 
 
 def register_handlers() -> frozenset[str]:

@@ -6,12 +6,16 @@ is incompatible with the framework's API version (0.3)"), while handlers compile
 run on 0.12.0.1. The check turns the first case into one line at import, naming both jaxlibs.
 """
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jaxlib.version
 import pytest
 
 from spec_jax import _xla_ext, xla_ext
+from spec_jax.core.errors import FfiVersionError
 
 
 @pytest.mark.parametrize("built,running,fits", [
@@ -50,7 +54,7 @@ def test_registration_refuses_an_older_runtime(tmp_path, monkeypatch):
     major, minor = _xla_ext.build_info()["xla_ffi_api"]
     include = _fake_jaxlib_headers(tmp_path, major, minor - 1)
     monkeypatch.setattr(jax.ffi, "include_dir", lambda: include)
-    with pytest.raises(xla_ext.FfiVersionError, match=(
+    with pytest.raises(FfiVersionError, match=(
             rf"jaxlib {jaxlib.version.__version__} \(XLA FFI API {major}\.{minor - 1}\) "
             "is installed")):
         xla_ext.register_handlers()
@@ -61,3 +65,20 @@ def test_registration_accepts_a_newer_runtime(tmp_path, monkeypatch):
     include = _fake_jaxlib_headers(tmp_path, major, minor + 1)
     monkeypatch.setattr(jax.ffi, "include_dir", lambda: include)
     assert xla_ext.register_handlers() == xla_ext.TARGETS
+
+
+def test_cli_prints_the_mismatch_as_one_line(tmp_path):
+    major, minor = _xla_ext.build_info()["xla_ffi_api"]
+    include = _fake_jaxlib_headers(tmp_path, major, minor - 1)
+    child = textwrap.dedent(f"""
+        import sys, jax
+        jax.ffi.include_dir = lambda: {include!r}
+        from spec_jax.cli.main import main
+        sys.exit(main(["train", "--steps", "1", "--run-dir", {str(tmp_path / "run")!r}]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "trainspec: error: spec_jax's xla_ext was compiled against jaxlib")

@@ -145,11 +145,16 @@ Registry& GetRegistry() {
   return *registry;
 }
 
-std::string Describe(const char* op_name, const MeetingKey& key, int group_size) {
-  std::ostringstream s;
-  s << "trainspec " << op_name << " (call site " << key.call_site << ", group " << key.group
-    << " of size " << group_size << ", run " << key.run_id << ")";
-  return s.str();
+// Names a meeting in error messages; the text is built only when a message is.
+struct Who {
+  const char* op_name;
+  const MeetingKey& key;
+  int group_size;
+};
+
+std::ostream& operator<<(std::ostream& s, const Who& w) {
+  return s << "trainspec " << w.op_name << " (call site " << w.key.call_site << ", group "
+           << w.key.group << " of size " << w.group_size << ", run " << w.key.run_id << ")";
 }
 
 std::string RankList(const std::vector<uint8_t>& arrived, uint8_t want) {
@@ -178,7 +183,7 @@ void FailLocked(Instance* inst, Status why) {
 // all members arrived there is no deadline: the peers are doing bounded work on our buffers,
 // and leaving before they finish would be a use-after-free.
 uint32_t WaitForPhase(Instance* inst, uint32_t a, uint32_t b, Clock::time_point deadline,
-                      const std::string& who, int64_t timeout_ms) {
+                      const Who& who, int64_t timeout_ms) {
   auto reached = [&](uint32_t p) { return p == a || p == b || p == kFailed; };
   for (int i = 0; i < kSpins; ++i) {
     uint32_t p = inst->phase.load(std::memory_order_acquire);
@@ -226,11 +231,11 @@ void FailCollectingLocked(Slot* slot, const Status& why) {
 // Checks the arriving member against the slot and the meeting it would join. Registry mutex
 // held; returns the refusal (the affected meetings already failed) or OK.
 Status AdmitLocked(Registry& reg, const MeetingKey& key, Slot* slot, int rank, int group_size,
-                   const std::string& who) {
+                   const Who& who) {
   if (auto it = reg.failed_runs.find(key.run_id); it != reg.failed_runs.end()) {
-    return Status{it->second.code,
-                  who + ": an earlier collective of this execution failed: " +
-                      it->second.message};
+    std::ostringstream s;
+    s << who << ": an earlier collective of this execution failed: " << it->second.message;
+    return Status{it->second.code, s.str()};
   }
   if (slot->group_size != group_size) {
     std::ostringstream s;
@@ -304,7 +309,7 @@ std::string Signature::Difference(const Signature& theirs) const {
 Status Meet(const char* op_name, const MeetingKey& key, int rank, int group_size,
             const Signature& signature, const void* in, void* out, int64_t timeout_ms,
             const Work& work) {
-  const std::string who = Describe(op_name, key, group_size);
+  const Who who{op_name, key, group_size};
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   Registry& reg = GetRegistry();
   Slot* slot = nullptr;

@@ -208,27 +208,18 @@ class TorchSession:
         self._observe_stragglers()
         now = time.perf_counter()
         wall, n = now - self.interval_start, self.pending
-        step_time = wall / n
         self.seconds += wall
         self.timed_steps += n
         self.valid_tokens += self.pending_tokens
         self.goodput.interval(n, wall, self.pending_wait)
-        gp = self.goodput.summary(now)
-        facts = self.facts
-        peak = flops.Peak(facts["peak_flops_per_device"], facts["peak_flops_source"])
         record = {
             "schema": records.SCHEMA_ID, "step": self.step, "steps_in_interval": n,
             "time": time.time(),
             "loss": records.finite_or_none(metrics["loss"]),
             "grad_norm": records.finite_or_none(metrics["grad_norm"]),
-            "step_time_s": step_time,
-            "tokens_per_s": self.pending_tokens / wall,
-            "padded_tokens_per_s": flops.tokens_per_step(self.spec) * n / wall,
-            **facts,
-            "mfu": flops.utilisation(facts["model_flops_per_step"], step_time, facts["n_devices"], peak),
-            "data_wait_s": self.pending_wait,
-            "data_wait_fraction": self.pending_wait / wall if wall > 0 else 0.0,
-            "elapsed_s": gp["elapsed_s"], "goodput": gp["goodput"], "badput_s": gp["badput_s"],
+            **records.interval_fields(self.facts, n, wall, self.pending_tokens,
+                                      flops.tokens_per_step(self.spec), self.pending_wait,
+                                      self.goodput.summary(now)),
             "skipped_steps": self.skipped_before + int(self.guard["skipped"]),
             "stragglers": self.stragglers.stragglers(),
             "framework": "torch",
@@ -240,19 +231,9 @@ class TorchSession:
         return record
 
     def summary(self, spec_label: str) -> dict[str, Any]:
-        facts = self.facts
-        step_time = self.seconds / self.timed_steps if self.timed_steps else float("nan")
-        peak = flops.Peak(facts["peak_flops_per_device"], facts["peak_flops_source"])
-        gp = self.goodput.summary()
         return {
-            "initial_loss": self.losses[min(self.losses)] if self.losses else None,
-            "final_loss": self.losses.get(self.steps),
-            "step_time_s": step_time,
-            "tokens_per_s": self.valid_tokens / self.seconds if self.seconds else float("nan"),
-            "mfu": flops.utilisation(facts["model_flops_per_step"], step_time, facts["n_devices"], peak),
-            "model_flops_per_step": facts["model_flops_per_step"],
-            "memory_peak_bytes": None, "comm_bytes_per_step": None, "compile_time_s": None,
-            "goodput": gp["goodput"], "badput_s": gp["badput_s"],
+            **records.run_fields(self.facts, self.seconds, self.timed_steps, self.valid_tokens,
+                                 self.goodput.summary(), self.losses, self.steps),
             "gns": None, "gns_not_measured": GNS_NOT_MEASURED,
             "steps": self.steps, "resumed_from": self.start,
             "last_checkpoint": self.ckpt.last_saved, "rollbacks": [], "excluded_devices": [],

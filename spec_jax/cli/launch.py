@@ -18,6 +18,10 @@ def register(subparsers) -> None:
                    help="seconds between SIGTERM and SIGKILL when stopping ranks: on a SIGTERM "
                    f"to the launcher, the time the ranks have to write their checkpoint "
                    f"(default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--bind", choices=("numa", "cores", "none"),
+                   help="pin each rank (and its threads) to the CPUs of one NUMA node, to an "
+                   "equal block of cores, or not at all (default: numa where there are several "
+                   "NUMA nodes, else none)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     p.set_defaults(func=run)
 
@@ -32,4 +36,4 @@ def run(args) -> int:
         raise UserInputError(f"--nprocs must be at least 1, got {args.nprocs}")
     if args.grace < 0:
         raise UserInputError(f"--grace must be >= 0, got {args.grace}")
-    return launch(command, args.nprocs, args.grace)
+    return launch(command, args.nprocs, args.grace, bind=args.bind)

@@ -9,10 +9,10 @@ import argparse
 import importlib
 import sys
 
-from spec_jax.core.errors import UserInputError
+from spec_jax.core.errors import FfiVersionError, UserInputError
 
 SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling",
-                      "conformance")
+                      "conformance", "plan", "doctor")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,7 +21,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="trainspec", description="Run and measure spec-driven training on JAX.")
+    parser = _Parser(prog="trainspec",
+                     description="Run and measure spec-driven training on JAX or PyTorch.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(f"spec_jax.cli.{name}").register(subparsers)
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"trainspec: error: {err}", file=sys.stderr)
         return 2
+    except FfiVersionError as err:
+        print(f"trainspec: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("trainspec: interrupted", file=sys.stderr)
         return 130

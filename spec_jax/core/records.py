@@ -169,3 +169,53 @@ def read_jsonl(path: Path) -> list[dict]:
     if not records:
         raise UserInputError(f"{path}: no metric records")
     return records
+
+
+def interval_fields(facts: dict, steps: int, wall_s: float, valid_tokens: float,
+                    tokens_per_step: int, data_wait_s: float, goodput: dict) -> dict:
+    """The timing fields of the record that ends an interval of `steps` steps in `wall_s`
+    seconds, over the step's static `facts` (FLOPs, peak, devices, memory, comm), which it
+    includes: throughput, MFU/HFU, input stalls and goodput (`Goodput.summary()`), the same
+    arithmetic for every implementation."""
+    from spec_jax.core.flops import Peak, utilisation
+
+    step_time = wall_s / steps
+    peak = Peak(facts["peak_flops_per_device"], facts["peak_flops_source"])
+    use = lambda key: utilisation(facts[key], step_time, facts["n_devices"], peak)  # noqa: E731
+    return {
+        "step_time_s": step_time,
+        "tokens_per_s": valid_tokens / wall_s,
+        "padded_tokens_per_s": tokens_per_step * steps / wall_s,
+        **facts,
+        "mfu": use("model_flops_per_step"),
+        "hfu": use("hardware_flops_per_step"),
+        "data_wait_s": data_wait_s,
+        "data_wait_fraction": data_wait_s / wall_s if wall_s > 0 else 0.0,
+        "elapsed_s": goodput["elapsed_s"],
+        "goodput": goodput["goodput"],
+        "badput_s": goodput["badput_s"],
+    }
+
+
+def run_fields(facts: dict, seconds: float, timed_steps: int, valid_tokens: float,
+               goodput: dict, losses: dict[int, float], last_step: int) -> dict:
+    """A run summary's measured numbers: means over every recorded step (`seconds` of
+    `timed_steps` steps training `valid_tokens`), the first and last recorded loss."""
+    from spec_jax.core.flops import Peak, utilisation
+
+    step_time = seconds / timed_steps if timed_steps else float("nan")
+    peak = Peak(facts["peak_flops_per_device"], facts["peak_flops_source"])
+    return {
+        # None only on a non-writer process resumed at the end (it recorded nothing itself)
+        "initial_loss": losses[min(losses)] if losses else None,
+        "final_loss": losses.get(last_step),
+        "step_time_s": step_time,
+        "tokens_per_s": valid_tokens / seconds if seconds else float("nan"),
+        "mfu": utilisation(facts["model_flops_per_step"], step_time, facts["n_devices"], peak),
+        "model_flops_per_step": facts["model_flops_per_step"],
+        "memory_peak_bytes": facts["memory_peak_bytes"],
+        "comm_bytes_per_step": facts["comm_bytes_per_step"],
+        "compile_time_s": facts["compile_time_s"],
+        "goodput": goodput["goodput"],
+        "badput_s": goodput["badput_s"],
+    }

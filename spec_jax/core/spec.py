@@ -257,6 +257,11 @@ class StragglerSpec(_Section):
 
 
 class HealthSpec(_Section):
+    preflight: bool = Field(
+        False, description="Run `trainspec doctor`'s per-device numerics checks at start-up and "
+        "exclude the devices that fail (as `--exclude-devices`); the time counts as "
+        "initialisation badput."
+    )
     nan: NanSpec = NanSpec()
     fingerprints: FingerprintSpec = FingerprintSpec()
     stragglers: StragglerSpec = StragglerSpec()

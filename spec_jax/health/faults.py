@@ -34,6 +34,9 @@ class Faults:
     delay_process: int = 0                    # ... in this process ...
     delay_steps: frozenset[int] | None = None  # ... at these steps (None: every step)
     crash_at: int | None = None               # raise InjectedCrash after this step
+    faulty_reduction: tuple[int, int] | None = None  # (device id, block): doctor's and
+                                              # preflight's reductions on that device drop
+                                              # the last partial block of that many elements
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -41,9 +44,15 @@ class Faults:
         for key in ("nan_steps", "delay_steps"):
             if raw.get(key) is not None:
                 raw[key] = frozenset(raw[key])
-        if raw.get("bitflip") is not None:
-            raw["bitflip"] = tuple(raw["bitflip"])
+        for key in ("bitflip", "faulty_reduction"):
+            if raw.get(key) is not None:
+                raw[key] = tuple(raw[key])
         return cls(**raw)
+
+    def faulty_reduction_fault(self):
+        from spec_jax.health.doctor import Fault
+
+        return Fault(*self.faulty_reduction) if self.faulty_reduction else None
 
     def batch(self, step: int, batch: dict) -> dict:
         if step not in self.nan_steps:

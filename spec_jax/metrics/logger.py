@@ -164,15 +164,11 @@ class MetricsLogger:
         now = time.perf_counter()
         wall = now - self._t_last
         n = self._pending_steps
-        step_time = wall / n
         valid = float(np.sum(tokens)) if tokens else float(self.tokens_per_step * n)
         self._seconds += wall
         self._timed_steps += n
         self._valid_tokens += valid
         self.goodput.interval(n, wall, self._pending_wait)
-        gp = self.goodput.summary(now)
-        fields = self.analysis.fields
-        peak = flops.Peak(fields["peak_flops_per_device"], fields["peak_flops_source"])
         record = {
             "schema": records.SCHEMA_ID,
             "step": step,
@@ -180,18 +176,9 @@ class MetricsLogger:
             "time": time.time(),
             "loss": records.finite_or_none(loss),
             "grad_norm": records.finite_or_none(grad_norm),
-            "step_time_s": step_time,
-            "tokens_per_s": valid / wall,
-            "padded_tokens_per_s": self.tokens_per_step * n / wall,
-            **fields,
-            "mfu": flops.utilisation(fields["model_flops_per_step"], step_time, fields["n_devices"], peak),
-            "hfu": flops.utilisation(fields["hardware_flops_per_step"], step_time, fields["n_devices"], peak),
+            **records.interval_fields(self.analysis.fields, n, wall, valid, self.tokens_per_step,
+                                      self._pending_wait, self.goodput.summary(now)),
             "memory_live_bytes": memory.live_bytes(),
-            "data_wait_s": self._pending_wait,
-            "data_wait_fraction": self._pending_wait / wall if wall > 0 else 0.0,
-            "elapsed_s": gp["elapsed_s"],
-            "goodput": gp["goodput"],
-            "badput_s": gp["badput_s"],
             **self._gns_fields(),
             **extra,
         }
@@ -213,23 +200,10 @@ class MetricsLogger:
 
     def summary(self) -> dict:
         """Run-level numbers for the loop's summary: means over every recorded step."""
-        step_time = self._seconds / self._timed_steps if self._timed_steps else float("nan")
-        f = self.analysis.fields
-        peak = flops.Peak(f["peak_flops_per_device"], f["peak_flops_source"])
-        gp = self.goodput.summary()
         return {
-            # None only on a non-writer process resumed at the end (it recorded nothing itself)
-            "initial_loss": self.losses[min(self.losses)] if self.losses else None,
-            "final_loss": self.losses.get(self.total_steps),
-            "step_time_s": step_time,
-            "tokens_per_s": self._valid_tokens / self._seconds if self._seconds else float("nan"),
-            "mfu": flops.utilisation(f["model_flops_per_step"], step_time, f["n_devices"], peak),
-            "model_flops_per_step": f["model_flops_per_step"],
-            "memory_peak_bytes": f["memory_peak_bytes"],
-            "comm_bytes_per_step": f["comm_bytes_per_step"],
-            "compile_time_s": f["compile_time_s"],
-            "goodput": gp["goodput"],
-            "badput_s": gp["badput_s"],
+            **records.run_fields(self.analysis.fields, self._seconds, self._timed_steps,
+                                 self._valid_tokens, self.goodput.summary(), self.losses,
+                                 self.total_steps),
             "gns": records.finite_or_none(self.noise_scale.b_simple),
         }
 

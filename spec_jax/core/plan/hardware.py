@@ -1,0 +1,174 @@
+"""Hardware profiles: peak FLOP/s, memory and the alpha-beta cost of each link class.
+
+A profile is a TOML data file (profiles/*.toml) that cites its sources. Two link classes:
+`ici` (within a host, or within a TPU slice: `ici_domain_devices`) and `dcn` (across them).
+A collective moving S bytes per device over a group of n costs
+    alpha + S * bus_factor(kind, n) / bandwidth
+(nccl-tests' bus bandwidth: the factor turns S into the bytes each link carries).
+
+`calibrate` refits a profile from this machine's measurements: `trainspec bench collectives
+--json` rows (a least-squares line of time against bus bytes gives alpha and 1/bandwidth) and
+a matmul peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from spec_jax.core.errors import UserInputError
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    alpha_s: float         # latency of one collective
+    bandwidth_Bps: float   # bus bandwidth per device, bytes/s
+
+    def time(self, bus_bytes: float, calls: int = 1) -> float:
+        return calls * self.alpha_s + bus_bytes / self.bandwidth_Bps
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    devices_per_host: int
+    memory_bytes: float
+    peak_flops: Mapping[str, float]
+    achievable_fraction: float
+    comm_overlap: float
+    ici: Link
+    dcn: Link
+    sources: tuple[str, ...]
+    shared_host_compute: bool = False
+    host_cores: int = 1  # cores the shared host compute is spread over (CPU profile)
+    # Per step and device program: dispatch and per-operation costs that do not grow with
+    # the work (significant for small models on XLA:CPU); shares the host like compute.
+    program_overhead_s: float = 0.0
+    ici_domain_devices: int | None = None  # devices one ICI domain spans (default: a host)
+    # What the compiler keeps beyond the counted activations (docs/plan.md); 1 = the count.
+    activation_overhead: float = 1.0             # on the tensor-split activations
+    activation_overhead_replicated: float = 1.0  # on the rest
+    # XLA:CPU lowers a reduce-scatter to an all-reduce and a slice (same S, all-reduce cost).
+    reduce_scatter_as_all_reduce: bool = False
+    # Attention without stored scores (flash attention); XLA:CPU materialises them.
+    fused_attention: bool = False
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise UserInputError(f"--hardware {self.name}: no peak FLOP/s for dtype {dtype}")
+        return self.peak_flops[dtype]
+
+    def device_flops(self, dtype: str, devices_in_use: int) -> float:
+        """Achievable FLOP/s of one device. On a CPU the devices of a host share its cores,
+        and one device's program runs on about one core (XLA:CPU parallelises small ops
+        little), so each gets peak / max(devices in use, cores)."""
+        rate = self.peak(dtype) * self.achievable_fraction
+        if self.shared_host_compute:
+            rate /= max(min(devices_in_use, self.devices_per_host), self.host_cores)
+        return rate
+
+    def program_overhead(self, devices_in_use: int) -> float:
+        """The per-step program overhead of one device, stretched as compute is when the
+        devices share the host."""
+        return self.program_overhead_s * self.device_flops("float32", 1) / self.device_flops(
+            "float32", devices_in_use)
+
+    @property
+    def ici_domain(self) -> int:
+        return self.ici_domain_devices or self.devices_per_host
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def _from_dict(data: dict, origin: str) -> Profile:
+    try:
+        return Profile(
+            name=data["name"], description=data.get("description", ""),
+            devices_per_host=int(data["devices_per_host"]), memory_bytes=float(data["memory_bytes"]),
+            peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
+            achievable_fraction=float(data["achievable_fraction"]),
+            comm_overlap=float(data.get("comm_overlap", 0.0)),
+            ici=Link(float(data["ici"]["alpha_s"]), float(data["ici"]["bandwidth_Bps"])),
+            dcn=Link(float(data["dcn"]["alpha_s"]), float(data["dcn"]["bandwidth_Bps"])),
+            sources=tuple(data.get("sources", ())),
+            shared_host_compute=bool(data.get("shared_host_compute", False)),
+            host_cores=int(data.get("host_cores", 1)),
+            program_overhead_s=float(data.get("program_overhead_s", 0.0)),
+            ici_domain_devices=data.get("ici_domain_devices"),
+            activation_overhead=float(data.get("activation_overhead", 1.0)),
+            activation_overhead_replicated=float(data.get("activation_overhead_replicated", 1.0)),
+            reduce_scatter_as_all_reduce=bool(data.get("reduce_scatter_as_all_reduce", False)),
+            fused_attention=bool(data.get("fused_attention", False)),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise UserInputError(f"--hardware {origin}: bad profile ({err!r} missing or malformed)") from None
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A shipped profile by name (`h100_sxm`, `cpu`, ...) or a TOML file path."""
+    path = Path(name_or_path)
+    if not path.suffix == ".toml":
+        path = PROFILE_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise UserInputError(
+            f"--hardware: unknown hardware {name_or_path!r}; shipped: {', '.join(available())} "
+            "(or a profile .toml file)")
+    return _from_dict(tomllib.loads(path.read_text()), str(name_or_path))
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: link bytes per byte of S on a group of n."""
+    if n <= 1:
+        return 0.0
+    if kind in ("all-reduce", "all_reduce"):
+        return 2 * (n - 1) / n
+    if kind in ("collective-permute", "permute", "broadcast"):
+        return 1.0
+    return (n - 1) / n
+
+
+def fit_link(rows: Iterable[Mapping], op: str = "all_reduce", backend: str = "xla") -> Link:
+    """Least-squares alpha and bandwidth from bench-collectives JSON rows of one op/backend:
+    time = alpha + bus_bytes / bandwidth, bus_bytes = size * bus_factor."""
+    pts = []
+    for r in rows:
+        if r.get("op") != op or r.get("backend") != backend:
+            continue
+        factor = r["busbw_gbps"] / r["algbw_gbps"]  # the row's own group size is in it
+        pts.append((r["size_bytes"] * factor, r["time_us"] * 1e-6))
+    if len(pts) < 2:
+        raise UserInputError(f"--calibrate: need bench rows of {op} ({backend}) at 2+ sizes")
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+    if slope <= 0:
+        raise UserInputError(f"--calibrate: {op} time does not grow with size; no bandwidth fit")
+    alpha = max(my - slope * mx, 0.0)
+    return Link(alpha, 1.0 / slope)
+
+
+def calibrate(profile: Profile, bench_rows: list[Mapping] | None = None,
+              matmul_peak_flops: float | None = None, dcn_rows: list[Mapping] | None = None) -> Profile:
+    """The profile with measured links and peak: ICI from in-process bench rows, DCN from
+    rows measured across processes, the peak for every dtype from a matmul measurement."""
+    changes: dict = {}
+    if bench_rows:
+        changes["ici"] = fit_link(bench_rows)
+    if dcn_rows:
+        changes["dcn"] = fit_link(dcn_rows)
+    if matmul_peak_flops:
+        changes["peak_flops"] = {k: matmul_peak_flops for k in profile.peak_flops}
+    if not changes:
+        return profile
+    note = "calibrated on this machine: " + ", ".join(sorted(changes))
+    return dataclasses.replace(profile, sources=profile.sources + (note,), **changes)

@@ -1,0 +1,312 @@
+"""The planning model: memory, communication, FLOPs and step time of one layout, per device.
+
+Everything is a formula of the spec (model, batch, precision, remat, layout rules), the mesh
+axis sizes (with their cross-host `dcn` factors) and a hardware profile; nothing is compiled.
+docs/plan.md states each formula; tests/test_plan.py holds them against what XLA compiles and
+runs here.
+
+The communication follows how the train step (spec_jax.step) computes, per step with K
+micro-batches, R rows per device and micro-batch, T tokens per row, L layers, width d:
+- fsdp > 1: the parameters are all-gathered over fsdp once per step (XLA hoists the gather
+  out of the micro-batch loop) and each micro-batch's gradient is reduce-scattered over fsdp
+  (XLA:CPU emits an all-reduce of the same S: `reduce_scatter_as_all_reduce`);
+- data > 1: one all-reduce of the packed local gradient shard per step (the explicit replica
+  reduction of step.py when K > 1 or the backend is not xla);
+- tensor > 1: per micro-batch, all-reduces of (2 + 6 L) activations of R x T x d elements
+  (forward: embedding, attention and MLP outputs; backward: the input gradients of the head,
+  mlp_in, q, k and v) plus 4 per-token scalars of the vocabulary-split softmax loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from spec_jax.core.layout_rules import dim_axes, logical_rules
+from spec_jax.core.plan.hardware import Profile, bus_factor
+from spec_jax.core.plan.transformer import parameters, token_activations
+from spec_jax.core.spec import Spec
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER_COPIES = {"adamw": 2, "sgd": 1}  # mu and nu; momentum (in the parameter dtype)
+BATCH_BYTES_PER_TOKEN = 12  # int32 inputs, targets and mask
+LOSS_SCALARS_PER_TOKEN = 4  # vocabulary-split log-softmax: max, sum, target logit, backward sum
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float        # S per device per call (nccl-tests' convention, as metrics/comm.py)
+    calls: int
+    group: int          # devices in one group
+    group_dcn: int      # of which across hosts: the group spans group_dcn ICI domains
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes * self.calls
+
+    @property
+    def ici_bus_bytes(self) -> float:
+        return self.bytes_per_step * bus_factor(self.kind, self.group // self.group_dcn)
+
+    @property
+    def dcn_bus_bytes(self) -> float:
+        """Hierarchical: the cross-host stage moves the 1/ici share each domain holds."""
+        ici = self.group // self.group_dcn
+        return self.bytes_per_step / ici * bus_factor(self.kind, self.group_dcn)
+
+
+@dataclasses.dataclass
+class Prediction:
+    layout: dict[str, int]
+    dcn: dict[str, int]
+    n_devices: int
+    memory: dict[str, float]
+    collectives: list[Collective]
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    compute_s: float
+    overhead_s: float
+    comm_s: dict[str, float]
+    step_time_s: float
+    mfu: float
+    tokens_per_step: int
+    fits: bool = True
+    reasons: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory["total"]
+
+    def comm_by_kind_and_axis(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for c in self.collectives:
+            key = "+".join(c.axes)
+            out.setdefault(c.kind, {}).setdefault(key, 0.0)
+            out[c.kind][key] += c.bytes_per_step
+        return out
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["comm_bytes_by_kind_and_axis"] = self.comm_by_kind_and_axis()
+        d["comm_ici_bus_bytes"] = sum(c.ici_bus_bytes for c in self.collectives)
+        d["comm_dcn_bus_bytes"] = sum(c.dcn_bus_bytes for c in self.collectives)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Mesh axis sizes and their cross-host factors, in the spec's axis order."""
+
+    sizes: Mapping[str, int]
+    dcn: Mapping[str, int]
+
+    @property
+    def n_devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def group(self, axes) -> tuple[int, int]:
+        return (math.prod(self.sizes[a] for a in axes), math.prod(self.dcn[a] for a in axes))
+
+
+def _role_axes(spec: Spec, layout: Layout, role: str) -> tuple[str, ...]:
+    return tuple(a for a in spec.mesh.axes_with_role(role) if layout.sizes[a] > 1)
+
+
+def check(spec: Spec, layout: Layout) -> list[str]:
+    """Why this layout cannot run the spec (empty if it can); each reason names a field."""
+    m, reasons = spec.model, []
+    tensor = math.prod(layout.sizes[a] for a in _role_axes(spec, layout, "tensor"))
+    fsdp = math.prod(layout.sizes[a] for a in _role_axes(spec, layout, "fsdp"))
+    for field, value in (("model.n_heads", m.n_heads), ("model.d_ff", m.d_ff),
+                         ("model.vocab_size", m.vocab_size)):
+        if value % tensor:
+            reasons.append(f"mesh tensor size {tensor} does not divide {field} {value}: that "
+                           "dimension would stay whole on every device")
+    if m.d_model % fsdp:
+        reasons.append(f"mesh fsdp size {fsdp} does not divide model.d_model {m.d_model}: the "
+                       "parameters would not be sharded")
+    shards = fsdp * math.prod(layout.sizes[a] for a in _role_axes(spec, layout, "data"))
+    if spec.batch.micro % shards:
+        reasons.append(f"batch.micro_batch {spec.batch.micro} is not divisible by the {shards} "
+                       "batch shards (data x fsdp)")
+    return reasons
+
+
+def _local_elements(spec: Spec, layout: Layout, rules, skip: tuple[str, ...] = ()):
+    """(param, elements on one device) with the mesh axes in `skip` treated as size 1."""
+    shape = {a: (1 if a in skip else s) for a, s in layout.sizes.items()}
+    for p in parameters(spec.model):
+        used: set[str] = set()
+        split = 1
+        for dim, logical in zip(p.shape, p.logical):
+            split *= math.prod(shape[a] for a in dim_axes(rules, logical, dim, shape, used))
+        yield p, p.size // split, used
+
+
+def _optimizer_elements(spec: Spec, layout: Layout, rules) -> float:
+    """Optimizer-state elements per device per copy: like the parameter, or (ZeRO-1) split
+    over the free data axes when a free dimension divides evenly (as spec_jax.layout)."""
+    data = _role_axes(spec, layout, "data")
+    total = 0.0
+    for p, local, used in _local_elements(spec, layout, rules):
+        free = [a for a in data if a not in used]
+        n = math.prod(layout.sizes[a] for a in free)
+        if spec.layout.optimizer_state == "shard_over_data" and n > 1:
+            if any(not any(a in used for a in rules.get(lg, ())) and dim % n == 0
+                   for dim, lg in zip(p.shape, p.logical)):
+                local //= n
+        total += local
+    return total
+
+
+def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
+    """Bytes per device: state (params, optimizer), the gradient accumulator, the gathered
+    parameters (fsdp) and the packed gradient buffers of the reductions, and activations.
+
+    Activations are the elements `transformer.token_activations` counts for the tokens one
+    device holds in one micro-batch, the part the tensor axis splits and the part it does not
+    each times the profile's overhead factor (what the compiler keeps beyond the count: fusion
+    temporaries, the backward's own intermediates; 1 on profiles not calibrated)."""
+    rules = logical_rules(spec)
+    pb = DTYPE_BYTES[spec.precision.param]
+    gb = DTYPE_BYTES[spec.precision.grad_reduce]
+    cb = DTYPE_BYTES[spec.precision.compute]
+    local = sum(n for _, n, _ in _local_elements(spec, layout, rules))
+    fsdp_axes = _role_axes(spec, layout, "fsdp")
+    gathered = sum(n for _, n, _ in _local_elements(spec, layout, rules, skip=fsdp_axes))
+    copies = OPTIMIZER_COPIES[spec.optimizer.name]
+    data = _role_axes(spec, layout, "data")
+    out = {
+        "params": local * pb,
+        "optimizer": copies * _optimizer_elements(spec, layout, rules) * pb,
+        "gradients": local * gb,
+        "gathered_params": gathered * cb if fsdp_axes else 0.0,
+        # XLA:CPU reduce-scatters as all-reduce + slice: the rest of the whole gradient is
+        # held before the slice; the data reduction packs the local gradient into one buffer.
+        "reduction_buffers": ((gathered - local) * gb if fsdp_axes and profile.reduce_scatter_as_all_reduce
+                              else 0.0) + (local * gb if data else 0.0),
+    }
+    tensor = layout.group(_role_axes(spec, layout, "tensor"))[0]
+    shards = layout.group(_role_axes(spec, layout, "fsdp") + data)[0]
+    tokens = spec.batch.micro / shards * spec.batch.seq_len
+    per_token = token_activations(spec.model, spec.batch.seq_len, spec.remat.policy,
+                                  profile.fused_attention)
+    out["activations"] = tokens * cb * (
+        per_token.replicated * profile.activation_overhead_replicated
+        + per_token.split / tensor * profile.activation_overhead)
+    out["batch"] = spec.batch.global_batch / shards * spec.batch.seq_len * BATCH_BYTES_PER_TOKEN
+    out["total"] = sum(out.values())
+    return out
+
+
+def collectives(spec: Spec, layout: Layout) -> list[Collective]:
+    rules = logical_rules(spec)
+    gb, cb, pb = (DTYPE_BYTES[spec.precision.grad_reduce], DTYPE_BYTES[spec.precision.compute],
+                  DTYPE_BYTES[spec.precision.param])
+    k, m = spec.batch.accumulation_steps, spec.model
+    data, fsdp, tensor = (_role_axes(spec, layout, r) for r in ("data", "fsdp", "tensor"))
+    out = []
+
+    def add(kind, axes, nbytes, calls):
+        n, n_dcn = layout.group(axes)
+        out.append(Collective(kind, axes, float(nbytes), calls, n, n_dcn))
+
+    if fsdp:
+        full = sum(n for _, n, _ in _local_elements(spec, layout, rules, skip=fsdp))
+        add("all-gather", fsdp, full * pb, 1)
+        add("reduce-scatter", fsdp, full * gb, k)  # kind renamed by the profile if need be
+    if data:
+        local = sum(n for _, n, _ in _local_elements(spec, layout, rules))
+        add("all-reduce", data, local * gb, 1)
+    if tensor:
+        rows = spec.batch.micro / layout.group(data + fsdp)[0]
+        tokens = rows * spec.batch.seq_len
+        per_micro = (2 + 6 * m.n_layers) * tokens * m.d_model * cb
+        per_micro += LOSS_SCALARS_PER_TOKEN * tokens * 4
+        add("all-reduce", tensor, per_micro, k)
+    return out
+
+
+def _rename(c: Collective, profile: Profile) -> Collective:
+    if c.kind == "reduce-scatter" and profile.reduce_scatter_as_all_reduce:
+        return dataclasses.replace(c, kind="all-reduce")
+    return c
+
+
+def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token: float,
+            hardware_flops_per_token: float) -> Prediction:
+    """Memory, communication, FLOPs, step time and MFU of `spec` under `layout` on `profile`.
+
+    step time = compute + overhead + (1 - comm_overlap) x communication, where compute is the hardware
+    FLOPs of one device at `achievable_fraction` of its peak and each collective costs
+    alpha + bus bytes / bandwidth on its ICI part and on its DCN part (hierarchically)."""
+    n = layout.n_devices
+    reasons = check(spec, layout)
+    tokens = spec.batch.global_batch * spec.batch.seq_len
+    model_flops = model_flops_per_token * tokens
+    hardware_flops = hardware_flops_per_token * tokens
+    dtype = spec.precision.compute
+    per_host = min(n, profile.devices_per_host)
+    compute_s = hardware_flops / n / profile.device_flops(dtype, per_host)
+    comms = [_rename(c, profile) for c in collectives(spec, layout)] if not reasons else []
+    ici = sum(profile.ici.time(c.ici_bus_bytes, c.calls) for c in comms if c.group > c.group_dcn)
+    dcn = sum(profile.dcn.time(c.dcn_bus_bytes, c.calls) for c in comms if c.group_dcn > 1)
+    comm_s = {"ici": ici, "dcn": dcn, "exposed": (ici + dcn) * (1 - profile.comm_overlap)}
+    overhead_s = profile.program_overhead(per_host)
+    step = compute_s + overhead_s + comm_s["exposed"]
+    peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
+    mem = memory(spec, layout, profile) if not reasons else {"total": float("nan")}
+    if not reasons and mem["total"] > profile.memory_bytes:
+        biggest = max((k for k in mem if k != "total"), key=mem.get)
+        reasons.append(
+            f"memory: {mem['total'] / 1e9:.1f} GB per device exceeds the {profile.memory_bytes / 1e9:.0f} "
+            f"GB of {profile.name}; largest part {biggest} {mem[biggest] / 1e9:.1f} GB ({_remedy(biggest)})")
+    return Prediction(
+        layout=dict(layout.sizes), dcn=dict(layout.dcn), n_devices=n, memory=mem,
+        collectives=comms, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
+        compute_s=compute_s, overhead_s=overhead_s, comm_s=comm_s, step_time_s=step,
+        mfu=model_flops / (step * n * peak) if step > 0 else 0.0, tokens_per_step=tokens,
+        fits=not reasons, reasons=reasons)
+
+
+_REMEDIES = {
+    "params": "raise the fsdp or tensor size, or precision.param = \"bfloat16\"",
+    "optimizer": "layout.optimizer_state = \"shard_over_data\", or a larger fsdp size",
+    "gradients": "precision.grad_reduce = \"bfloat16\", or a larger fsdp size",
+    "gathered_params": "raise the tensor size",
+    "reduction_buffers": "precision.grad_reduce = \"bfloat16\"",
+    "activations": "remat.policy = \"full\", a smaller batch.micro_batch, or a larger tensor size",
+}
+
+
+def _remedy(part: str) -> str:
+    return _REMEDIES[part]
+
+
+def fit_activation_overheads(spec_layouts, profile: Profile) -> Profile:
+    """The profile with both activation overhead factors fitted (least squares) to measured
+    per-device memory: `spec_layouts` is [(spec, layout, measured bytes)], two or more, with
+    different tensor sizes so that the split and the replicated parts can be told apart."""
+    rows = []
+    for spec, layout, measured in spec_layouts:
+        base = memory(spec, layout, dataclasses.replace(
+            profile, activation_overhead=0.0, activation_overhead_replicated=0.0))["total"]
+        split = memory(spec, layout, dataclasses.replace(
+            profile, activation_overhead=1.0, activation_overhead_replicated=0.0))["total"] - base
+        rep = memory(spec, layout, dataclasses.replace(
+            profile, activation_overhead=0.0, activation_overhead_replicated=1.0))["total"] - base
+        rows.append((split, rep, measured - base))
+    sxx = sum(a * a for a, _, _ in rows)
+    syy = sum(b * b for _, b, _ in rows)
+    sxy = sum(a * b for a, b, _ in rows)
+    sxz = sum(a * z for a, _, z in rows)
+    syz = sum(b * z for _, b, z in rows)
+    det = sxx * syy - sxy * sxy
+    if abs(det) < 1e-12 * max(sxx * syy, 1.0):
+        raise ValueError("activation fit needs layouts with different tensor sizes")
+    split_f = (sxz * syy - syz * sxy) / det
+    rep_f = (syz * sxx - sxz * sxy) / det
+    return dataclasses.replace(profile, activation_overhead=split_f,
+                               activation_overhead_replicated=rep_f)

@@ -1,0 +1,80 @@
+"""The reference transformer (spec_jax.models.transformer) in numbers: its parameters with their
+logical axes, and the activations one token leaves for the backward pass.
+
+The planner needs these for a model of any size without building it, so they are written out
+here from the model's definition; tests/test_plan.py checks the parameter table against the
+flax model's own (shapes and logical names).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from spec_jax.core.spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    path: str
+    shape: tuple[int, ...]
+    logical: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def parameters(m: ModelSpec) -> list[Param]:
+    d, h, f, v = m.d_model, m.n_heads, m.d_ff, m.vocab_size
+    dh = d // h
+    params = [Param("embedding", (v, d), ("vocab", "embed"))]
+    for i in range(m.n_layers):
+        b = f"block_{i}"
+        params += [
+            Param(f"{b}/attn_norm/scale", (d,), ("embed",)),
+            *(Param(f"{b}/{n}/kernel", (d, h, dh), ("embed", "heads", "kv"))
+              for n in ("query", "key", "value")),
+            Param(f"{b}/out/kernel", (h, dh, d), ("heads", "kv", "embed")),
+            Param(f"{b}/mlp_norm/scale", (d,), ("embed",)),
+            Param(f"{b}/mlp_in/kernel", (d, f), ("embed", "mlp")),
+            Param(f"{b}/mlp_out/kernel", (f, d), ("mlp", "embed")),
+        ]
+    params += [Param("final_norm/scale", (d,), ("embed",)),
+               Param("head/kernel", (d, v), ("embed", "vocab"))]
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenActivations:
+    """Elements one token position keeps for the backward pass: `replicated` are not split
+    by the tensor axis (residual stream, norms, the one-hot input), `split` are (heads, d_ff
+    and vocabulary dimensions)."""
+
+    replicated: float
+    split: float
+
+
+def token_activations(m: ModelSpec, seq_len: int, remat: str,
+                      fused_attention: bool = False) -> TokenActivations:
+    """Per layer, without remat: the block input, attention-norm output, residual after
+    attention and MLP-norm output (4 d, replicated); q, k, v and the attention output (4 d),
+    scores and probabilities (2 H T), the MLP input projection and its GELU (2 d_ff), split.
+    Outside the layers: the one-hot input (V, replicated), logits and log-softmax (2 V, split).
+
+    With `fused_attention` (flash attention: cuDNN on GPUs, Pallas on TPUs) the scores are
+    never stored: one log-sum-exp per head and token is kept instead of 2 H T.
+
+    `full` remat keeps only each block's input (d); the dots policies keep the matmul outputs
+    (q, k, v, attention output, MLP projections) and recompute the rest; with
+    `dots_with_no_batch_dims_saveable` the attention einsums (batch dims) are recomputed too.
+    """
+    d, h, f, L = m.d_model, m.n_heads, m.d_ff, m.n_layers
+    scores = h if fused_attention else 2 * h * seq_len
+    replicated, split = {
+        "full": (d, 0),
+        "dots_saveable": (d, 4 * d + scores / 2 + f),
+        "dots_with_no_batch_dims_saveable": (d, 4 * d + f),
+    }.get(remat, (4 * d, 4 * d + scores + 2 * f))
+    return TokenActivations(L * replicated + m.vocab_size, L * split + 2 * m.vocab_size)

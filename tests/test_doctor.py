@@ -1,0 +1,45 @@
+"""trainspec doctor: passes here; a planted faulty reduction is caught and named; bad input."""
+import json
+
+import pytest
+
+from spec_jax.cli.main import main
+from spec_jax.health import doctor
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    return doctor.quick_device_checks()
+
+
+def test_numerics_self_test_passes_on_this_machine(healthy):
+    bad = [r for r in healthy if not r.ok]
+    assert not bad, bad[:5]
+    assert {r.device for r in healthy} == set(range(8))
+
+
+def test_planted_dropped_tail_is_caught_on_that_device_only():
+    results = doctor.quick_device_checks(fault=doctor.Fault(device=5, block=128))
+    failing = doctor.failing_devices(results)
+    assert set(failing) == {5}
+    # lengths that are not a multiple of the block lose their tail; 127 < 128 and 1 do not
+    assert any("float32 shape=(129,)" in c for c in failing[5]), failing[5]
+    assert not any("shape=(127,)" in c or "matmul" in c for c in failing[5])
+
+
+def test_doctor_cli_fails_naming_the_check(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINSPEC_FAULTS", json.dumps({"faulty_reduction": [2, 128]}))
+    out = tmp_path / "doctor.json"
+    assert main(["doctor", "--quick", "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())
+    failed = [r for r in rows if r["status"] == "fail"]
+    assert failed and all(r["device"] == 2 and r["check"].startswith("numerics ") for r in failed)
+    assert "jnp.sum float32 shape=(129,)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [(["--hardware", "nope"], "unknown hardware"),
+                                         (["--backends", "mpi"], "--backends: unknown")])
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    assert main(["doctor", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1
