@@ -80,6 +80,10 @@ def test_advise_prints_plots_and_writes_json(tmp_path, capsys):
     assert rec["steps"] == pytest.approx(2 * advice["s_min"], rel=0.05)  # near B_crit
     assert advice["current"]["steps"] == pytest.approx(20.0)  # the curve goes through the run
     assert "critical batch B_crit = 8000 tokens" in out and (tmp_path / "a.png").stat().st_size
+    assert advice["note"] is None
+    small = _records(tmp_path / "small.jsonl", [500.0] * 4)  # under 8 replicas x 128 tokens
+    assert main(["advise", str(small)]) == 0
+    assert "note: B_crit is below one sequence per replica" in capsys.readouterr().out
 
 
 def _one_line_exit_2(capsys, argv):

@@ -82,7 +82,16 @@ def advise(path: Path, spec: Spec) -> dict:
         "trade_off": [{"batch_tokens": b, "steps": trade.steps(b), "tokens": trade.tokens(b)}
                       for b in (b_noise / 4, b_noise / 2, b_noise, 2 * b_noise, 4 * b_noise)],
         "trend": _trend(records),
+        "note": _note(b_noise, replicas, seq_len),
     }
+
+
+def _note(b_noise: float, replicas: int, seq_len: int) -> str | None:
+    if b_noise < replicas * seq_len:
+        return (f"B_crit is below one sequence per replica ({replicas} x {seq_len} tokens): "
+                "the smallest even batch already exceeds it; fewer data-parallel replicas "
+                "(more model parallelism, or fewer devices) use the devices better")
+    return None
 
 
 def _trend(records: list[dict]) -> dict:
@@ -120,6 +129,7 @@ def text(advice: dict) -> str:
         row("current", cur),
         row("recommended", rec),
         f"trend: {advice['trend']['note']}",
+        *([f"note: {advice['note']}"] if advice["note"] else []),
     ])
 
 
