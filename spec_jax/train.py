@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ from spec_jax.metrics import MetricsLogger
 from spec_jax.core.goodput import Goodput
 from spec_jax.models.transformer_flops import for_spec as model_flops
 from spec_jax.models.transformer import Transformer, next_token_loss
+from spec_jax.run_files import write_json_atomically
 from spec_jax.core.spec import Spec
 from spec_jax.preemption import Preempted, StopSignals
 from spec_jax.step import WrappedStep, loss_step, wrap
@@ -143,12 +142,6 @@ def local_rows(job: Job) -> slice:
             "contiguous block of whole sequences; list the cross-process mesh axes first in "
             "the batch rule and do not split `length` across processes")
     return slice(lo, hi)
-
-
-def _write_json_atomically(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)  # a reader never sees a half-written summary
 
 
 class _Feed:
@@ -359,7 +352,7 @@ def run(
     session.train()
     summary = session.summary(spec_label)
     if summary_json is not None and is_writer():
-        _write_json_atomically(Path(summary_json), summary)
+        write_json_atomically(Path(summary_json), summary)
     return summary
 
 

@@ -13,6 +13,7 @@ shared machine, which changes from minute to minute, does not decide the check (
 """
 import dataclasses
 import functools
+import json
 import math
 import os
 import statistics
@@ -98,6 +99,19 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_ranked_table_json_and_plot_from_8_to_100k_devices(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--devices", "64", "--hardware", "h100_sxm", "--all-layouts",
+                 "--layers", "4", "--d-model", "512", "--heads", "8", "--d-ff", "2048",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    preds = json.loads(out.read_text())["predictions"]
+    fitting = [p for p in preds if p["fits"]]
+    assert fitting and all(a["step_time_s"] <= b["step_time_s"] for a, b in zip(fitting, fitting[1:]))
+    assert all(p["reasons"] for p in preds if not p["fits"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "rank layout" in capsys.readouterr().out
 
 
 @functools.lru_cache(maxsize=None)

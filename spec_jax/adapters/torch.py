@@ -21,26 +21,13 @@ from torch.distributed.tensor import DTensor
 from spec_jax.adapters import torch_collectives as collectives
 from spec_jax.adapters.base import OPS, Adapter
 from spec_jax.adapters.torch_collectives import Group
+from spec_jax.adapters.torch_support import env_int
 from spec_jax.core.collectives_reference import to_groups
 from spec_jax.core.fingerprint import fingerprint_reference
 from spec_jax.core.errors import UserInputError
 from spec_jax.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID
 from spec_jax.core.mesh import resolve_mesh
 from spec_jax.core.spec import Spec
-
-
-def _env_int(name: str) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserInputError(f"environment variable {name}: expected an integer, got {raw!r}") from None
-
-
-def launched() -> bool:
-    """Whether this process is one rank of a job (trainspec launch, torchrun)."""
-    return bool(os.environ.get(COORDINATOR) or os.environ.get("TORCHELASTIC_RUN_ID")
-                or os.environ.get("WORLD_SIZE"))
 
 
 class TorchAdapter(Adapter):
@@ -64,12 +51,12 @@ class TorchAdapter(Adapter):
         if dist.is_initialized():
             return
         if os.environ.get(COORDINATOR):
-            world, rank = _env_int(NUM_PROCESSES), _env_int(PROCESS_ID)
+            world, rank = env_int(NUM_PROCESSES), env_int(PROCESS_ID)
             if not 0 <= rank < world:
                 raise UserInputError(f"{PROCESS_ID}={rank} is outside [0, {NUM_PROCESSES}={world})")
             init = f"tcp://{os.environ[COORDINATOR]}"
         elif os.environ.get("WORLD_SIZE"):
-            world, rank, init = _env_int("WORLD_SIZE"), _env_int("RANK"), "env://"
+            world, rank, init = env_int("WORLD_SIZE"), env_int("RANK"), "env://"
         else:
             world, rank, init = 1, 0, f"tcp://127.0.0.1:{_free_port()}"
         if self.device_type == "cuda":
@@ -185,14 +172,6 @@ class TorchAdapter(Adapter):
         raw = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         low, high = fingerprint_reference(raw)
         return int(low), int(high)
-
-
-def rank_from_env() -> int:
-    """This process's rank as the launcher set it (0 when not launched)."""
-    for name in (PROCESS_ID, "RANK"):
-        if os.environ.get(name):
-            return _env_int(name)
-    return 0
 
 
 def group_of(mesh: DeviceMesh, axes: tuple[str, ...]):

@@ -23,8 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from spec_jax.adapters.torch import TORCH_DTYPES as DTYPES, axes_size, group_of
 from spec_jax.adapters.torch_model import Transformer, next_token_loss
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.mesh import check_batch, resolve_mesh
+from spec_jax.adapters.torch_support import check_spec
 from spec_jax.core.spec import OptimizerSpec, Spec
 
 
@@ -38,42 +37,6 @@ def learning_rate(o: OptimizerSpec, total_steps: int, count: int) -> float:
     alpha = 0.1
     t = min(count - warmup, decay - warmup) / (decay - warmup)
     return o.learning_rate * ((1 - alpha) * 0.5 * (1 + math.cos(math.pi * t)) + alpha)
-
-
-def check_spec(spec: Spec, world: int) -> None:
-    """Fields the torch implementation cannot honour on `world` ranks: one line naming the
-    field and why, before anything starts (never a silent fallback)."""
-    if spec.layout.rules:
-        raise UserInputError("layout.rules: the torch implementation lays out the reference "
-                             "model by the axis roles only (docs/adapters.md); remove the rules")
-    if spec.layout.optimizer_state != "like_params":
-        raise UserInputError("layout.optimizer_state: the torch implementation keeps optimizer "
-                             "state like its parameter (FSDP2 shards both); use like_params")
-    if spec.remat.policy != "none":
-        raise UserInputError(f"remat.policy: {spec.remat.policy!r} has no torch counterpart "
-                             "here (it names jax checkpoint policies); use none")
-    if spec.collectives.backend != "xla":
-        raise UserInputError(f"collectives.backend: {spec.collectives.backend!r} is a JAX "
-                             "backend; the torch implementation reduces through torch.distributed "
-                             "(leave the default)")
-    if spec.mesh.exclude_devices:
-        raise UserInputError(
-            "mesh.exclude_devices: the torch implementation runs one device per rank and "
-            "cannot leave ranks out of a started job; start fewer ranks instead")
-    resolved = resolve_mesh(spec, world)
-    sizes = dict(zip(resolved.names, resolved.sizes))
-    split = lambda role: [a for a in spec.mesh.axes_with_role(role) if sizes[a] > 1]  # noqa: E731
-    for role in ("fsdp", "tensor"):
-        if len(split(role)) > 1:
-            raise UserInputError(f"mesh.axes: the torch implementation splits at most one "
-                                 f"{role} axis, got {', '.join(split(role))}")
-    c = spec.model
-    for axis in split("tensor"):
-        for field, value in (("n_heads", c.n_heads), ("d_ff", c.d_ff), ("vocab_size", c.vocab_size)):
-            if value % sizes[axis]:
-                raise UserInputError(f"model.{field}: {value} is not divisible by the "
-                                     f"{sizes[axis]} ranks of tensor axis '{axis}'")
-    check_batch(spec, resolved, [a for a in resolved.names if a in split("data") + split("fsdp")])
 
 
 def _size(mesh: DeviceMesh, axis: str) -> int:

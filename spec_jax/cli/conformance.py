@@ -40,12 +40,14 @@ def run(args) -> int:
 
 
 def _torch(args) -> int:
-    from spec_jax.adapters.torch import TorchAdapter, launched
+    from spec_jax.adapters.torch_support import launched
 
     if not launched():
         from spec_jax.launch import run as launch
 
         return launch([sys.executable, "-m", "spec_jax.cli.main", *args.argv], SUITE_DEVICES)
+    from spec_jax.adapters.torch import TorchAdapter
+
     adapter = TorchAdapter()
     adapter.join()
     if adapter.process_count != SUITE_DEVICES:

@@ -24,7 +24,7 @@ def _check_flags(args) -> None:
 
 
 def run(args) -> int:
-    from spec_jax.adapters.torch import launched, rank_from_env
+    from spec_jax.adapters.torch_support import launched, rank_from_env
     from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
 
     _check_flags(args)
@@ -51,12 +51,10 @@ def run(args) -> int:
 
 
 def _start_ranks(args, spec) -> int:
-    import torch
-
-    from spec_jax.adapters.torch_step import check_spec
+    from spec_jax.adapters.torch_support import check_spec
     from spec_jax.launch import run as launch
 
-    nprocs = args.nprocs or (torch.cuda.device_count() or DEFAULT_CPU_RANKS)
+    nprocs = args.nprocs or _default_ranks()
     check_spec(spec, nprocs)  # bad input: one line here, not one per rank
     argv = list(args.argv)
     if "--nprocs" in argv:  # the ranks join; they do not start ranks of their own
@@ -64,3 +62,9 @@ def _start_ranks(args, spec) -> int:
         del argv[i: i + 2]
     argv = [a for a in argv if not a.startswith("--nprocs=")]
     return launch([sys.executable, "-m", "spec_jax.cli.main", *argv], nprocs)
+
+
+def _default_ranks() -> int:
+    import torch
+
+    return torch.cuda.device_count() or DEFAULT_CPU_RANKS

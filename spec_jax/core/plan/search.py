@@ -78,7 +78,9 @@ def all_layouts(spec: Spec, n_devices: int, ici_domain: int) -> list[Layout]:
 
 
 def ranked(predictions: list[Prediction]) -> list[Prediction]:
-    return sorted(predictions, key=lambda p: (not p.fits, p.step_time_s if p.fits else 0.0))
+    """Layouts that fit first, fastest first; equal times: the least memory per device."""
+    return sorted(predictions, key=lambda p: (not p.fits, p.step_time_s if p.fits else 0.0,
+                                              p.memory_bytes if p.fits else 0.0))
 
 
 def best_per_count(spec_for: Callable[[int], Spec], counts, profile: Profile,
