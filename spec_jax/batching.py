@@ -17,7 +17,7 @@ from spec_jax.core.spec import Spec
 
 def _is_token_array(x) -> bool:
     """Integer or boolean arrays of rank 2 are (batch, length): token ids, masks, positions."""
-    dtype = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+    dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)  # no fetch
     return np.ndim(x) == 2 and (np.issubdtype(dtype, np.integer) or dtype == np.bool_)
 
 
