@@ -113,6 +113,7 @@ def test_a_corrupted_replica_is_found_and_halts(tmp_path):
     (["--set", "mesh.axes.data.size=3"], "mesh.axes"),
     (["--exclude-devices", "1"], "--exclude-devices"),
     (["--set", "collectives.backend=ext"], "collectives.backend"),
+    (["--set", "metrics.gns=true"], "metrics.gns"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, extra, field):
     result = _run(_cmd(tmp_path, *extra))

@@ -49,6 +49,9 @@ def check_spec(spec: Spec, world: int) -> None:
         raise UserInputError(f"collectives.backend: {spec.collectives.backend!r} is a JAX "
                              "backend; the torch implementation reduces through torch.distributed "
                              "(leave the default)")
+    if spec.metrics.gns:
+        raise UserInputError("metrics.gns: the torch implementation does not measure the "
+                             "gradient noise scale (its records leave the gns fields null)")
     if spec.mesh.exclude_devices:
         raise UserInputError(
             "mesh.exclude_devices: the torch implementation runs one device per rank and "
