@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax import collectives, init_checks, layout
 from spec_jax.batching import BatchPlacement
+from spec_jax.collectives import compression
 from spec_jax.core.accumulation import interleaved_micro_batches
 from spec_jax.core.errors import UserInputError
 from spec_jax.core.mesh import check_batch, resolve_mesh
@@ -175,6 +176,13 @@ class WrappedStep:
                 "spec_jax.loss_step(loss_fn); this step's loss cannot be accumulated "
                 f"(set batch.micro_batch = {spec.batch.global_batch} to wrap it as it is)"
             )
+        # collectives.compression: each replica's residual rides in the state (error feedback)
+        self.error_feedback = spec.collectives.compression != "none" and bool(self.data_axes)
+        if self.error_feedback and (spec.collectives.backend != "xla"
+                                    or not isinstance(step_fn, LossStep)):
+            raise UserInputError(
+                f"collectives.compression: {spec.collectives.compression} needs "
+                "collectives.backend = \"xla\" and a step built with spec_jax.loss_step(loss_fn)")
         # metrics.gns: where the small batch comes from, or why nothing is measured
         self.gns_source, self.gns_note = gns.resolve(
             spec.metrics.gns, self.replicas, k, isinstance(step_fn, (LossStep, GradStep)))
@@ -202,8 +210,13 @@ class WrappedStep:
         with self.context():
             abstract = jax.eval_shape(init_fn, *args)
         self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
-        self.state_shardings = layout.named(self.state_pspecs, self.mesh)
         init_checks.warn_unannotated(abstract, self.spec, self.mesh)
+        if self.error_feedback:  # (replicas, *param) per parameter, split over the data axes
+            abstract = self._with_residual(abstract, jax.ShapeDtypeStruct)
+            self.state_pspecs = compression.with_residual(self.state_pspecs, jax.tree.map(
+                lambda ps: P(self.data_axes, *ps), self.state_pspecs.params,
+                is_leaf=lambda x: isinstance(x, P)))
+        self.state_shardings = layout.named(self.state_pspecs, self.mesh)
         return abstract
 
     def init(self, init_fn: Callable, *args):
@@ -213,11 +226,18 @@ class WrappedStep:
 
         def unboxed(*a):
             state = layout.strip_boxes(init_fn(*a))
+            if self.error_feedback:
+                state = self._with_residual(state, jnp.zeros)
             init_checks.check_same_structure(planned, state)  # while tracing: costs nothing
             return state
 
         with self.context():
             return jax.jit(unboxed, out_shardings=self.state_shardings)(*args)
+
+    def _with_residual(self, state, make):
+        params = layout.strip_boxes(state.params)
+        return compression.with_residual(
+            state, compression.residual_like(params, self.replicas, make))
 
     # -- batch --------------------------------------------------------------------------------
     def batch_sharding(self, ndim: int) -> NamedSharding:
@@ -281,7 +301,7 @@ class WrappedStep:
         # or when the spec names a collectives backend other than XLA's own.
         # GNS over replicas needs each replica's gradient before the reduction, too.
         if self.data_axes and (k > 1 or spec.collectives.backend != "xla"
-                               or self.gns_source == gns.REPLICAS):
+                               or self.gns_source == gns.REPLICAS or self.error_feedback):
             return self._replica_reduced_step_fn(precision)
 
         def constrain(micro):  # keep each micro-batch split over the batch shards
@@ -298,29 +318,41 @@ class WrappedStep:
         """Data-parallel replicas: the product of the data-role axes' sizes."""
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
 
-    def _reduce_over_replicas(self, stacked):
+    def _reduce_over_replicas(self, stacked, residual=None):
         """Sum per-replica gradients (stacked on a leading axis bound to the data axes) through
-        the spec's collectives backend; the result is laid out like the parameters."""
+        the spec's collectives backend; the result is laid out like the parameters.
+
+        With a `residual` (stacked like the gradients), the reduction is compressed per
+        `collectives.compression` with error feedback: returns (sum, new residual)."""
         spec, data = self.spec, self.data_axes
         group = data if len(data) > 1 else data[0]
         param_pspecs = self.state_pspecs.params
 
-        def body(g):
+        def body(g, r=None):
             # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
             # shard packed into a single buffer, rather than one collective per leaf.
             leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
-            flat = collectives.all_reduce(
-                jnp.concatenate([x.ravel() for x in leaves]), group, "sum",
-                timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend)
             offsets = np.cumsum([0] + [x.size for x in leaves])
-            return treedef.unflatten([
-                flat[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
+            unpack = lambda flat, lead=(): treedef.unflatten([  # noqa: E731
+                flat[a:b].reshape(*lead, *x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
             ])
+            packed = jnp.concatenate([x.ravel() for x in leaves])
+            if r is None:
+                return unpack(collectives.all_reduce(
+                    packed, group, "sum",
+                    timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend))
+            flat, new_residual = compression.compressed_sum(
+                packed, jnp.concatenate([x.ravel() for x in jax.tree.leaves(r)]), group,
+                spec.collectives.compression, spec.collectives.compression_block)
+            return unpack(flat), unpack(new_residual, (1,))
 
         in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
                                 is_leaf=lambda x: isinstance(x, P))
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(in_specs,), out_specs=param_pspecs,
-                             check_vma=False)(stacked)
+        if residual is None:
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(in_specs,),
+                                 out_specs=param_pspecs, check_vma=False)(stacked)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(in_specs, in_specs),
+                             out_specs=(param_pspecs, in_specs), check_vma=False)(stacked, residual)
 
     def _grad_step_fn(self):
         """A GradStep with GNS over replicas: `grad_fn` per replica (vmap bound to the data
@@ -380,10 +412,15 @@ class WrappedStep:
             with nn.logical_axis_rules(inner_rules):
                 grad_sums, loss_sums, token_sums, aux = jax.vmap(
                     replica_sums, spmd_axis_name=data)(per_replica)
-            grad_sum = reduce_over_replicas(grad_sums)
+            if self.error_feedback:
+                grad_sum, residual = reduce_over_replicas(grad_sums, state.ef_residual)
+            else:
+                grad_sum = reduce_over_replicas(grad_sums)
             total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
             new_state, metrics = _apply(state, grad_sum, total(loss_sums), total(token_sums),
                                         total(aux))
+            if self.error_feedback:
+                new_state = new_state.replace(ef_residual=residual)
             if self.gns_source == gns.REPLICAS:
                 metrics.update(gns.replica_parts(grad_sums, token_sums, grad_sum,
                                                  total(token_sums)))

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from spec_jax.core.compression import BLOCK_ALIGN
 from spec_jax.core.errors import UserInputError
 
 SPEC_VERSION = 1
@@ -161,6 +162,23 @@ class CollectivesSpec(_Section):
         DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0,
         description="A collective whose peers do not all arrive fails after this."
     )
+    compression: Literal["none", "bf16", "int8"] = Field(
+        "none", description="What the gradient reduction over the data axes sends: float32 "
+        "(`none`), bfloat16, or int8 with a float32 scale per block, with error feedback "
+        "(docs/communication.md). `xla` backend only."
+    )
+    compression_block: int = Field(
+        256, ge=BLOCK_ALIGN, le=MAX_WIDTH,
+        description=f"Elements per int8 scale block; a multiple of {BLOCK_ALIGN} (keeps each "
+        "block's float32 scale 4-byte aligned after its payload)."
+    )
+
+    @field_validator("compression_block")
+    @classmethod
+    def _block_aligned(cls, block: int) -> int:
+        if block % BLOCK_ALIGN:
+            raise ValueError(f"{BLOCK_ALIGN} does not divide block size {block}")
+        return block
 
 
 class MetricsSpec(_Section):
