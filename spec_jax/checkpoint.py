@@ -44,6 +44,8 @@ FORMAT = 2  # 2: the meta holds per-array checksums
 # The sections that define the computation: resuming under a different one would silently
 # train another model. Placement (mesh, layout, collectives) and bookkeeping may change.
 MUST_MATCH = ("seed", "model", "optimizer", "batch", "precision")
+# Placement fields that change what the state holds: compression adds a residual per replica.
+STATE_DEFINING = (("collectives", "compression"),)
 
 
 def _first_difference(saved: Any, current: Any, path: str) -> tuple[str, Any, Any] | None:
@@ -57,10 +59,14 @@ def _first_difference(saved: Any, current: Any, path: str) -> tuple[str, Any, An
 
 
 def check_compatible(saved: dict, spec: Spec, where: Path) -> None:
-    """Raise UserInputError naming the first computation-defining field that changed."""
-    current = spec.to_dict()
-    for section in MUST_MATCH:
-        diff = _first_difference(saved.get(section), current.get(section), section)
+    """Raise UserInputError naming the first computation- or state-defining field that changed."""
+    current, defaults = spec.to_dict(), Spec().to_dict()
+    diffs = [_first_difference(saved.get(section), current.get(section), section)
+             for section in MUST_MATCH]
+    for section, key in STATE_DEFINING:  # older checkpoints predate the field: its default
+        was = saved.get(section, {}).get(key, defaults[section][key])
+        diffs.append(_first_difference(was, current[section][key], f"{section}.{key}"))
+    for diff in diffs:
         if diff:
             field, was, now = diff
             raise UserInputError(

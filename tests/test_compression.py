@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from spec_jax.checkpoint import Checkpointer
 from spec_jax.cli.main import main
 from spec_jax.collectives import compression as jc
 from spec_jax.core import compression as ref
+from spec_jax.core.errors import UserInputError
 from spec_jax.core.spec import DEFAULT_SPEC_PATH
 from spec_jax.metrics.comm import analyze_compiled
 from spec_jax.train import build_job
@@ -152,3 +154,14 @@ def test_bad_input_is_one_line_naming_the_field(setting, field, capsys):
     assert main(["validate", str(DEFAULT_SPEC_PATH), "--set", setting]) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and field in err and "Traceback" not in err
+
+
+def test_resume_with_other_compression_is_one_line_naming_the_field(tmp_path):
+    """The residual is state: a checkpoint without it cannot resume a compressed run."""
+    spec = tiny_spec("checkpoint.interval=1")
+    ckpt = Checkpointer(spec, tmp_path)
+    ckpt.save(1, build_job(spec).state, total_steps=2)
+    ckpt.wait()
+    other = tiny_spec("checkpoint.interval=1", 'collectives.compression="int8"')
+    with pytest.raises(UserInputError, match=r"^collectives\.compression: .*'none', the spec says 'int8'"):
+        Checkpointer(other, tmp_path).restore_latest(build_job(other, init=False).abstract_state)
