@@ -11,7 +11,7 @@ from spec_jax.cli.main import main
 from spec_jax.collectives import compression as jc
 from spec_jax.core import compression as ref
 from spec_jax.core.errors import UserInputError
-from spec_jax.core.spec import DEFAULT_SPEC_PATH
+from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
 from spec_jax.metrics.comm import analyze_compiled
 from spec_jax.train import build_job
 from tiny import tiny_spec
@@ -107,7 +107,7 @@ MESH = ["mesh.axes.data.size=2", "mesh.axes.fsdp.size=4", "mesh.axes.tensor.size
 @pytest.fixture(scope="module")
 def data_axis_traffic():
     """compression -> (bus bytes per step over the data axis, gradient elements per replica
-    device, the job after one step)."""
+    device, the state after one step, the spec)."""
     out = {}
     for compression in ("none", "bf16", "int8"):
         job = build_job(tiny_spec(*MESH, f'collectives.compression="{compression}"'))
@@ -116,12 +116,12 @@ def data_axis_traffic():
         elements = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(job.state.params))
         state, _ = job.step(job.state, batch)
         out[compression] = (sum(c.bus_bytes_per_step for c in volume.collectives
-                                if c.axes == ("data",)), elements, state)
+                                if c.axes == ("data",)), elements, state, job.spec)
     return out
 
 
 def test_gradient_bytes_shrink_by_the_claimed_factor(data_axis_traffic):
-    none, elements, _ = data_axis_traffic["none"]
+    none, elements = data_axis_traffic["none"][:2]
     assert none >= 4 * elements  # the float32 gradient all-reduce (plus a few scalars)
     scalars = none - 4 * elements
     bf16 = data_axis_traffic["bf16"][0]
@@ -165,3 +165,20 @@ def test_resume_with_other_compression_is_one_line_naming_the_field(tmp_path):
     other = tiny_spec("checkpoint.interval=1", 'collectives.compression="int8"')
     with pytest.raises(UserInputError, match=r"^collectives\.compression: .*'none', the spec says 'int8'"):
         Checkpointer(other, tmp_path).restore_latest(build_job(other, init=False).abstract_state)
+
+
+def test_residual_is_checkpointed_and_resharded(data_axis_traffic, tmp_path):
+    """Saved with data=2 x fsdp=4, restored onto data=2 x fsdp=2 x tensor=2: same values."""
+    state, spec = data_axis_traffic["int8"][2:]
+    ckpt = Checkpointer(spec, tmp_path)
+    ckpt.save(1, state, total_steps=2)
+    ckpt.wait()
+    other = spec.model_copy(update={"mesh": load_spec(None, [
+        "mesh.axes.data.size=2", "mesh.axes.fsdp.size=2", "mesh.axes.tensor.size=2"]).mesh})
+    target = build_job(other, init=False)
+    restored, _ = Checkpointer(other, tmp_path).restore_latest(target.abstract_state)
+    for saved, got, want in zip(jax.tree.leaves(state.ef_residual),
+                                jax.tree.leaves(restored.ef_residual),
+                                jax.tree.leaves(target.abstract_state.ef_residual)):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
