@@ -34,7 +34,7 @@ def initialize_from_env() -> bool:
 
     Must run before jax's first device query. Returns whether a multi-process job was joined.
     """
-    timeout = int(os.environ.get(INIT_TIMEOUT, "300"))
+    timeout = _int_env(INIT_TIMEOUT) if os.environ.get(INIT_TIMEOUT) else 300
     if os.environ.get(COORDINATOR):
         num = _int_env(NUM_PROCESSES)
         pid = _int_env(PROCESS_ID, fallback="JOB_COMPLETION_INDEX")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from spec_jax.core.errors import UserInputError
+
 HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_HOST_DEVICES = 8
 
@@ -28,6 +30,8 @@ def _backends_initialized() -> bool:
 def ensure_host_devices(n: int | None = None) -> None:
     """Set XLA_FLAGS for `n` host devices (default 8). A count already in XLA_FLAGS wins unless
     `n` is given explicitly. Must run before jax's first device query."""
+    if n is not None and n < 1:
+        raise UserInputError(f"--host-devices must be at least 1, got {n}")
     flags = os.environ.get("XLA_FLAGS", "")
     if HOST_DEVICE_FLAG in flags and n is None:
         return

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 
 from spec_jax.core.errors import UserInputError
 from spec_jax.launch import DEFAULT_GRACE_S
@@ -32,6 +33,8 @@ def run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise UserInputError("launch: give the command after --, e.g. -- trainspec train")
+    if shutil.which(command[0]) is None:
+        raise UserInputError(f"launch: command not found: {command[0]}")
     if args.nprocs < 1:
         raise UserInputError(f"--nprocs must be at least 1, got {args.nprocs}")
     if args.grace < 0:

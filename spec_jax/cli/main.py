@@ -43,9 +43,24 @@ def main(argv: list[str] | None = None) -> int:
     except FfiVersionError as err:
         print(f"trainspec: error: {err}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `trainspec validate ... | head`: the reader left, nothing to say
+        _silence_stdout()
+        return 0
     except KeyboardInterrupt:
         print("trainspec: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    import os
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no file descriptor (replaced in tests)
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

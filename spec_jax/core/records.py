@@ -145,9 +145,14 @@ def read_jsonl(path: Path) -> list[dict]:
     """Records of one run. A truncated last line (a writer that crashed mid-line) is skipped
     with a warning; any other bad line, or a record of another format version, is an error."""
     path = Path(path)
+    if path.is_dir() and (path / "metrics.jsonl").is_file():  # a run directory
+        path = path / "metrics.jsonl"
     if not path.is_file():
         raise UserInputError(f"metrics file not found: {path}")
-    lines = path.read_text().split("\n")
+    try:
+        lines = path.read_bytes().decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise UserInputError(f"{path}: not a metrics JSONL file (not UTF-8 text)") from None
     complete_last = lines[-1] == ""  # a file the writer finished ends with a newline
     lines = lines[:-1] if complete_last else lines
     records = []

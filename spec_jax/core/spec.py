@@ -10,6 +10,7 @@ live in core/mesh.py, because only there is the device count known.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import tomllib
 from pathlib import Path
@@ -38,8 +39,10 @@ MAX_WIDTH = 2**20
 class _Section(BaseModel):
     # allow_inf_nan=False: inf and nan are refused in every float field (a learning rate of
     # inf validated, then made every parameter NaN after one step).
+    # strict=True: a TOML string or boolean is never coerced to a number (global_batch = "32"
+    # validated as 32, and global_batch = true as 1).
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
-                              allow_inf_nan=False)
+                              allow_inf_nan=False, strict=True)
 
 
 class MeshAxis(_Section):
@@ -287,7 +290,7 @@ class HealthSpec(_Section):
 
 class Spec(_Section):
     spec_version: Literal[1] = Field(SPEC_VERSION, description="Version of this format.")
-    seed: int = Field(0, description="Seed of parameter init and data order.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of parameter init and data order.")
     mesh: MeshSpec = MeshSpec()
     layout: LayoutSpec = LayoutSpec()
     precision: PrecisionSpec = PrecisionSpec()
@@ -323,13 +326,23 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
+def _known_fields(loc: tuple) -> list[str]:
+    """Field names of the section that holds `loc` (for "did you mean")."""
+    model: Any = Spec
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = field.annotation if field is not None else None
+    return list(getattr(model, "model_fields", {}))
+
+
 def _format_errors(err: pydantic.ValidationError) -> str:
     parts = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<spec>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            close = difflib.get_close_matches(str(e["loc"][-1]), _known_fields(e["loc"]), n=1)
+            msg = "unknown field" + (f" (did you mean '{close[0]}'?)" if close else "")
         shown = repr(e["input"]) if not isinstance(e["input"], dict) else None
         parts.append(f"field '{field}': {msg}" + (f" (got {shown})" if shown else ""))
     return "invalid spec: " + "; ".join(parts)
@@ -340,6 +353,18 @@ def _parse_toml(text: str, origin: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise UserInputError(f"{origin} is not valid TOML: {err}") from None
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise UserInputError(f"{origin} is not valid TOML: nested too deeply") from None
+
+
+def _read_spec_file(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserInputError(f"spec file {path} is not UTF-8 text (TOML must be UTF-8): byte "
+                             f"{err.start} is {err.object[err.start:err.start + 1]!r}") from None
+    except OSError as err:
+        raise UserInputError(f"spec file {path} cannot be read: {err.strerror}") from None
 
 
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -379,7 +404,7 @@ def load_spec(
         path = Path(source)
         if not path.is_file():
             raise UserInputError(f"spec file not found: {path}")
-        data = _parse_toml(path.read_text(), str(path))
+        data = _parse_toml(_read_spec_file(path), str(path))
     else:
         data = _parse_toml(source, "spec text")
     for assignment in overrides:

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from spec_jax.core.errors import UserInputError
 from spec_jax.health.replicas import flip_bit
 
 ENV = "TRAINSPEC_FAULTS"
@@ -40,14 +41,20 @@ class Faults:
 
     @classmethod
     def from_env(cls) -> Faults:
-        raw = json.loads(os.environ.get(ENV, "{}"))
-        for key in ("nan_steps", "delay_steps"):
-            if raw.get(key) is not None:
-                raw[key] = frozenset(raw[key])
-        for key in ("bitflip", "faulty_reduction"):
-            if raw.get(key) is not None:
-                raw[key] = tuple(raw[key])
-        return cls(**raw)
+        try:
+            raw = json.loads(os.environ.get(ENV, "{}"))
+            for key in ("nan_steps", "delay_steps"):
+                if raw.get(key) is not None:
+                    raw[key] = frozenset(raw[key])
+            for key in ("bitflip", "faulty_reduction"):
+                if raw.get(key) is not None:
+                    raw[key] = tuple(raw[key])
+            return cls(**raw)
+        except (ValueError, TypeError, AttributeError) as err:  # not JSON, not an object, a
+            # field that is not one of these, or a value of the wrong shape
+            fields = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise UserInputError(f"environment variable {ENV}: expected a JSON object with "
+                                 f"fields among {fields} ({err})") from None
 
     def faulty_reduction_fault(self):
         from spec_jax.health.doctor import Fault

@@ -1,0 +1,110 @@
+"""The fuzz corpus of issue 10 §5: every bad input gets one line naming it, exit 2, no traceback.
+
+Every case runs `trainspec` (or the function that reads the environment) in-process: the input
+is refused before any compile, so the corpus takes seconds.
+"""
+import io
+import sys
+
+import pytest
+
+from spec_jax.cli.main import main
+from spec_jax.core.errors import UserInputError
+
+DEFAULT = "spec_jax/default.toml"
+
+# (name, spec file bytes or None for the default spec, extra argv, expected message substring)
+VALIDATE_CASES = [
+    ("binary spec", b"\xff\xfe\x00\x01garbage", [], "is not UTF-8 text"),
+    ("utf-16 spec", "seed = 1\n".encode("utf-16"), [], "is not UTF-8 text"),
+    ("latin-1 spec", "# caf\xe9\nseed = 1\n".encode("latin-1"), [], "is not UTF-8 text"),
+    ("deep toml", ("a = " + "[" * 3000 + "]" * 3000 + "\n").encode(), [], "nested too deeply"),
+    ("bad toml", b"[batch\n", [], "is not valid TOML"),
+    ("seed 2**70", f"seed = {2**70}\n".encode(), [], "field 'seed'"),
+    ("negative seed", b"seed = -1\n", [], "field 'seed'"),
+    ("global_batch 2**70", f"[batch]\nglobal_batch = {2**70}\n".encode(), [],
+     "field 'batch.global_batch'"),
+    ("d_model 2**70", f"[model]\nd_model = {2**70}\n".encode(), [], "field 'model.d_model'"),
+    ("global_batch string", b'[batch]\nglobal_batch = "32"\n', [], "field 'batch.global_batch'"),
+    ("global_batch bool", b"[batch]\nglobal_batch = true\n", [], "field 'batch.global_batch'"),
+    ("unknown section", b"[batchh]\nglobal_batch = 32\n", [], "did you mean 'batch'?"),
+    ("unknown field", b"[batch]\nglobal_bach = 32\n", [], "did you mean 'global_batch'?"),
+    ("learning rate inf", b"[optimizer]\nlearning_rate = inf\n", [], "optimizer.learning_rate"),
+    ("set on a section", None, ["--set", "batch=1"], "field 'batch'"),
+    ("set string number", None, ["--set", 'batch.global_batch="8"'], "batch.global_batch"),
+    ("set without =", None, ["--set", "batch.global_batch"], "--set expects"),
+    ("host devices -1", None, ["--host-devices", "-1"], "--host-devices must be at least 1"),
+    ("host devices 0", None, ["--host-devices", "0"], "--host-devices must be at least 1"),
+    ("missing spec", "absent", [], "spec file not found"),
+]
+
+
+def _one_line_error(capsys, code, expected):
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainspec: error: "), err
+    assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("content,argv,expected", [c[1:] for c in VALIDATE_CASES],
+                         ids=[c[0] for c in VALIDATE_CASES])
+def test_validate_refuses_in_one_line(tmp_path, capsys, content, argv, expected):
+    if content is None:
+        spec = DEFAULT
+    elif content == "absent":
+        spec = str(tmp_path / "absent.toml")
+    else:
+        spec = tmp_path / "spec.toml"
+        spec.write_bytes(content)
+    _one_line_error(capsys, main(["validate", str(spec), *argv]), expected)
+
+
+def test_report_refuses_binary_and_missing_files(tmp_path, capsys):
+    binary = tmp_path / "metrics.jsonl"
+    binary.write_bytes(b"\x00\xff\xfe binary")
+    _one_line_error(capsys, main(["report", str(binary), "--out", str(tmp_path / "r")]),
+                    "not UTF-8 text")
+    _one_line_error(capsys, main(["report", str(tmp_path / "absent")]), "metrics file not found")
+
+
+def test_launch_refuses_a_missing_command(capsys):
+    code = main(["launch", "--nprocs", "1", "--", "/nonexistent/cmd"])
+    _one_line_error(capsys, code, "command not found: /nonexistent/cmd")
+
+
+@pytest.mark.parametrize("raw", ["nope", "[1, 2]", '{"x": 1}', '{"bitflip": 3}'])
+def test_bad_faults_env_is_one_line(monkeypatch, raw):
+    from spec_jax.health.faults import ENV, Faults
+
+    monkeypatch.setenv(ENV, raw)
+    with pytest.raises(UserInputError, match="TRAINSPEC_FAULTS"):
+        Faults.from_env()
+
+
+def test_bad_init_timeout_env_is_one_line(monkeypatch):
+    from spec_jax import distributed
+
+    monkeypatch.setenv(distributed.INIT_TIMEOUT, "abc")
+    with pytest.raises(UserInputError, match="TRAINSPEC_INIT_TIMEOUT_S"):
+        distributed.initialize_from_env()
+
+
+class _ClosedPipe:
+    """stdout whose reader has gone (`trainspec validate ... | head -1`)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+    def fileno(self):
+        raise io.UnsupportedOperation("no file descriptor")
+
+
+def test_validate_into_a_closed_pipe_is_quiet(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["validate", DEFAULT]) == 0
+    assert capsys.readouterr().err == ""
