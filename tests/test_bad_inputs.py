@@ -108,3 +108,21 @@ def test_validate_into_a_closed_pipe_is_quiet(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     assert main(["validate", DEFAULT]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_summary_json_naming_a_directory_is_refused_before_training(tmp_path, capsys):
+    code = main(["train", "--summary-json", str(tmp_path), "--run-dir", str(tmp_path / "run")])
+    _one_line_error(capsys, code, "is a directory")
+    assert not (tmp_path / "run").exists()  # nothing trained
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("trainspec ")
+
+
+def test_one_micro_batch_is_singular():
+    from spec_jax.cli.summary import plural
+
+    assert plural(1, "micro-batch", "micro-batches") == "1 micro-batch"
+    assert plural(4, "micro-batch", "micro-batches") == "4 micro-batches"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 from spec_jax.core.errors import FfiVersionError, UserInputError
@@ -23,6 +24,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainspec",
                      description="Run and measure spec-driven training on JAX or PyTorch.")
+    parser.add_argument("--version", action="version",
+                        version=f"trainspec {importlib.metadata.version('trainspec')}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(f"spec_jax.cli.{name}").register(subparsers)

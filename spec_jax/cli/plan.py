@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from spec_jax.cli.summary import plural
 from spec_jax.core.errors import UserInputError
 
 MODEL_FLAGS = {"layers": "model.n_layers", "d_model": "model.d_model", "heads": "model.n_heads",
@@ -108,8 +109,8 @@ def table(preds, profile, spec) -> str:
     m = spec.model
     lines = [f"# trainspec plan: {profile.name} ({profile.description}); model L={m.n_layers} "
              f"d={m.d_model} H={m.n_heads} d_ff={m.d_ff} V={m.vocab_size}; batch "
-             f"{spec.batch.global_batch}x{spec.batch.seq_len} ({spec.batch.accumulation_steps} "
-             f"micro-batches); {spec.precision.compute} compute; remat {spec.remat.policy}",
+             f"{spec.batch.global_batch}x{spec.batch.seq_len} "
+             f"({plural(spec.batch.accumulation_steps, 'micro-batch', 'micro-batches')}); {spec.precision.compute} compute; remat {spec.remat.policy}",
              f"# memory bytes per device; comm bytes of bus traffic per device per step; achievable "
              f"fraction {profile.achievable_fraction:.2f}, overlap {profile.comm_overlap:.2f}",
              f"{'rank':>4} {'layout (size/dcn)':<30} {'memory':>8} {'state':>8} {'act':>8} "

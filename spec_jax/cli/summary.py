@@ -6,7 +6,7 @@ def print_summary(summary: dict) -> None:
     mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
     print(
         f"\ntrained {summary['steps']} steps on mesh {mesh} "
-        f"({summary['accumulation_steps']} micro-batches per step)\n"
+        f"({plural(summary['accumulation_steps'], 'micro-batch', 'micro-batches')} per step)\n"
         f"  loss           {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}\n"
         f"  tokens/s       {summary['tokens_per_s']:.0f}\n"
         f"  step time      {summary['step_time_s'] * 1e3:.1f} ms (mean, compile excluded)\n"
@@ -16,6 +16,10 @@ def print_summary(summary: dict) -> None:
         f"  spec           {summary['spec']}\n"
         f"  metrics        {summary['metrics_file']}"
     )
+
+
+def plural(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
 
 
 def _gns(summary: dict) -> str:

@@ -66,6 +66,8 @@ def run(args) -> int:
     if args.nprocs is not None:
         raise UserInputError("--nprocs: only with --framework torch (JAX jobs start their "
                              "processes with `trainspec launch`)")
+    if args.summary_json is not None and args.summary_json.is_dir():  # found before training,
+        raise UserInputError(f"--summary-json {args.summary_json} is a directory; name a file")
     ensure_host_devices(args.host_devices)
     from spec_jax.distributed import initialize_from_env
 
