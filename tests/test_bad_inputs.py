@@ -126,3 +126,15 @@ def test_one_micro_batch_is_singular():
 
     assert plural(1, "micro-batch", "micro-batches") == "1 micro-batch"
     assert plural(4, "micro-batch", "micro-batches") == "4 micro-batches"
+
+
+def test_unwritable_outputs_are_refused_before_training(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    _one_line_error(capsys, main(["train", "--run-dir", str(a_file)]), "is a file")
+    _one_line_error(capsys, main(["train", "--run-dir", str(tmp_path / "r"), "--set",
+                                  'metrics.path="."']), "metrics.path")
+    (tmp_path / "r2" / "metrics.jsonl").mkdir(parents=True)
+    _one_line_error(capsys, main(["train", "--run-dir", str(tmp_path / "r2")]), "metrics.path")
+    _one_line_error(capsys, main(["train", "--run-dir", "/proc/trainspec-run"]),
+                    "cannot create it")

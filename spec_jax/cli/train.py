@@ -58,6 +58,21 @@ def _device_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected device ids like 3,5, got {text!r}") from None
 
 
+def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
+    """Refuse, before anything compiles, outputs that cannot be written: found after training,
+    they cost the run (or surfaced as tracebacks from the writer and orbax's threads)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserInputError(f"--run-dir {run_dir} is a file, not a directory")
+    if metrics_file.is_dir() or metrics_file.resolve() == run_dir.resolve():
+        raise UserInputError(f"metrics.path: {metrics_file} is a directory; name a file")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # under /proc, on a read-only file system, a parent that is a file
+        raise UserInputError(f"--run-dir {run_dir}: cannot create it ({err.strerror})") from None
+    if not os.access(run_dir, os.W_OK):
+        raise UserInputError(f"--run-dir {run_dir} is not writable")
+
+
 def run(args) -> int:
     if args.framework == "torch":
         from spec_jax.cli.train_torch import run as run_torch
@@ -87,6 +102,7 @@ def run(args) -> int:
     logging.getLogger("absl").addFilter(
         lambda record: record.levelno < logging.ERROR or "/orbax/" not in record.pathname)
     spec = load_spec(Path(spec_path), args.overrides)
+    check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)
     try:
