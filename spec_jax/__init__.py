@@ -13,8 +13,8 @@ from spec_jax.core.spec import Spec, default_spec, load_spec
 _JAX_ENTRY_POINTS = {
     "build_mesh": "spec_jax.mesh",
     "WrappedStep": "spec_jax.step",
-    "loss_step": "spec_jax.step",
-    "grad_step": "spec_jax.step",
+    "loss_step": "spec_jax.step_forms",
+    "grad_step": "spec_jax.step_forms",
     "wrap": "spec_jax.step",
 }
 

@@ -5,14 +5,13 @@ Two ways in, one machinery (docs/wrapping.md):
 - `loss_step(loss_fn)`, built from `loss_fn(params, batch) -> (loss_sum, valid_tokens, aux)`
   with the optax optimizer inside a flax `TrainState`: all of the above plus micro-batch
   accumulation normalised by the valid tokens of the whole global batch, and precision casts.
+The step forms and their accumulation arithmetic are in spec_jax.step_forms.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -24,128 +23,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spec_jax import collectives, init_checks, layout
 from spec_jax.batching import BatchPlacement
 from spec_jax.collectives import compression
-from spec_jax.core.accumulation import interleaved_micro_batches
 from spec_jax.core.errors import UserInputError
 from spec_jax.core.mesh import check_batch, resolve_mesh
 from spec_jax.core.spec import Spec
 from spec_jax.health import nan as nan_guard
 from spec_jax.mesh import build_mesh, check_hierarchical
 from spec_jax.metrics import gns
-
-LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
+from spec_jax.step_forms import (
+    GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
+)
 
 # Steps dispatched ahead of the host with a custom-call collectives backend. The CPU runtime
 # deadlocked with ~100 executions of an ext-collective program in flight, and was fine with
 # 10 (docs/xla_ext.md); XLA's own collectives are left to run ahead.
 MAX_STEPS_IN_FLIGHT = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class LossStep:
-    """A train step whose gradient computation trainspec can see (and so accumulate).
-
-    Called directly it is an ordinary single-batch step, so the same object runs with or
-    without trainspec. `aux` values returned by `loss_fn` are summed over micro-batches.
-    """
-
-    loss_fn: LossFn
-
-    def __call__(self, state, batch):
-        return _accumulated_step(self.loss_fn, state, _split_micro(batch, 1), None)
-
-
-def loss_step(loss_fn: LossFn) -> LossStep:
-    return LossStep(loss_fn)
-
-
-@dataclasses.dataclass(frozen=True)
-class GradStep:
-    """A plain step split at its gradient, so that trainspec sees the gradient of each
-    data-parallel replica before the reduction (and so measures GNS; docs/wrapping.md).
-
-    `grad_fn(params, batch) -> (grads, metrics)`: the mean gradient over the batch's rows and
-    a dict of scalars (averaged over replicas); `update_fn(state, grads) -> state`. Called
-    directly it is the ordinary step `update_fn(state, grad_fn(state.params, batch)[0])`.
-    """
-
-    grad_fn: Callable[[Any, Any], tuple[Any, dict]]
-    update_fn: Callable[[Any, Any], Any]
-
-    def __call__(self, state, batch):
-        grads, metrics = self.grad_fn(state.params, batch)
-        return self.update_fn(state, grads), metrics
-
-
-def grad_step(grad_fn, update_fn) -> GradStep:
-    return GradStep(grad_fn, update_fn)
-
-
-def _split_micro(batch, k: int):
-    """Every leaf (B, ...) -> (k, B/k, ...), by the spec's interleaved rule."""
-    return jax.tree.map(lambda x: interleaved_micro_batches(x, k), batch)
-
-
-def _cast_floats(tree, dtype):
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Precision:
-    compute: Any = jnp.float32
-    grad_reduce: Any = jnp.float32
-
-
-def _accumulate(loss_fn, params, micro_batches, precision: _Precision,
-                micro_constraint: Callable = lambda b: b, micro_gns: bool = False):
-    """Sums over micro-batches: (gradient of the loss sum, loss sum, valid tokens, aux), and
-    with `micro_gns` also the sum of each micro-batch's |mean gradient|^2 (metrics.gns)."""
-
-    def grads_of(params, batch):
-        def loss(p):
-            loss_sum, tokens, aux = loss_fn(_cast_floats(p, precision.compute), batch)
-            return loss_sum.astype(jnp.float32), (tokens.astype(jnp.float32), aux)
-
-        (loss_sum, (tokens, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        sums = (_cast_floats(grads, precision.grad_reduce), loss_sum, tokens, aux)
-        return (*sums, gns.mean_sq(grads, tokens)) if micro_gns else sums
-
-    def body(carry, batch):
-        return jax.tree.map(jnp.add, carry, grads_of(params, micro_constraint(batch))), None
-
-    first = jax.tree.map(lambda x: x[0], micro_batches)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grads_of, params, first))
-    sums, _ = jax.lax.scan(body, zeros, micro_batches)
-    return sums
-
-
-def _apply(state, grad_sum, loss_sum, tokens, aux):
-    """Divide once by the total valid tokens, then update: the token-weighted rule of
-    spec_jax.core.accumulation (`token_weighted` is its float64 reference)."""
-    denom = jnp.maximum(tokens, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, state.params)
-    new_state = state.apply_gradients(grads=grads)
-    metrics = {
-        "loss": loss_sum / denom,
-        "valid_tokens": tokens,
-        "grad_norm": optax.tree.norm(grads),
-        **({"aux": aux} if jax.tree.leaves(aux) else {}),
-    }
-    return new_state, metrics
-
-
-def _accumulated_step(loss_fn, state, micro_batches, precision: _Precision | None,
-                      micro_constraint: Callable = lambda b: b, micro_gns: bool = False):
-    """One step over global arrays: XLA inserts (and schedules) the cross-replica reductions.
-    With `micro_gns`, the micro-batches are GNS's small batches (one replica)."""
-    sums = _accumulate(loss_fn, state.params, micro_batches, precision or _Precision(),
-                       micro_constraint, micro_gns)
-    new_state, metrics = _apply(state, *sums[:4])
-    if micro_gns:
-        k = jax.tree.leaves(micro_batches)[0].shape[0]
-        metrics.update(gns.micro_parts(sums[4], k, sums[0], sums[2]))
-    return new_state, metrics
 
 
 class WrappedStep:
@@ -295,7 +186,7 @@ class WrappedStep:
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps
-        precision = _Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
+        precision = Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
         # Reduce across replicas once per step, explicitly, when accumulating (a replicated
         # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
         # or when the spec names a collectives backend other than XLA's own.
@@ -308,7 +199,7 @@ class WrappedStep:
             return jax.tree.map(jax.lax.with_sharding_constraint, micro, batch_shardings)
 
         def step(state, batch):
-            return _accumulated_step(self.step_fn.loss_fn, state, _split_micro(batch, k),
+            return accumulated_step(self.step_fn.loss_fn, state, split_micro(batch, k),
                                      precision, constrain, self.gns_source == gns.MICRO_BATCHES)
 
         return step
@@ -383,7 +274,7 @@ class WrappedStep:
         """The data-role mesh axes that actually split (size > 1)."""
         return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
 
-    def _replica_reduced_step_fn(self, precision: _Precision):
+    def _replica_reduced_step_fn(self, precision: Precision):
         """The step with the cross-replica gradient sum made explicit: once per step, through
         the spec's collectives backend (`collectives.backend`: lax, or the xla_ext custom calls).
 
@@ -402,10 +293,10 @@ class WrappedStep:
 
         def step(state, batch):
             def replica_sums(rows):
-                micro = _split_micro(rows, k)
+                micro = split_micro(rows, k)
                 constrain = lambda b: jax.tree.map(  # noqa: E731
                     lambda x: jax.lax.with_sharding_constraint(x, inner_batch_spec(x)), b)
-                return _accumulate(self.step_fn.loss_fn, state.params, micro, precision, constrain)
+                return accumulate(self.step_fn.loss_fn, state.params, micro, precision, constrain)
 
             # Rows of replica r are its contiguous block of the data-sharded batch dimension.
             per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
@@ -417,7 +308,7 @@ class WrappedStep:
             else:
                 grad_sum = reduce_over_replicas(grad_sums)
             total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
-            new_state, metrics = _apply(state, grad_sum, total(loss_sums), total(token_sums),
+            new_state, metrics = apply_update(state, grad_sum, total(loss_sums), total(token_sums),
                                         total(aux))
             if self.error_feedback:
                 new_state = new_state.replace(ef_residual=residual)

@@ -36,7 +36,8 @@ from spec_jax.models.transformer import Transformer, next_token_loss
 from spec_jax.run_files import write_json_atomically
 from spec_jax.core.spec import Spec
 from spec_jax.preemption import Preempted, StopSignals
-from spec_jax.step import WrappedStep, loss_step, wrap
+from spec_jax.step import WrappedStep, wrap
+from spec_jax.step_forms import loss_step
 
 
 log = logging.getLogger(__name__)
