@@ -138,3 +138,4 @@ def test_unwritable_outputs_are_refused_before_training(tmp_path, capsys):
     _one_line_error(capsys, main(["train", "--run-dir", str(tmp_path / "r2")]), "metrics.path")
     _one_line_error(capsys, main(["train", "--run-dir", "/proc/trainspec-run"]),
                     "cannot create it")
+

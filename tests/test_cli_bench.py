@@ -41,6 +41,7 @@ def test_sweep_runs_on_8_devices_and_prints_the_table(sweep_run):
     if HAS_EXT:
         assert "ext/xla" in proc.stdout
     assert "Out of bounds values : 0 OK" in proc.stdout
+    assert "# Avg bus bandwidth    : " in proc.stdout and "# load average " in proc.stdout
 
 
 def test_json_rows_have_the_documented_keys_and_definitions(sweep_run):
@@ -111,3 +112,10 @@ def test_bad_size_from_the_shell_has_no_traceback():
     proc = _cli("-b", "4X")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "-b/--min-bytes" in proc.stderr
+
+
+def test_collectives_bench_names_the_load_and_warns_above_the_cores():
+    from spec_jax.tools.collectives_report import machine_load_line
+
+    assert machine_load_line(1.0, 2) == "# load average 1.00 (1 min) on 2 cores"
+    assert "WARNING: load exceeds the core count" in machine_load_line(3.5, 2)

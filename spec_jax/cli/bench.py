@@ -107,6 +107,7 @@ def run_collectives(args) -> int:
         if args.plot:
             report.plot(rows, args.plot)
         print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        _print(table.footer(rows))
     return 0 if wrong == 0 else 1
 
 

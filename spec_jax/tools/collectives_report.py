@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 
@@ -18,6 +19,17 @@ def as_dict(row: Row) -> dict:
     return {k: d[k] for k in JSON_KEYS + extra}
 
 
+def machine_load_line(load_1min: float | None = None, cores: int | None = None) -> str:
+    """The machine's load next to the timings: taken on a busy machine they are not comparable."""
+    load_1min = os.getloadavg()[0] if load_1min is None else load_1min
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    line = f"# load average {load_1min:.2f} (1 min) on {cores} cores"
+    if load_1min > cores:
+        line += ("\n# WARNING: load exceeds the core count; other work shares the machine and "
+                 "these timings are not comparable")
+    return line
+
+
 class Table:
     """Streams one line per (op, dtype, redop, size) once every backend has reported it."""
 
@@ -32,11 +44,21 @@ class Table:
         text = (f"# trainspec bench collectives: {jax.device_count()} {jax.devices()[0].platform} "
                 f"devices, jax {jax.__version__}; size = bytes per device (nccl-tests); "
                 f"time = median (us); algbw, busbw in GB/s (1e9 B)")
+        text += "\n" + machine_load_line()
         if jax.process_count() > 1:
             text += (f"\n# {jax.process_count()} processes x {jax.local_device_count()} devices: "
                      f"ext within each process (group of {jax.local_device_count()}), the others "
                      f"across all {jax.device_count()} devices")
         return text
+
+    def footer(self, rows: list[Row]) -> list[str]:
+        """nccl-tests' closing line, per backend: the mean busbw over every row measured."""
+        lines = []
+        for backend in self.backends:
+            bws = [r.busbw_gbps for r in rows if r.backend == backend]
+            if bws:
+                lines.append(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.3f} GB/s ({backend})")
+        return lines
 
     def header(self) -> list[str]:
         left = f"#{'size':>11} {'count':>10} {'type':>9} {'redop':>6} {'root':>5}"
