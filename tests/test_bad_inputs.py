@@ -139,3 +139,22 @@ def test_unwritable_outputs_are_refused_before_training(tmp_path, capsys):
     _one_line_error(capsys, main(["train", "--run-dir", "/proc/trainspec-run"]),
                     "cannot create it")
 
+
+
+def test_report_reads_a_run_directory(tmp_path):
+    from spec_jax.core.records import read_jsonl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("not json\n")
+    with pytest.raises(UserInputError, match="metrics.jsonl: line 1"):
+        read_jsonl(run)  # the directory's metrics.jsonl is the file read
+
+
+def test_report_labels_runs_by_run_directory(tmp_path):
+    from spec_jax.tools.metrics_report import run_names
+
+    (tmp_path / "fsdp").mkdir()
+    names = run_names([tmp_path / "default" / "metrics.jsonl", tmp_path / "fsdp",
+                       tmp_path / "other.jsonl"])
+    assert names == ["default", "fsdp", "other"]

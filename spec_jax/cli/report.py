@@ -6,7 +6,7 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="summarise metrics JSONL runs: table, HTML, plots")
-    p.add_argument("runs", nargs="+", type=Path, help="metrics JSONL files (first = baseline)")
+    p.add_argument("runs", nargs="+", type=Path, help="metrics JSONL files or run directories (first = baseline)")
     p.add_argument("--out", type=Path, default=Path("report"), help="output directory")
     p.set_defaults(func=run)
 

@@ -134,13 +134,20 @@ def write_html(runs: dict[str, list[dict]], summaries: dict[str, dict], images: 
 
 
 def run_names(paths: list[Path]) -> list[str]:
-    """Short distinct names: the parent directory when the file names collide."""
-    names = [p.stem for p in paths]
+    """Short distinct names: a run directory's name (given, or holding `metrics.jsonl`), else
+    the file's stem; the parent directory too when those collide."""
+    names = [_run_name(Path(p)) for p in paths]
     if len(set(names)) < len(names):
-        names = [f"{p.parent.name}/{p.stem}" for p in paths]
+        names = [f"{Path(p).parent.name}/{Path(p).stem}" for p in paths]
     if len(set(names)) < len(names):
         names = [str(p) for p in paths]
     return names
+
+
+def _run_name(path: Path) -> str:
+    if path.is_dir():
+        return path.resolve().name
+    return path.parent.resolve().name if path.name == "metrics.jsonl" else path.stem
 
 
 def report(paths: list[Path], out: Path) -> tuple[str, Path]:
