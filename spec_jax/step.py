@@ -307,6 +307,13 @@ class WrappedStep:
                 grad_sum, residual = reduce_over_replicas(grad_sums, state.ef_residual)
             else:
                 grad_sum = reduce_over_replicas(grad_sums)
+            if spec.collectives.backend != "xla":
+                # A custom-call collective holds its device's thread until every member arrives.
+                # An XLA collective free to run beside it (the GNS norms, the loss and token sums)
+                # may then wait for a device held in the other: the CPU runtime aborts after 40 s.
+                # So everything after the reduction waits for it, on every device.
+                grad_sum, grad_sums, loss_sums, token_sums, aux = jax.lax.optimization_barrier(
+                    (grad_sum, grad_sums, loss_sums, token_sums, aux))
             total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
             new_state, metrics = apply_update(state, grad_sum, total(loss_sums), total(token_sums),
                                         total(aux))
