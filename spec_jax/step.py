@@ -67,6 +67,16 @@ class WrappedStep:
                 "spec_jax.loss_step(loss_fn); this step's loss cannot be accumulated "
                 f"(set batch.micro_batch = {spec.batch.global_batch} to wrap it as it is)"
             )
+        # The ext custom calls hold their device threads until every member arrives; beside
+        # XLA's own collectives inside a replica (fsdp/tensor) the CPU runtime was seen to
+        # deadlock and abort after 40 s (docs/collectives.md). Refuse rather than hang.
+        split = [a for a in self.mesh.axis_names
+                 if a not in self.data_axes and self.mesh.shape[a] > 1]
+        if spec.collectives.backend == "ext" and split:
+            raise UserInputError(
+                f"collectives.backend: ext needs every mesh axis but the data axes to be 1, got "
+                f"{', '.join(f'{a}={self.mesh.shape[a]}' for a in split)}: its blocking custom "
+                "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"")
         # collectives.compression: each replica's residual rides in the state (error feedback)
         self.error_feedback = spec.collectives.compression != "none" and bool(self.data_axes)
         if self.error_feedback and (spec.collectives.backend != "xla"
@@ -307,13 +317,6 @@ class WrappedStep:
                 grad_sum, residual = reduce_over_replicas(grad_sums, state.ef_residual)
             else:
                 grad_sum = reduce_over_replicas(grad_sums)
-            if spec.collectives.backend != "xla":
-                # A custom-call collective holds its device's thread until every member arrives.
-                # An XLA collective free to run beside it (the GNS norms, the loss and token sums)
-                # may then wait for a device held in the other: the CPU runtime aborts after 40 s.
-                # So everything after the reduction waits for it, on every device.
-                grad_sum, grad_sums, loss_sums, token_sums, aux = jax.lax.optimization_barrier(
-                    (grad_sum, grad_sums, loss_sums, token_sums, aux))
             total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
             new_state, metrics = apply_update(state, grad_sum, total(loss_sums), total(token_sums),
                                         total(aux))
