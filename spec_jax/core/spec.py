@@ -9,10 +9,8 @@ live in core/mesh.py, because only there is the device count known.
 """
 from __future__ import annotations
 
-import copy
 import difflib
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from spec_jax.core.compression import BLOCK_ALIGN
 from spec_jax.core.errors import UserInputError
+from spec_jax.core.spec_source import apply_overrides, read_source
 
 SPEC_VERSION = 1
 ROLES = ("data", "fsdp", "tensor")
@@ -348,44 +347,6 @@ def _format_errors(err: pydantic.ValidationError) -> str:
     return "invalid spec: " + "; ".join(parts)
 
 
-def _parse_toml(text: str, origin: str) -> dict[str, Any]:
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise UserInputError(f"{origin} is not valid TOML: {err}") from None
-    except RecursionError:  # tomllib recurses once per nesting level
-        raise UserInputError(f"{origin} is not valid TOML: nested too deeply") from None
-
-
-def _read_spec_file(path: Path) -> str:
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UserInputError(f"spec file {path} is not UTF-8 text (TOML must be UTF-8): byte "
-                             f"{err.start} is {err.object[err.start:err.start + 1]!r}") from None
-    except OSError as err:
-        raise UserInputError(f"spec file {path} cannot be read: {err.strerror}") from None
-
-
-def _apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply `a.b.c=value`; the value is read as a TOML value, else taken as a string."""
-    key, sep, raw = assignment.partition("=")
-    if not sep or not key.strip():
-        raise UserInputError(f"--set expects key.path=value, got {assignment!r}")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    path = key.strip().split(".")
-    node = data
-    for part in path[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise UserInputError(f"--set {key}: '{part}' is not a table")
-        node = child
-    node[path[-1]] = value
-
-
 def load_spec(
     source: str | Path | dict[str, Any] | Spec | None = None, overrides: list[str] = ()
 ) -> Spec:
@@ -394,29 +355,12 @@ def load_spec(
     `overrides` are `key.path=value` assignments applied before validation.
     Raises UserInputError with one line naming the field and the bad value.
     """
-    if isinstance(source, Spec):
-        data = source.to_dict()
-    elif source is None:
-        data = {}
-    elif isinstance(source, dict):
-        data = copy.deepcopy(source)
-    elif isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
-        path = Path(source)
-        if not path.is_file():
-            raise UserInputError(f"spec file not found: {path}")
-        data = _parse_toml(_read_spec_file(path), str(path))
-    else:
-        data = _parse_toml(source, "spec text")
-    for assignment in overrides:
-        _apply_override(data, assignment)
+    data = source.to_dict() if isinstance(source, Spec) else read_source(source)
+    apply_overrides(data, overrides)
     try:
         return Spec.model_validate(data)
     except pydantic.ValidationError as err:
         raise UserInputError(_format_errors(err)) from None
-
-
-def _looks_like_path(text: str) -> bool:
-    return "\n" not in text and "=" not in text
 
 
 def schema_text() -> str:
