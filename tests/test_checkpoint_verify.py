@@ -34,33 +34,39 @@ def run_dir(trained, tmp_path):
     return copy
 
 
-def _largest_file(step_dir: Path) -> Path:
-    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)
+def _data_files(step_dir: Path) -> list[Path]:
+    """The state's OCDBT data files (every `d/` folder). Each corruption hits all of them: which
+    one holds the bytes a restore reads varies from run to run (orbax merges the per-process
+    databases, and values it copies into the merged tree stay, unread, in the process's files),
+    so damaging only the largest one sometimes damaged nothing that is read."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files, f"no OCDBT data files under {step_dir}"
+    return files
 
 
 def _flip_bit(step_dir: Path) -> None:
-    path = _largest_file(step_dir)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
+    for path in _data_files(step_dir):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
 
 
 def _garbage(step_dir: Path) -> None:
-    path = _largest_file(step_dir)
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle:middle + 4096] = np.random.default_rng(0).bytes(4096)
-    path.write_bytes(bytes(data))
+    for path in _data_files(step_dir):
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 4096] = np.random.default_rng(0).bytes(4096)
+        path.write_bytes(bytes(data))
 
 
 def _truncate(step_dir: Path) -> None:
-    path = _largest_file(step_dir)
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for path in _data_files(step_dir):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def _delete(step_dir: Path) -> None:
-    _largest_file(step_dir).unlink()
+    for path in _data_files(step_dir):
+        path.unlink()
 
 
 def _wrong_checksum(step_dir: Path) -> None:
