@@ -13,9 +13,9 @@ METRICS_MODEL = ["model.d_model=64", "model.n_heads=4", "model.d_ff=128",
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_layout(layout: str):
+def compiled_layout(layout: str, *overrides: str):
     """(job, compiled step, CommVolume, memory fields) of the tiny model under `layout`."""
-    spec = tiny_spec(*METRICS_MODEL, layout=layout)
+    spec = tiny_spec(*METRICS_MODEL, *overrides, layout=layout)
     job = build_job(spec)
     compiled = job.step.lower(job.state, job.step.shard_batch(job.data.batch(0))).compile()
     return job, compiled, comm.analyze_compiled(compiled, job.step.mesh), memory.compiled_memory(compiled)

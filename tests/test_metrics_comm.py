@@ -82,6 +82,45 @@ def test_tensor_parallel_all_reduces_activations():
     assert local <= kinds["all-reduce"]["data"] <= (local + SCALARS) * 1.01  # once per step
 
 
+def test_ext_custom_calls_count_like_xla_collectives():
+    # As the compiled HLO prints xla_ext's calls (spec_jax.collectives.ext); the second has
+    # no axes scope, so its axes come from the one axis set of size 4 (`b`).
+    call = ('custom-call(%x, %r, %g), custom_call_target="{t}", api_version=API_VERSION_TYPED_FFI, '
+            'metadata={{op_name="jit(f)/shard_map/{scope}ffi_call"}}, backend_config={{call_site = 0 '
+            ': i64, group_size = {n} : i64, timeout_ms = 1000 : i64}}')
+    hlo = f"""HloModule m
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %rs = f32[4]{{0}} {call.format(t="trainspec_reduce_scatter", scope="trainspec_axes=a/", n=2)}
+}}
+ENTRY %main (a: f32[8]) -> f32[8] {{
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  %ag = f32[32]{{0}} {call.format(t="trainspec_all_gather", scope="", n=4)}
+  %bc = f32[8]{{0}} {call.format(t="trainspec_broadcast", scope="trainspec_axes=a+b/", n=8)}
+  %other = f32[8]{{0}} custom-call(%a), custom_call_target="SomethingElse"
+}}
+"""
+    v = analyze_hlo(hlo, {"a": 2, "b": 4})
+    assert v.by_kind_and_axis() == {"reduce-scatter": {"a": 3 * 32}, "all-gather": {"b": 128},
+                                    "broadcast": {"a+b": 32}}
+    assert v.bus_bytes == pytest.approx(3 * 32 * 0.5 + 128 * 0.75 + 32 * 1.0)
+    # Three axis sets fit a group of 2 without a scope: named "?" rather than guessed.
+    ambiguous = analyze_hlo(hlo.replace("trainspec_axes=a/", ""), {"a": 2, "b": 2, "c": 2})
+    assert ambiguous.by_kind_and_axis()["reduce-scatter"] == {"?": 3 * 32}
+
+
+def test_ext_gradient_all_reduce_moves_the_same_bytes_as_xla():
+    """The same data-parallel step through XLA's all-reduce and through xla_ext's custom call.
+    XLA folds the step's few scalars (loss sum, tokens) into the gradient all-reduce; with ext
+    they stay a separate small XLA all-reduce, so the collectives differ in number, not bytes."""
+    job, _, xla_volume, _ = compiled_layout("data")
+    _, _, ext_volume, _ = compiled_layout("data", "collectives.backend=ext")
+    p = param_bytes(job.state.params)
+    assert len(ext_volume.collectives) == 2  # the custom call (the gradient) and the scalars
+    assert max(c.bytes for c in ext_volume.collectives) == p
+    assert ext_volume.by_kind_and_axis() == xla_volume.by_kind_and_axis()
+    assert ext_volume.bus_bytes == pytest.approx(xla_volume.bus_bytes)
+
+
 def test_peak_memory_per_device_falls_as_fsdp_grows():
     peaks = [compiled_layout(name)[3]["memory_peak_bytes"] for name in ("data", "fsdp2", "fsdp4", "fsdp8")]
     assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks

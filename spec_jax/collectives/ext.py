@@ -74,8 +74,12 @@ def _custom_call(op: str, x, out_shape, axis_name, timeout_s, **attrs):
     call = jax.ffi.ffi_call(
         _TARGETS[op], jax.ShapeDtypeStruct(out_shape, x.dtype), vmap_method="sequential"
     )
-    return call(x, rank, group, call_site=np.int64(next(_call_sites)), group_size=np.int64(n),
-                timeout_ms=_timeout_ms(timeout_s), **attrs)
+    # The HLO keeps the group size (an attribute) but not which mesh axes form the group: the
+    # name scope carries them into the call's metadata for spec_jax.metrics.comm to read.
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    with jax.named_scope("trainspec_axes=" + "+".join(names)):
+        return call(x, rank, group, call_site=np.int64(next(_call_sites)), group_size=np.int64(n),
+                    timeout_ms=_timeout_ms(timeout_s), **attrs)
 
 
 # ---- all_reduce -------------------------------------------------------------------------------

@@ -6,6 +6,13 @@ all-gather its gathered output, reduce-scatter its unscattered input. Instructio
 while loop count once per iteration (XLA's `known_trip_count`), which matters because the
 micro-batch accumulation is a loop. Replica groups are mapped back to the jax mesh axes they
 span, so volume is reported per collective kind and per mesh axis.
+
+The `ext` backend's collectives are xla_ext FFI custom calls (`custom_call_target=
+"trainspec_<op>"`), invisible to XLA as collectives; they are counted by the same conventions.
+Their group size is a static attribute of the call (`group_size` in its backend_config), their
+payload is read from the result shape as for XLA's own, and the mesh axes they span from the
+`trainspec_axes=...` name scope spec_jax.collectives.ext puts on every call (failing that, from
+the one set of mesh axes whose sizes multiply to the group size, else "?").
 """
 from __future__ import annotations
 
@@ -17,6 +24,14 @@ from collections import defaultdict
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# xla_ext's custom-call targets (spec_jax.collectives.ext) and the kind each one counts as.
+# A broadcast has no HLO kind: it keeps its own (bus factor 1, like nccl-tests).
+EXT_TARGETS = {
+    "trainspec_all_reduce": "all-reduce", "trainspec_all_gather": "all-gather",
+    "trainspec_reduce_scatter": "reduce-scatter", "trainspec_all_to_all": "all-to-all",
+    "trainspec_permute": "collective-permute", "trainspec_broadcast": "broadcast",
+}
+EXT_AXES_SCOPE = "trainspec_axes="
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -205,6 +220,27 @@ def axes_of_groups(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple
     return ("?",)
 
 
+def _axes_of_size(group_size: int, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The only set of mesh axes (size > 1) whose sizes multiply to `group_size`, else ("?",)."""
+    real = [a for a, s in mesh_shape.items() if s > 1]
+    fits = [over for r in range(1, len(real) + 1) for over in itertools.combinations(real, r)
+            if int(np.prod([mesh_shape[a] for a in over])) == group_size]
+    return fits[0] if len(fits) == 1 else ("?",)
+
+
+def _ext_collective(line: str, target: str, shape: str, mesh_shape: dict[str, int]):
+    """(kind, S bytes, group size, axes) of one xla_ext collective custom call."""
+    kind = EXT_TARGETS[target]
+    m = re.search(r"\bgroup_size\s*=\s*(\d+)", line)
+    group_size = int(m.group(1)) if m else 1
+    m = re.search(re.escape(EXT_AXES_SCOPE) + r"([^/\"]+)", line)
+    if m:
+        axes = tuple(a for a in m.group(1).split("+") if mesh_shape.get(a, 1) > 1)
+    else:
+        axes = _axes_of_size(group_size, mesh_shape) if group_size > 1 else ()
+    return kind, _payload_bytes(kind, shape, False, group_size), group_size, axes
+
+
 def _permute_axes(pairs: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """Axes along which source and target coordinates differ (collective-permute)."""
     names, sizes = list(mesh_shape), list(mesh_shape.values())
@@ -268,6 +304,10 @@ def analyze_hlo(hlo_text: str, mesh_shape: dict[str, int]) -> CommVolume:
                     axes = axes_of_groups(groups, mesh_shape)
                 size = _payload_bytes(base, m.group("shape"), op.endswith("-start"), group_size)
                 counts[(base, size, group_size, axes)] += multiplier
+                continue
+            target = re.search(r'custom_call_target="(trainspec_\w+)"', line)
+            if op == "custom-call" and target and target.group(1) in EXT_TARGETS:
+                counts[_ext_collective(line, target.group(1), m.group("shape"), mesh_shape)] += multiplier
                 continue
             if op == "while":
                 trips = _trip_count(line)
