@@ -24,7 +24,7 @@ from spec_jax.cli.main import main
 from spec_jax.core.plan.hardware import load_profile
 from spec_jax.core.plan.model import predict
 from spec_jax.core.plan.search import all_layouts
-from spec_jax.core.plan.transformer import parameters
+from spec_jax.core.plan.transformer import parameters, shape_for_params
 from spec_jax.models.transformer_flops import for_spec
 from spec_jax.tools.plan_check import (ComputeProbe, calibrate_cpu, compile_layout,
                                  fit_compute, layout_of, load_factors, paired_step_times)
@@ -91,6 +91,9 @@ def test_parameter_table_matches_the_flax_model():
     (["--devices", "8", "--set", "mesh.axes.tensor.size=16"], "does not divide --devices 8"),
     (["--devices", "8", "--hardware", "h100_sxm", "--layers", "200", "--d-model", "16384",
       "--heads", "128", "--d-ff", "65536"], "exceeds the 80 GB"),
+    (["--devices", "8", "--params", "1e9", "--d-model", "512"], "cannot be combined with --d-model"),
+    (["--devices", "8", "--params", "1000"], "--params: 1e+03 is outside the sizes"),
+    (["--devices", "8", "--params", "nan"], "--params: nan is outside the sizes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main(["plan", *argv]) == 2
@@ -109,6 +112,31 @@ def test_ranked_table_json_and_plot_from_8_to_100k_devices(tmp_path, capsys):
     assert all(p["reasons"] for p in preds if not p["fits"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "rank layout" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n", [125e6, 1.3e9, 8e9, 175e9, 1e12])
+def test_params_picks_a_shape_of_about_that_size(n):
+    m = shape_for_params(n, load_spec(None).model)
+    count = sum(p.size for p in parameters(m))
+    # the nearest multiple of 128 in width at the rule's layer count: within one width step
+    assert abs(count / n - 1) <= 0.1, (m, count)
+    assert 0.75 <= m.d_model / (128 * m.n_layers) <= 1.25 and m.d_model == 128 * m.n_heads == m.d_ff // 4
+
+
+def test_params_rule_gives_gpt3_its_own_shape():
+    m = shape_for_params(175e9, load_spec(None, ["model.vocab_size=51200"]).model)
+    assert (m.n_layers, m.d_model, m.n_heads, m.d_ff) == (96, 12288, 96, 49152)
+
+
+def test_params_flag_plans_that_model(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--devices", "8", "--hardware", "h100_sxm", "--params", "1.3e9",
+                 "--vocab", "51200", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    model = load_spec(plan["spec"]).model
+    assert (model.n_layers, model.vocab_size) == (18, 51200)
+    assert sum(p.size for p in parameters(model)) == pytest.approx(1.3e9, rel=0.1)
+    assert plan["predictions"][0]["fits"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,6 +30,10 @@ def register(subparsers) -> None:
                    help="devices in one ICI domain (default: the profile's)")
     p.add_argument("--all-layouts", action="store_true",
                    help="rank every data x fsdp x tensor factorisation (default: the spec's mesh)")
+    p.add_argument("--params", type=float, metavar="N",
+                   help="a transformer of about N parameters (e.g. 1.3e9): layers, width, heads "
+                   "and d_ff from the shape rule of docs/plan.md; not with --layers/--d-model/"
+                   "--heads/--d-ff")
     for flag, field in MODEL_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"sets {field}")
     p.add_argument("--calibrate", type=Path, metavar="BENCH_JSON",
@@ -42,13 +46,33 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+SHAPE_FLAGS = ("layers", "d_model", "heads", "d_ff")  # what --params decides
+
+
 def _spec(args):
     from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
 
     sets = [f"{MODEL_FLAGS[f]}={getattr(args, f)}" for f in MODEL_FLAGS if getattr(args, f) is not None]
     if args.global_batch is not None and args.micro_batch is None:
         sets.append(f"batch.micro_batch={args.global_batch}")
-    return load_spec(args.spec or DEFAULT_SPEC_PATH, [*args.overrides, *sets])
+    spec = load_spec(args.spec or DEFAULT_SPEC_PATH, [*args.overrides, *sets])
+    return spec if args.params is None else _sized(spec, args)
+
+
+def _sized(spec, args):
+    """The spec with the model of --params (its vocabulary kept)."""
+    from spec_jax.core.plan.transformer import shape_for_params
+    from spec_jax.core.spec import load_spec
+
+    given = [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise UserInputError(f"--params picks the model's shape; it cannot be combined with {', '.join(given)}")
+    try:
+        m = shape_for_params(args.params, spec.model)
+    except ValueError as e:
+        raise UserInputError(f"--params: {e}") from None
+    return load_spec(spec, [f"model.n_layers={m.n_layers}", f"model.d_model={m.d_model}",
+                            f"model.n_heads={m.n_heads}", f"model.d_ff={m.d_ff}"])
 
 
 def _profile(args):
@@ -106,8 +130,11 @@ def _gb(x: float) -> str:
 
 
 def table(preds, profile, spec) -> str:
+    from spec_jax.core.plan.transformer import parameters
+
     m = spec.model
-    lines = [f"# trainspec plan: {profile.name} ({profile.description}); model L={m.n_layers} "
+    n_params = sum(p.size for p in parameters(m))
+    lines = [f"# trainspec plan: {profile.name} ({profile.description}); model {n_params:.3g} params, L={m.n_layers} "
              f"d={m.d_model} H={m.n_heads} d_ff={m.d_ff} V={m.vocab_size}; batch "
              f"{spec.batch.global_batch}x{spec.batch.seq_len} "
              f"({plural(spec.batch.accumulation_steps, 'micro-batch', 'micro-batches')}); {spec.precision.compute} compute; remat {spec.remat.policy}",

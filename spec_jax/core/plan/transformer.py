@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spec_jax.core.spec import ModelSpec
+from spec_jax.core.spec import MAX_WIDTH, ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +78,44 @@ def token_activations(m: ModelSpec, seq_len: int, remat: str,
         "dots_with_no_batch_dims_saveable": (d, 4 * d + f),
     }.get(remat, (4 * d, 4 * d + scores + 2 * f))
     return TokenActivations(L * replicated + m.vocab_size, L * split + 2 * m.vocab_size)
+
+
+# --params: the shape of a transformer of a given size. GPT-3 175B's shape (96 layers of width
+# 12288: 128 per layer) with heads of width 128 (GPT-3 175B, Llama) and d_ff = 4 d_model;
+# Kaplan et al. 2020 (sec. 3.1) found the loss nearly flat in the aspect ratio over a wide range
+# around it, so one ratio serves every size.
+WIDTH_PER_LAYER = 128
+HEAD_WIDTH = 128
+FF_RATIO = 4
+MAX_LAYERS = MAX_WIDTH // (FF_RATIO * WIDTH_PER_LAYER)  # d_ff within the schema's width bound
+
+
+def _nearest(n_params: float, count, low: int, high: int) -> int:
+    """The x in [low, high] whose count(x) is nearest n_params, count increasing."""
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if count(mid) <= n_params else (low, mid)
+    return min((low, high), key=lambda x: abs(count(x) - n_params))
+
+
+def shape_for_params(n_params: float, base: ModelSpec) -> ModelSpec:
+    """A model of about `n_params` parameters with `base`'s vocabulary: n_layers = L nearest
+    the rule d_model = 128 L, then d_model the multiple of 128 nearest the count at that L
+    (the ratio moves a little so that the count lands within a few percent, not within a
+    factor (L+1)^3 / L^3), n_heads = d_model / 128, d_ff = 4 d_model.
+    Raises ValueError outside the sizes the rule can build."""
+    def shaped(layers: int, width: int) -> ModelSpec:
+        d = HEAD_WIDTH * width
+        return base.model_copy(update={"n_layers": layers, "d_model": d, "n_heads": width,
+                                       "d_ff": FF_RATIO * d})
+
+    def count(model: ModelSpec) -> int:
+        return sum(p.size for p in parameters(model))
+
+    smallest, largest = count(shaped(1, 1)), count(shaped(MAX_LAYERS, MAX_LAYERS))
+    if not smallest / 2 <= n_params <= largest:
+        raise ValueError(f"{n_params:.3g} is outside the sizes the shape rule builds: "
+                         f"{smallest / 2:.3g} (1 layer of width {HEAD_WIDTH}) to {largest:.3g}")
+    layers = _nearest(n_params, lambda n: count(shaped(n, n)), 1, MAX_LAYERS)
+    width = _nearest(n_params, lambda w: count(shaped(layers, w)), 1, MAX_LAYERS)
+    return shaped(layers, width)
