@@ -1,6 +1,9 @@
 """`trainspec report` (table, HTML, plots; truncated last line skipped with a warning) and
 `trainspec bench step` (interleaved specs side by side with ratios)."""
+import base64
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,9 @@ from spec_jax.cli.main import main
 from spec_jax.models.transformer_flops import for_spec
 from spec_jax.metrics.logger import MetricsLogger
 from spec_jax.core.records import read_jsonl
+from spec_jax.metrics import plots
+from spec_jax.tools import report_page
+from spec_jax.tools.metrics_report import report
 from spec_jax.train import build_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,10 +47,58 @@ def test_report_compares_runs_with_table_html_and_plots(runs, tmp_path, capsys):
     assert main(["report", *map(str, runs), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert " data " in text and " fsdp " in text and "/ first" in text  # labelled by run dir
+    assert "step ms (median)" in text and "loss (last)" in text  # the statistic is named
+    # One self-contained file: every plot inline, nothing else written, nothing linked.
+    assert [p.name for p in out.iterdir()] == ["index.html"]
     page = (out / "index.html").read_text()
-    for png in ("loss", "tokens_per_s", "mfu", "memory", "step_time", "comm"):
-        assert f'src="{png}.png"' in page
-        assert (out / f"{png}.png").stat().st_size > 1000
+    images = re.findall(r'<img src="([^"]+)"', page)
+    assert len(images) >= 6 and all(i.startswith("data:image/png;base64,") for i in images)
+    assert all(len(base64.b64decode(i.split(",", 1)[1])) > 1000 for i in images)
+    for caption in ("Loss", "Throughput", "Model FLOPs utilisation", "Step time", "Collective"):
+        assert f"<figcaption>{caption}" in page
+    assert "<style>" in page and "trainspec report: data, fsdp</h1>" in page
+    assert "<tr class=ratio><td>fsdp / first</td>" in page  # the ratio row is in the HTML too
+    assert f"{os.cpu_count()} cores" in page  # the machine
+
+
+def _synthetic_run(path, template, marks):
+    """A metrics file of 8 records (steps 1..8) from a real record, with `marks` (step ->
+    extra fields) as the trainer writes them on resumes and checkpoints."""
+    lines = []
+    for step in range(1, 9):
+        record = {**template, "step": step, "loss": 5.0 - 0.1 * step, "learning_rate": 1e-3 * step}
+        lines.append(json.dumps({**record, **marks.get(step, {})}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_report_marks_resumes_and_checkpoints_on_the_curves(runs, tmp_path):
+    template = read_jsonl(runs[0])[-1]
+    marked = _synthetic_run(tmp_path / "marked.jsonl", template, {
+        3: {"checkpoint_saved": True}, 6: {"checkpoint_saved": True},
+        4: {"resumed_from_step": 3, "resumed_from_mesh": "fsdp=8"}})
+    plain = _synthetic_run(tmp_path / "plain.jsonl", template, {})
+    records = {"marked": read_jsonl(marked), "plain": read_jsonl(plain)}
+    assert report_page.checkpoints(records["marked"]) == [3, 6]
+    assert report_page.resumes(records["marked"]) == [(4, 3, "fsdp=8")]
+    assert report_page.checkpoints(records["plain"]) == report_page.resumes(records["plain"]) == []
+
+    plt = plots.pyplot()
+    for title, ylabel, value in report_page.CURVES[:4]:  # loss, throughput, MFU, learning rate
+        fig = report_page._curve(plt, title, ylabel, value, records)
+        ax = fig.axes[0]
+        marks = sorted((ln.get_linestyle(), ln.get_xdata()[0]) for ln in ax.get_lines()
+                       if ln.get_linestyle() in (":", "--") and len(ln.get_xdata()))
+        assert marks == [("--", 3), (":", 3), (":", 6)], (title, marks)  # only the marked run's
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels == ["marked", "plain", "checkpoint saved", "resume"]
+        assert any("resumed from 3" in t.get_text() for t in ax.texts)
+        plt.close(fig)
+
+    _, page = report([marked, plain], tmp_path / "report")
+    html = page.read_text()
+    assert "2 checkpoints; resumed at step 4 from step 3 (fsdp=8)" in html
+    assert "<figcaption>Learning rate" in html
 
 
 def test_truncated_last_line_is_skipped_with_a_warning(runs, tmp_path):
