@@ -2,25 +2,26 @@
 # Prepared GPU check (docs/plan.md, "GPU check"): on a machine with jax[cuda] preinstalled and no
 # network, install this checkout, run `trainspec doctor`, `trainspec plan` for one GPU, and
 # `trainspec train` of a ~127M-parameter reference model in bfloat16 on one GPU; print the
-# measured MFU next to the plan's prediction. Budget: 8 minutes in all (each stage is timed out).
+# measured MFU next to the plan's prediction. Budget: 8 minutes in all: the stage timeouts
+# (install 90 s, doctor 120 s, plan 30 s, train 210 s) add up to 7.5 minutes.
 #   bash bench/device_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-$(mktemp -d)}}
 mkdir -p "$OUT"
 T0=$(date +%s)
+PY=${PYTHON:-$(command -v python || command -v python3)}  # images with jax[cuda] may ship only python3
 stage() { echo "== $1 ($(( $(date +%s) - T0 )) s)"; }
 
 stage "install (no network: build isolation off, no index)"
-if timeout 150 python -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/install.log" 2>&1; then
-  TS="trainspec"
-else  # no compiler or build deps here: run from the source tree; the xla backend needs no extension
+TS="$PY -m spec_jax.cli.main"  # not `trainspec`: pip's script directory may not be on PATH
+if ! timeout 90 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/install.log" 2>&1; then
+  # no compiler or build deps here: run from the source tree; the xla backend needs no extension
   echo "install failed (tail of $OUT/install.log below); running from the source tree"
   tail -3 "$OUT/install.log"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  TS="python -m spec_jax.cli.main"
 fi
-python - <<'PY' || { echo "missing run-time dependencies (above)"; exit 3; }
+"$PY" - <<'PY' || { echo "missing run-time dependencies (above)"; exit 3; }
 import importlib, sys
 missing = [m for m in ("jax", "flax", "optax", "orbax.checkpoint", "pydantic", "tqdm", "matplotlib")
            if importlib.util.find_spec(m.split(".")[0]) is None]
@@ -43,18 +44,18 @@ MODEL=(--set model.n_layers=18 --set model.d_model=768 --set model.n_heads=12 --
        --set mesh.axes.data.size=1 --set checkpoint.interval=0 --set metrics.interval=10)
 
 stage "doctor"
-timeout 150 $TS doctor --hardware "$HW" --backends xla --json "$OUT/doctor.json" | tee "$OUT/doctor.txt"
+timeout 120 $TS doctor --hardware "$HW" --backends xla --json "$OUT/doctor.json" | tee "$OUT/doctor.txt"
 echo "doctor exit status ${PIPESTATUS[0]}"
 
 stage "plan"
-timeout 60 $TS plan --devices 1 --hardware "$HW" "${MODEL[@]}" --json "$OUT/plan.json" | tee "$OUT/plan.txt"
+timeout 30 $TS plan --devices 1 --hardware "$HW" "${MODEL[@]}" --json "$OUT/plan.json" | tee "$OUT/plan.txt"
 
 stage "train"
-timeout 240 $TS train "${MODEL[@]}" --steps 60 --quiet --run-dir "$OUT/run" \
+timeout 210 $TS train "${MODEL[@]}" --steps 60 --quiet --run-dir "$OUT/run" \
   --summary-json "$OUT/summary.json" | tee "$OUT/train.txt"
 
 stage "compare"
-python - "$OUT" <<'PY'
+"$PY" - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
 plan = json.load(open(f"{out}/plan.json"))["predictions"][0]

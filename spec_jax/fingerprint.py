@@ -6,18 +6,26 @@ on each shard) and returns two uint32 words. `fingerprint_reference`
 """
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 
-from spec_jax import xla_ext
 from spec_jax.core.fingerprint import fingerprint_reference  # noqa: F401 (the definition)
 
 TARGET = "trainspec_fingerprint"
-assert TARGET in xla_ext.TARGETS
+# Where the extension is built, load it now, so that handlers built for another jaxlib fail
+# when a job starts, not at its first replica check. A source tree on PYTHONPATH where it could
+# not be built (bench/device_check.sh) trains without it until a fingerprint is asked for.
+if importlib.util.find_spec("spec_jax._xla_ext") is not None:
+    from spec_jax import xla_ext  # noqa: F401
 
 
 def fingerprint(x: jax.Array) -> jax.Array:
     """uint32[2] (low word, high word) fingerprint of `x`'s bytes, computed on its device."""
+    from spec_jax import xla_ext
+
+    assert TARGET in xla_ext.TARGETS
     x = jnp.asarray(x)
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct((2,), jnp.uint32), vmap_method="sequential"

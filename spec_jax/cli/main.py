@@ -21,11 +21,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"trainspec: error: {message}\n")
 
 
+def _version() -> str:
+    """The installed distribution's version; a source tree on PYTHONPATH (bench/device_check.sh
+    where the package cannot be built) has no distribution metadata and must still run."""
+    try:
+        return importlib.metadata.version("trainspec")
+    except importlib.metadata.PackageNotFoundError:
+        return "(source tree, not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainspec",
                      description="Run and measure spec-driven training on JAX or PyTorch.")
-    parser.add_argument("--version", action="version",
-                        version=f"trainspec {importlib.metadata.version('trainspec')}")
+    parser.add_argument("--version", action="version", version=f"trainspec {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(f"spec_jax.cli.{name}").register(subparsers)
