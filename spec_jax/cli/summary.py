@@ -8,10 +8,11 @@ def print_summary(summary: dict) -> None:
         f"\ntrained {summary['steps']} steps on mesh {mesh} "
         f"({plural(summary['accumulation_steps'], 'micro-batch', 'micro-batches')} per step)\n"
         f"  loss           {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}\n"
-        f"  tokens/s       {summary['tokens_per_s']:.0f}\n"
+        f"  tokens/s       {summary['tokens_per_s']:.0f} (mean over the run)\n"
         f"  step time      {summary['step_time_s'] * 1e3:.1f} ms (mean, compile excluded)\n"
         f"  MFU            {_percent(summary.get('mfu'))} (docs/metrics.md; "
         f"compile {summary.get('compile_time_s') or 0:.1f} s, goodput {_percent(summary.get('goodput'))})\n"
+        f"  peak           {_peak(summary)}\n"
         f"  GNS            {_gns(summary)}\n"
         f"  spec           {summary['spec']}\n"
         f"  metrics        {summary['metrics_file']}"
@@ -28,6 +29,13 @@ def _gns(summary: dict) -> str:
     if summary.get("gns") is None:
         return "- (no positive |G|^2 estimate yet)"
     return f"{summary['gns']:.0f} tokens (B_simple; `trainspec advise` reads it)"
+
+
+def _peak(summary: dict) -> str:
+    """The MFU denominator and where it came from (measured here, the table, the spec)."""
+    peak = summary.get("peak_flops_per_device")
+    value = "-" if peak is None else f"{peak:.3g} FLOP/s per device"
+    return f"{value} ({summary.get('peak_flops_source', 'source unknown')})"
 
 
 def _percent(value) -> str:

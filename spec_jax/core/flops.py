@@ -74,18 +74,25 @@ def utilisation(flops_per_step: float | None, step_time_s: float | None, n_devic
     return float(flops_per_step / (step_time_s * n_devices * peak.flops_per_device))
 
 
-def peak_flops(spec: Spec, device_kind: str, cpu_devices_in_process: int = 1) -> Peak:
+def peak_flops(spec: Spec, device_kind: str, cpu_devices_in_process: int = 1,
+               cpu_process_peak: Peak | None = None) -> Peak:
     """Peak FLOP/s of one device: the spec's override, else the table, else unknown (None).
 
-    A CPU's measured peak is the whole process's, shared by its `cpu_devices_in_process`.
+    A CPU's peak is the whole process's, shared by its `cpu_devices_in_process`: this machine's
+    when the implementation measured it (`cpu_process_peak`), else the table's, which was
+    measured on another machine and says so.
     """
     if spec.metrics.peak_flops_per_device:
         return Peak(spec.metrics.peak_flops_per_device, "spec:metrics.peak_flops_per_device")
     key = device_kind_key(device_kind)
     if key == "cpu":
         local = max(1, cpu_devices_in_process)
+        if cpu_process_peak is not None and cpu_process_peak.flops_per_device:
+            return Peak(cpu_process_peak.flops_per_device / local,
+                        f"{cpu_process_peak.source}; shared by {local} devices")
         return Peak(CPU_PROCESS_PEAK_FLOPS / local,
-                    f"table:cpu float32 measured {CPU_PROCESS_PEAK_FLOPS:.3g}/{local} devices")
+                    f"table:cpu {CPU_PROCESS_PEAK_FLOPS:.3g} float32 measured on the 2-core "
+                    f"development machine, not this one; shared by {local} devices")
     if key is None:
         return Peak(None, f"unknown device kind {device_kind!r}: set metrics.peak_flops_per_device")
     return Peak(PEAK_FLOPS_BF16[key], f"table:{key} bfloat16 dense")

@@ -217,6 +217,8 @@ def run_fields(facts: dict, seconds: float, timed_steps: int, valid_tokens: floa
         "step_time_s": step_time,
         "tokens_per_s": valid_tokens / seconds if seconds else float("nan"),
         "mfu": utilisation(facts["model_flops_per_step"], step_time, facts["n_devices"], peak),
+        "peak_flops_per_device": peak.flops_per_device,
+        "peak_flops_source": peak.source,
         "model_flops_per_step": facts["model_flops_per_step"],
         "memory_peak_bytes": facts["memory_peak_bytes"],
         "comm_bytes_per_step": facts["comm_bytes_per_step"],

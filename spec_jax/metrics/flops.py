@@ -10,6 +10,7 @@ import numpy as np
 
 from spec_jax.core import flops as core_flops
 from spec_jax.core.spec import Spec
+from spec_jax.metrics import cpu_peak
 
 
 def xla_flops_per_step(wrapped_step, state, batch) -> float | None:
@@ -29,10 +30,15 @@ def xla_flops_per_step(wrapped_step, state, batch) -> float | None:
 
 
 def peak_flops(spec: Spec, devices=None) -> core_flops.Peak:
-    """Peak FLOP/s of one of `devices` (default: jax.devices()), per spec_jax.core.flops."""
+    """Peak FLOP/s of one of `devices` (default: jax.devices()), per spec_jax.core.flops; on a
+    CPU, this machine's measured matmul peak (metrics.cpu_peak, cached per machine)."""
     devices = devices if devices is not None else jax.devices()
     local_cpus = sum(1 for d in jax.local_devices() if d.platform == "cpu")
-    return core_flops.peak_flops(spec, devices[0].device_kind, local_cpus)
+    kind = devices[0].device_kind
+    measured = None  # only measured where it is used: a CPU and no override in the spec
+    if core_flops.device_kind_key(kind) == "cpu" and not spec.metrics.peak_flops_per_device:
+        measured = cpu_peak.process_peak()
+    return core_flops.peak_flops(spec, kind, local_cpus, measured)
 
 
 def param_count(params) -> int:

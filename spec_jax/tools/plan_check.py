@@ -22,6 +22,7 @@ from spec_jax.core.plan.model import Layout, fit_activation_overheads
 from spec_jax.core.spec import Spec
 from spec_jax.mesh import build_mesh
 from spec_jax.metrics import comm, memory
+from spec_jax.metrics.cpu_peak import matmul_peak
 from spec_jax.train import build_abstract_job, build_job
 
 
@@ -115,20 +116,6 @@ def paired_step_times(runner, reference, steps: int = 11) -> list[tuple[float, f
         ref = reference.once()
         pairs.append((runner.once(), ref))
     return pairs
-
-
-def matmul_peak(n: int = 1024, repeats: int = 5) -> float:
-    """Best float32 matmul FLOP/s of the process on one device (bench/cpu_matmul_peak.py's
-    method at one size: the best of `repeats`, since load only ever slows a run down)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(jnp.matmul)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def collective_rows(sizes=(16 << 10, 256 << 10, 1 << 20, 4 << 20)) -> list[dict]:
