@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
@@ -79,11 +80,12 @@ class WrappedStep:
                 "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"")
         # collectives.compression: each replica's residual rides in the state (error feedback)
         self.error_feedback = spec.collectives.compression != "none" and bool(self.data_axes)
-        if self.error_feedback and (spec.collectives.backend != "xla"
+        if self.error_feedback and (spec.collectives.backend not in ("xla", "ext")
                                     or not isinstance(step_fn, LossStep)):
             raise UserInputError(
                 f"collectives.compression: {spec.collectives.compression} needs "
-                "collectives.backend = \"xla\" and a step built with spec_jax.loss_step(loss_fn)")
+                "collectives.backend = \"xla\" or \"ext\" and a step built with "
+                "spec_jax.loss_step(loss_fn)")
         # metrics.gns: where the small batch comes from, or why nothing is measured
         self.gns_source, self.gns_note = gns.resolve(
             spec.metrics.gns, self.replicas, k, isinstance(step_fn, (LossStep, GradStep)))
@@ -228,6 +230,13 @@ class WrappedStep:
         spec, data = self.spec, self.data_axes
         group = data if len(data) > 1 else data[0]
         param_pspecs = self.state_pspecs.params
+        if spec.collectives.backend == "ext":  # the xla_ext packed-buffer handlers
+            from spec_jax.collectives import compression_ext  # needs the compiled extension
+
+            compressed_sum = functools.partial(compression_ext.compressed_sum,
+                                               timeout_s=spec.collectives.timeout_s)
+        else:
+            compressed_sum = compression.compressed_sum
 
         def body(g, r=None):
             # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
@@ -242,7 +251,7 @@ class WrappedStep:
                 return unpack(collectives.all_reduce(
                     packed, group, "sum",
                     timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend))
-            flat, new_residual = compression.compressed_sum(
+            flat, new_residual = compressed_sum(
                 packed, jnp.concatenate([x.ravel() for x in jax.tree.leaves(r)]), group,
                 spec.collectives.compression, spec.collectives.compression_block)
             return unpack(flat), unpack(new_residual, (1,))

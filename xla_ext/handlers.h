@@ -12,3 +12,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecBroadcast);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecPermute);
+
+// compression.cc: the compressed gradient exchange's packed buffers (collectives.compression).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecQuantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecDequantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecErrorFeedback);

@@ -29,6 +29,9 @@ NB_MODULE(_xla_ext, m) {
     table["trainspec_all_to_all"] = Capsule(TrainspecAllToAll);
     table["trainspec_broadcast"] = Capsule(TrainspecBroadcast);
     table["trainspec_permute"] = Capsule(TrainspecPermute);
+    table["trainspec_quantize"] = Capsule(TrainspecQuantize);
+    table["trainspec_dequantize"] = Capsule(TrainspecDequantize);
+    table["trainspec_error_feedback"] = Capsule(TrainspecErrorFeedback);
     return table;
   });
   // What the handlers were compiled against; spec_jax/xla_ext.py compares it with the running

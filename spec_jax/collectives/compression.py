@@ -15,21 +15,29 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.core.compression import INT8_MAX, padded_size
+from spec_jax.core.packed import INT8_INV_MAX, SCALE_MASK
 
 
 def quantize_int8(flat: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """(int8 payload of shape (blocks, block), float32 scale per block); zero-padded."""
+    """(int8 payload of shape (blocks, block), float32 scale per block); zero-padded.
+    The arithmetic is spec_jax.core.packed's, which the ext handlers share bit for bit."""
     padded = jnp.pad(flat.astype(jnp.float32), (0, padded_size(flat.size, block) - flat.size))
     blocks = padded.reshape(-1, block)
-    scales = jnp.max(jnp.abs(blocks), axis=1) / INT8_MAX
-    safe = jnp.where(scales > 0, scales, 1.0)
-    payload = jnp.clip(jnp.round(blocks / safe[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    # Multiplications by rounded reciprocals, written out: XLA rewrites a division by a constant
+    # or by a broadcast value into them anyway, and the ext handlers must do what XLA does.
+    scales = jnp.max(jnp.abs(blocks), axis=1) * INT8_INV_MAX
+    # 17 significant bits: q * scale is then exact, whether or not XLA contracts it with the
+    # sum or the residual's subtraction into an FMA (it does, on hosts that have FMA).
+    scales = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(scales, jnp.uint32) & SCALE_MASK, jnp.float32)
+    inverse = 1.0 / jnp.where(scales > 0, scales, 1.0)
+    payload = jnp.clip(jnp.round(blocks * inverse[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return payload, scales
 
 
 def dequantize_int8(payload: jax.Array, scales: jax.Array, size: int) -> jax.Array:
-    return (payload.astype(jnp.float32) * scales[..., None]).reshape(*payload.shape[:-2], -1)[
-        ..., :size]
+    values = payload.astype(jnp.float32) * scales[..., None]  # exact (quantize_int8)
+    return values.reshape(*payload.shape[:-2], -1)[..., :size]
 
 
 def round_trip(flat: jax.Array, compression: str, block: int) -> jax.Array:

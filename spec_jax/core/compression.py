@@ -16,8 +16,8 @@ import numpy as np
 
 COMPRESSIONS = ("none", "bf16", "int8")
 INT8_MAX = 127
-# A block's float32 scale starts where its int8 payload ends in the packed layout: a payload of
-# a multiple of 4 bytes keeps every scale 4-byte aligned.
+# Blocks of a multiple of 4 elements keep the packed buffer (header, float32 scales, int8
+# payload; spec_jax/core/packed.py) a whole number of 4-byte words.
 BLOCK_ALIGN = 4
 
 
@@ -63,8 +63,8 @@ def error_bound(x: np.ndarray, compression: str, block: int) -> np.ndarray:
 
     bf16 keeps 8 significant bits: rounding to nearest errs by at most half an ulp, 2^-8 |x|
     (normal range; gradients far below 1e-38 flush with it). int8 errs by at most half a step,
-    scale / 2 = max|block| / 254, plus the float32 rounding of the scale (relative 2^-24 of
-    max|block|, up to 127 steps of it)."""
+    scale / 2 <= max|block| / 254 * (1 + 2^-23), plus 2^-23 |x| from the two float32 roundings
+    of x * fl(1/scale) (spec_jax/core/packed.py defines the float32 arithmetic)."""
     x = np.asarray(x, np.float64)
     if compression == "none":
         return np.zeros_like(x)
@@ -73,7 +73,8 @@ def error_bound(x: np.ndarray, compression: str, block: int) -> np.ndarray:
     flat = np.zeros(padded_size(x.size, block))
     flat[: x.size] = np.abs(x.ravel())
     block_max = np.repeat(flat.reshape(-1, block).max(axis=1), block)[: x.size]
-    return (block_max * (0.5 / INT8_MAX + 2.0**-24 * 1.01)).reshape(x.shape)
+    bound = block_max * (0.5 / INT8_MAX) * (1 + 2.0**-22) + np.abs(x.ravel()) * 2.0**-23 * 1.001
+    return bound.reshape(x.shape)
 
 
 def error_feedback_step(x: np.ndarray, residual: np.ndarray, compression: str,

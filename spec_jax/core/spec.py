@@ -167,12 +167,12 @@ class CollectivesSpec(_Section):
     compression: Literal["none", "bf16", "int8"] = Field(
         "none", description="What the gradient reduction over the data axes sends: float32 "
         "(`none`), bfloat16, or int8 with a float32 scale per block, with error feedback "
-        "(docs/communication.md). `xla` backend only."
+        "(docs/communication.md). `xla` or `ext` backend."
     )
     compression_block: int = Field(
         256, ge=BLOCK_ALIGN, le=MAX_WIDTH,
-        description=f"Elements per int8 scale block; a multiple of {BLOCK_ALIGN} (keeps each "
-        "block's float32 scale 4-byte aligned after its payload)."
+        description=f"Elements per int8 scale block; a multiple of {BLOCK_ALIGN} (keeps the "
+        "packed buffer of scales and payload a whole number of 4-byte words: docs/xla_ext.md)."
     )
 
     @field_validator("compression_block")
