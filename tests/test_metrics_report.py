@@ -47,7 +47,7 @@ def test_report_compares_runs_with_table_html_and_plots(runs, tmp_path, capsys):
     assert main(["report", *map(str, runs), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert " data " in text and " fsdp " in text and "/ first" in text  # labelled by run dir
-    assert "step ms (median)" in text and "loss (last)" in text  # the statistic is named
+    assert "\nstep ms (median) " in text and "\nloss (last) " in text  # the statistic is named
     # One self-contained file: every plot inline, nothing else written, nothing linked.
     assert [p.name for p in out.iterdir()] == ["index.html"]
     page = (out / "index.html").read_text()

@@ -65,12 +65,18 @@ def rows(summaries: dict[str, dict]) -> tuple[list[str], list[tuple[bool, list[s
 
 
 def table(summaries: dict[str, dict]) -> str:
-    """Plain-text table, one row per run, plus a ratio row against the first run."""
+    """Plain-text table for a terminal: the HTML's table turned on its side (a row per metric,
+    a column per run, then a ratio column per later run against the first), so that it stays
+    narrow however many metrics there are."""
     headers, body = rows(summaries)
-    cells = [headers] + [r for _, r in body]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
-    return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
+    columns = [["metric"] + headers[1:]] + [cells for _, cells in body]
+    lines = [list(row) for row in zip(*columns)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+
+    def fmt(line):  # metric names to the left, numbers to the right
+        return "  ".join([line[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(line[1:], widths[1:])])
+
+    return "\n".join([fmt(lines[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines[1:]])
 
 
 def run_names(paths: list[Path]) -> list[str]:
