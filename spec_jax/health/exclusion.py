@@ -33,12 +33,27 @@ def _checked_mesh(spec: Spec, devices: Sequence[jax.Device]) -> Mesh:
     return mesh
 
 
+def _candidates(usable: Sequence[jax.Device]) -> list[list[jax.Device]]:
+    """Device sets to try, largest first. One process: the prefixes of its usable devices.
+    Several: the first k usable devices of every process, for each k, since each process runs
+    the same program on its own devices (a process left without any could not take part) and a
+    multi-host mesh is one equal block per process."""
+    by_process: dict[int, list[jax.Device]] = {}
+    for d in usable:
+        by_process.setdefault(d.process_index, []).append(d)
+    if len(by_process) == 1:
+        return [list(usable[:n]) for n in range(len(usable), 0, -1)]
+    most = min(len(ds) for ds in by_process.values())
+    return [[d for ds in by_process.values() for d in ds[:k]] for k in range(most, 0, -1)]
+
+
 def largest_mesh(spec: Spec, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The spec's mesh over the largest prefix of the usable devices that satisfies it.
+    """The spec's mesh over the largest set of the usable devices that satisfies it
+    (`_candidates`: a prefix, or the same number from every process).
 
     Without excluded devices this is `build_mesh` (a spec that does not fit all devices is the
-    user's error, reported as such, never silently shrunk). With exclusions, if no prefix fits,
-    the error is the one for all usable devices.
+    user's error, reported as such, never silently shrunk). With exclusions, if no set fits,
+    the error is the one for the largest.
     """
     if not spec.mesh.exclude_devices:
         return _checked_mesh(spec, list(jax.devices() if devices is None else devices))
@@ -48,9 +63,9 @@ def largest_mesh(spec: Spec, devices: Sequence[jax.Device] | None = None) -> Mes
     if not usable:
         raise UserInputError(f"mesh.exclude_devices: all {len(spec.mesh.exclude_devices)} devices are excluded")
     errors = []
-    for n in range(len(usable), 0, -1):
+    for candidate in _candidates(usable):
         try:
-            return _checked_mesh(unfiltered, usable[:n])
+            return _checked_mesh(unfiltered, candidate)
         except UserInputError as err:
             errors.append(err)
     raise errors[0]
