@@ -2,7 +2,8 @@
 
 A checkpoint holds two items written together into one step directory:
 - `state`: the train state (parameters, optimizer state, its step counter) as sharded arrays;
-- `meta`: JSON with the step, the data position, the RNG, the spec and the run's length.
+- `meta`: JSON with the step, the data position, the RNG, the spec, the mesh the state was
+  sharded over (a resume says from which mesh it came) and the run's length.
 
 Atomicity comes from orbax: a step is written into `<step>.orbax-checkpoint-tmp*` and renamed to
 `<step>` only once every item is complete, and orbax lists only renamed steps.
@@ -81,6 +82,12 @@ def abstract_like(state):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
+def mesh_shape(state) -> dict[str, int]:
+    """Axis sizes of the mesh `state` is sharded over."""
+    mesh = jax.tree.leaves(state)[0].sharding.mesh
+    return {name: int(size) for name, size in mesh.shape.items()}
+
+
 class Checkpointer:
     """Checkpoints of one run directory (`checkpoint.dir` inside it), per the spec."""
 
@@ -125,6 +132,7 @@ class Checkpointer:
             "health": health or {},
             "checksums": checksums(state),
             "spec": self.spec.to_dict(),
+            "mesh": mesh_shape(state),
         }
         with self._failing_saves_end_the_run():
             self.manager.save(step, args=ocp.args.Composite(

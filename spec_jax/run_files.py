@@ -5,8 +5,52 @@ import json
 import os
 from pathlib import Path
 
+from spec_jax.core.mesh import mesh_text
+from spec_jax.core.spec import Spec
+from spec_jax.core.spec_source import to_toml
+
+SPEC_FILE = "spec.toml"  # the spec a run dir was last trained under, --set overrides applied
+
+
+class AlreadyTrained(Exception):
+    """The run directory is already at (or past) the step asked for: nothing was trained and
+    nothing in it changed."""
+
+    def __init__(self, run_dir: Path, at_step: int, steps: int):
+        super().__init__(f"{run_dir} is already at step {at_step} (its newest good checkpoint); "
+                         f"asked to train to step {steps}: nothing trained, nothing changed")
+
+
+def resume_mark(meta: dict) -> dict:
+    """The fields that mark the first record after resuming from a checkpoint (its `meta`)."""
+    return {"resumed_from_step": meta["data_position"],
+            "resumed_from_mesh": mesh_text(meta["mesh"]) if "mesh" in meta else "not recorded"}
+
+
+def resume_line(mark: dict, mesh: dict[str, int]) -> str:
+    """'resumed from step N (mesh A → B)', saying so when the mesh is unchanged."""
+    was, now = mark["resumed_from_mesh"], mesh_text(mesh)
+    return (f"resumed from step {mark['resumed_from_step']} (mesh {was} → {now}"
+            f"{', unchanged' if was == now else ''})")
+
 
 def write_json_atomically(path: Path, payload: dict) -> None:
+    _write_atomically(path, json.dumps(payload, indent=2) + "\n")
+
+
+def save_spec(spec: Spec, run_dir: Path) -> None:
+    _write_atomically(Path(run_dir) / SPEC_FILE,
+                      "# The spec this run directory was trained under (written by trainspec "
+                      "train).\n" + to_toml(spec.to_dict()))
+
+
+def saved_spec(run_dir: Path) -> Path | None:
+    """The spec a run directory was trained under, if it has one."""
+    path = Path(run_dir) / SPEC_FILE
+    return path if path.is_file() else None
+
+
+def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)  # a reader never sees a half-written summary
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader never sees a half-written file

@@ -21,19 +21,20 @@ from flax.training.train_state import TrainState
 from spec_jax.checkpoint import Checkpointer
 from spec_jax.core.data import ByteBatches
 from spec_jax.distributed import is_writer
-from spec_jax.core.errors import UserInputError
+from spec_jax.feed import Feed
 from spec_jax.core.health import HealthHalt, ReplicaMismatch
 from spec_jax.health.exclusion import exclude, largest_mesh
 from spec_jax.health.faults import Faults
 from spec_jax.health.guards import Guards
-from spec_jax.health.memory import check_host_batch, check_step
+from spec_jax.health.memory import check_step
 from spec_jax.health.preflight import preflight
 from spec_jax.layout import strip_boxes
 from spec_jax.metrics import MetricsLogger
 from spec_jax.core.goodput import Goodput
 from spec_jax.models.transformer_flops import for_spec as model_flops
 from spec_jax.models.transformer import Transformer, next_token_loss
-from spec_jax.run_files import write_json_atomically
+from spec_jax.run_files import (
+    AlreadyTrained, resume_line, resume_mark, save_spec, write_json_atomically)
 from spec_jax.core.spec import Spec
 from spec_jax.preemption import Preempted, StopSignals
 from spec_jax.step import WrappedStep, wrap
@@ -43,12 +44,18 @@ from spec_jax.step_forms import loss_step
 log = logging.getLogger(__name__)
 
 
-def make_optimizer(spec: Spec, total_steps: int) -> optax.GradientTransformation:
+def make_schedule(spec: Spec, total_steps: int) -> optax.Schedule:
+    """Learning rate by update count: linear warm-up from 0, cosine decay to a tenth."""
     o = spec.optimizer
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         0.0, o.learning_rate, max(1, min(o.warmup_steps, total_steps - 1)), max(total_steps, 2),
         end_value=o.learning_rate * 0.1,
     )
+
+
+def make_optimizer(spec: Spec, total_steps: int) -> optax.GradientTransformation:
+    o = spec.optimizer
+    schedule = make_schedule(spec, total_steps)
     opt = (
         optax.adamw(schedule, weight_decay=o.weight_decay)
         if o.name == "adamw"
@@ -123,65 +130,25 @@ def build_job(spec: Spec, mesh=None, total_steps: int | None = None, init: bool 
     return job
 
 
-def local_rows(job: Job) -> slice:
-    """This process's rows of the global batch: the rows its devices hold under the batch
-    sharding (not "block p of P": which rows a process holds follows the mesh and the layout).
-    They must be one contiguous block of whole sequences, the form the data source builds and
-    `jax.make_array_from_process_local_data` takes."""
-    spec = job.spec
-    shape = (spec.batch.global_batch, spec.batch.seq_len)
-    held = job.step.batch_sharding(2).addressable_devices_indices_map(shape).values()
-    rows, cols = set(), set()
-    for index in held:
-        rows.update(range(*index[0].indices(shape[0])[:2]))
-        cols.update(range(*index[1].indices(shape[1])[:2]))
-    lo, hi = min(rows), max(rows) + 1
-    if len(rows) != hi - lo or len(cols) != shape[1]:
-        raise UserInputError(
-            f"layout.rules.batch: process {jax.process_index()} holds {len(rows)} rows of the "
-            f"batch between {lo} and {hi} and {len(cols)} of {shape[1]} positions, not one "
-            "contiguous block of whole sequences; list the cross-process mesh axes first in "
-            "the batch rule and do not split `length` across processes")
-    return slice(lo, hi)
-
-
-class _Feed:
-    """This process's rows of each step's batch. The first batch is fetched at once: the
-    metrics logger compiles the step with it, and the first step then uses it (each batch is
-    fetched exactly once)."""
-
-    def __init__(self, job: Job, position: int):
-        self.data, self.rows = job.data, local_rows(job)
-        self.host_bytes = self.data.host_bytes(self.rows.stop - self.rows.start)
-        check_host_batch(self.host_bytes)  # before the batch takes the memory
-        self.first = self._prefetched = self.data.batch(position, self.rows)
-
-    def batch(self, index: int):
-        """(batch `index`, seconds the host waited for it)."""
-        t0 = time.perf_counter()
-        host_batch = self._prefetched if self._prefetched is not None else self.data.batch(index, self.rows)
-        self._prefetched = None
-        return host_batch, time.perf_counter() - t0
-
-
 class _Session:
     """One `trainspec train` invocation: the job, its state, and the guards around the loop.
 
     Each concern is one method, so that `train` reads top to bottom; a rollback re-enters
     `_resume` on the remaining devices. `faults` is the test hook (health.faults): nothing is
     injected unless a test passes one. `restart` sets the existing checkpoints aside (kept)
-    and trains from step 0.
+    and trains from step 0. `announce` is told, in one line, where a resume starts.
     """
 
     def __init__(self, spec: Spec, run_dir: Path, steps: int, faults: Faults | None,
-                 progress: bool, restart: bool = False):
-        self.steps, self.faults = steps, faults or Faults()
+                 progress: bool, restart: bool = False, announce=None):
+        self.steps, self.faults, self.announce = steps, faults or Faults(), announce
         run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = Checkpointer(spec, run_dir)
         if restart:
             for moved in self.ckpt.set_aside():
                 log.warning("--restart: checkpoint moved to %s", moved)
         self.total_steps = self.ckpt.saved_total_steps() or steps  # a resume keeps its LR schedule
+        self.schedule = make_schedule(spec, self.total_steps)
         self.metrics_file = run_dir / spec.metrics.path
         self.rollbacks: list[dict] = []
         self.goodput = Goodput()  # from here: initialisation and restore count as badput
@@ -189,6 +156,9 @@ class _Session:
         spec, self.preflight = preflight(spec, self.goodput, fault)  # health.preflight
         self._resume(spec)
         self.start = self.step
+        if self.start >= steps:  # before anything is compiled or written
+            raise AlreadyTrained(run_dir, self.start, steps)
+        self._announce_resume()
         self.bar = _progress_bar(steps, progress and is_writer())
         self.bar.update(self.step)
         # Compiles the step once and measures it (FLOPs, memory, comm); records per interval.
@@ -212,21 +182,42 @@ class _Session:
         self.goodput.add("checkpoint_restore" if meta else "initialization",
                          time.perf_counter() - t1)
         self.step = meta["data_position"] if meta else 0
+        self.resume_mark = resume_mark(meta) if meta else None  # on the first record after it
         counts = (meta or {}).get("health", {})  # the non-finite counts carry on across a resume
         self.job.step.reset_guard(self.step, counts.get("skipped_steps", 0),
                                   counts.get("consecutive_nonfinite", 0))
         self.guards = Guards(spec, self.job, counts.get("skipped_steps", 0))
-        self.feed = _Feed(self.job, self.step)
+        self.feed = Feed(self.job, self.step)
 
-    def _record(self, metrics, data_wait: float) -> None:
-        """Host sync only when a record is due (metrics.interval, first and last step)."""
-        record = self.metrics_log.after_step(self.step, metrics, data_wait, extra=self.guards.at_sync)
+    def _announce_resume(self) -> None:
+        if self.resume_mark and self.announce:
+            self.announce(resume_line(self.resume_mark, self.job.mesh_shape))
+
+    def _record(self, metrics, data_wait: float, checkpointing: bool) -> None:
+        """Host sync only when a record is due (metrics.interval, first and last step, a
+        checkpoint after this step)."""
+        record = self.metrics_log.after_step(self.step, metrics, data_wait, due=checkpointing,
+                                             extra=lambda: self._record_fields(metrics, checkpointing))
         if record is None:
             return
         self.bar.update(self.step - self.bar.n)
         self.bar.set_postfix(loss=f"{self.metrics_log.losses[self.step]:.3f}",
                              tok_s=f"{record['tokens_per_s']:.0f}",
                              mfu=f"{100 * (record['mfu'] or 0):.1f}%")
+
+    def _record_fields(self, metrics, checkpointing: bool) -> dict:
+        """The fields the loop adds to a record: health, the step's learning rate, and the
+        marks of a resume just before it and of a checkpoint just after it."""
+        fields = self.guards.at_sync()  # counts the skipped steps up to this one
+        # The optimizer's update count at this step: the steps before it less those skipped.
+        skipped_before = self.guards.skipped - int(metrics.get("nonfinite", 0))
+        fields["learning_rate"] = float(self.schedule(self.step - 1 - skipped_before))
+        if self.resume_mark is not None:
+            fields.update(self.resume_mark)
+            self.resume_mark = None
+        if checkpointing:
+            fields["checkpoint_saved"] = True
+        return fields
 
     def _rolled_back_after_divergence(self, checkpointing: bool = False) -> bool:
         """Compare replica fingerprints when due (always before a checkpoint, which must never
@@ -245,6 +236,7 @@ class _Session:
             self._timed_checkpoint_io(self.ckpt.wait)
             diverged_at = self.step
             self._resume(exclude(self.job.spec, err.devices))
+            self._announce_resume()
             self.goodput.lose_steps(diverged_at - self.step)
             self.metrics_log.restart(self.job.spec, self.job.step, self.state, self.feed.first,
                                      self.step + 1, model_flops(self.job.spec))
@@ -297,8 +289,9 @@ class _Session:
                         batch = self.faults.batch(self.step, host_batch)
                         self.state, metrics = self.job.step(self.state, batch)
                     self.state = self.faults.state(self.step, self.state)
-                    self._record(metrics, data_wait)
                     signum = signals.due(self.step)
+                    self._record(metrics, data_wait, self.ckpt.enabled and (
+                        signum is not None or self.ckpt.due(self.step, self.steps)))
                     if self._rolled_back_after_divergence(checkpointing=signum is not None):
                         continue
                     if signum is not None:
@@ -342,14 +335,22 @@ def run(
     summary_json: Path | None = None,
     faults: Faults | None = None,
     restart: bool = False,
+    announce=None,
 ) -> dict[str, Any]:
     """Train to step `steps` (default `train.steps`), resuming from the newest good checkpoint
     in `run_dir` (or from step 0 with `restart`, the old checkpoints set aside); write metrics
     JSONL and checkpoints; return the summary.
 
+    Saves `spec` as RUN_DIR/spec.toml (`trainspec train` reuses it when given no --spec);
+    `announce(line)` is told where a resume starts.
+
     Raises HealthHalt when a guard stops the run, Preempted after SIGTERM/SIGINT (with the
-    checkpoint written), UserInputError when the checkpoints are all bad or a save fails."""
-    session = _Session(spec, run_dir, steps or spec.train.steps, faults, progress, restart)
+    checkpoint written), UserInputError when the checkpoints are all bad or a save fails,
+    AlreadyTrained (having changed nothing) when the run is already at or past `steps`."""
+    session = _Session(spec, run_dir, steps or spec.train.steps, faults, progress, restart,
+                       announce)
+    if is_writer():
+        save_spec(spec, run_dir)
     session.train()
     summary = session.summary(spec_label)
     if summary_json is not None and is_writer():

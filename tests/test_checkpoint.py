@@ -10,6 +10,7 @@ from spec_jax.checkpoint import Checkpointer
 from spec_jax.core.data import ByteBatches
 from spec_jax.core.errors import UserInputError
 from spec_jax.health.faults import Faults, InjectedCrash
+from spec_jax.run_files import AlreadyTrained
 from spec_jax.train import Job, build_job, run
 
 from tiny import tiny_spec
@@ -120,14 +121,13 @@ def test_resume_with_other_model_is_one_line_naming_the_field(tmp_path):
         Checkpointer(other, tmp_path).restore_latest(build_job(other, init=False).abstract_state)
 
 
-def test_rerun_of_a_finished_run_resumes_at_its_end(tmp_path, monkeypatch):
+def test_rerun_of_a_finished_run_restores_its_end_and_trains_nothing(tmp_path, monkeypatch):
     spec = tiny_spec("checkpoint.interval=2", "checkpoint.async_save=false")
-    first = run(spec, tmp_path, steps=4, progress=False)
+    run(spec, tmp_path, steps=4, progress=False)
 
     def no_fresh_state(job):
         raise AssertionError("a resume restores into the planned state; it initialises none")
 
     monkeypatch.setattr(Job, "init_state", no_fresh_state)
-    again = run(spec, tmp_path, steps=4, progress=False)
-    assert again["resumed_from"] == 4
-    assert (again["initial_loss"], again["final_loss"]) == (first["initial_loss"], first["final_loss"])
+    with pytest.raises(AlreadyTrained, match="already at step 4 .*asked to train to step 4"):
+        run(spec, tmp_path, steps=4, progress=False)

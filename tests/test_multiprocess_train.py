@@ -20,7 +20,8 @@ import pytest
 from spec_jax.core.errors import UserInputError
 from spec_jax.mesh import check_hierarchical
 from spec_jax.core.spec import load_spec
-from spec_jax.train import local_rows, run
+from spec_jax.feed import local_rows
+from spec_jax.train import run
 
 # A multi-host layout: the cross-process part of data parallelism is an axis of its own
 # (`replica`, dcn = 2: one per process), listed first so each process holds one contiguous

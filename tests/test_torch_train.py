@@ -62,6 +62,19 @@ def test_records_validate_against_the_schema(reference):
         jsonschema.validate(record, schema)
 
 
+def test_records_carry_the_learning_rate_and_mark_the_checkpoints(reference):
+    from spec_jax.adapters.torch_step import learning_rate
+    from spec_jax.core.spec import load_spec
+
+    optimizer = load_spec(reference / "spec.toml").optimizer  # the spec the run saved
+    records = _records(reference)
+    assert [r["learning_rate"] for r in records] == [
+        learning_rate(optimizer, STEPS, r["step"] - 1) for r in records]  # no step was skipped
+    assert len({r["learning_rate"] for r in records}) > STEPS // 2  # warm-up, then decay
+    assert [r["step"] for r in records if r.get("checkpoint_saved")] == [4, 8, 12]
+    assert not any("resumed_from_step" in r for r in records)
+
+
 def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference):
     proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=ROOT, start_new_session=True)
@@ -88,6 +101,10 @@ def test_resumes_on_another_world_size(tmp_path, reference):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] == 8 and summary["mesh"]["data"] == 4
+    assert "resumed from step 8 (mesh data=2 x fsdp=1 x tensor=1 → data=4 x fsdp=1 x tensor=1)" \
+        in result.stderr + result.stdout
+    first = next(r for r in _records(run_dir) if r["step"] == 9)
+    assert (first["resumed_from_step"], first["resumed_from_mesh"]) == (8, "data=2 x fsdp=1 x tensor=1")
     want, got = _losses(reference), _losses(run_dir)
     resumed = range(9, STEPS + 1)
     np.testing.assert_allclose([got[s] for s in resumed], [want[s] for s in resumed], rtol=1e-5)

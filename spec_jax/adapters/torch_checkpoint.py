@@ -66,7 +66,8 @@ class TorchCheckpointer:
 
     # -- save and restore -----------------------------------------------------------------------
     def save(self, step: int, model, optimizer, total_steps: int, updates: int,
-             skipped_steps: int) -> None:
+             skipped_steps: int, mesh: dict[str, int]) -> None:
+        """Write the state after `step`; `mesh`: the axis sizes it is sharded over."""
         if self.interval <= 0 or step == self.last_saved:
             return
         partial = self.directory / f"{step}.partial"
@@ -79,7 +80,7 @@ class TorchCheckpointer:
         if self.writer:
             meta = {"format": FORMAT, "step": step, "data_position": step, "updates": updates,
                     "total_steps": total_steps, "skipped_steps": skipped_steps,
-                    "spec": self.spec.to_dict()}
+                    "spec": self.spec.to_dict(), "mesh": mesh}
             (partial / META).write_text(json.dumps(meta, indent=2))
             final = self.directory / str(step)
             if final.exists():

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from spec_jax.adapters.torch import TorchAdapter
 from spec_jax.adapters.torch_checkpoint import TorchCheckpointer
-from spec_jax.adapters.torch_step import TorchStep, local_block
+from spec_jax.adapters.torch_step import TorchStep, learning_rate, local_block
 from spec_jax.core import flops, records
 from spec_jax.core.goodput import Goodput
 from spec_jax.core.health import (
@@ -30,7 +30,8 @@ from spec_jax.core.health import (
 from spec_jax.core.spec import Spec
 from spec_jax.core.data import ByteBatches
 from spec_jax.models.transformer_flops import TransformerFlops
-from spec_jax.run_files import write_json_atomically
+from spec_jax.run_files import (
+    AlreadyTrained, resume_line, resume_mark, save_spec, write_json_atomically)
 
 # Record fields that PyTorch's eager execution does not measure (no compiled program to
 # analyse): null, as the record format prescribes for an unknown value.
@@ -47,7 +48,7 @@ class TorchSession:
     """One `trainspec train --framework torch` rank: resume, loop, checkpoint, record."""
 
     def __init__(self, spec: Spec, run_dir: Path, steps: int, adapter: TorchAdapter,
-                 progress: bool):
+                 progress: bool, announce=None):
         self.goodput = Goodput()
         self.spec, self.steps, self.adapter = spec, steps, adapter
         self.writer = adapter.is_writer()
@@ -62,6 +63,11 @@ class TorchSession:
         self.goodput.add("initialization", t1 - t0)
         self.goodput.add("checkpoint_restore" if meta else "initialization", time.perf_counter() - t1)
         self.step = self.start = meta["data_position"] if meta else 0
+        if self.start >= steps:  # before anything is written
+            raise AlreadyTrained(run_dir, self.start, steps)
+        self.resume_mark = resume_mark(meta) if meta else None  # on the first record after it
+        if meta and announce and self.writer:
+            announce(resume_line(self.resume_mark, self.mesh_shape))
         self.job.updates = meta["updates"] if meta else 0
         self.skipped_before = meta["skipped_steps"] if meta else 0
         self.guard = init_nan_guard(self.step)
@@ -115,7 +121,7 @@ class TorchSession:
                 self._after_step(metrics, waited)
                 if self._fingerprint_due() or self.ckpt.due(self.step, self.steps):
                     self._check_replicas()  # never checkpoint a diverged replica
-                if self.ckpt.due(self.step, self.steps):
+                if self.ckpt.due(self.step, self.steps):  # after the record that marks it
                     t0 = time.perf_counter()
                     self._save(self.step)
                     self.goodput.add("checkpoint_save", time.perf_counter() - t0)
@@ -178,17 +184,22 @@ class TorchSession:
     def _save(self, step: int) -> None:
         skipped = self.skipped_before + int(self.guard["skipped"])
         self.ckpt.save(step, self.job.model, self.job.optimizer, self.total_steps,
-                       self.job.updates, skipped)
+                       self.job.updates, skipped, self.mesh_shape)
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {name: int(self.mesh.size(i)) for i, name in enumerate(self.mesh.mesh_dim_names)}
 
     def _after_step(self, metrics: dict, waited: float) -> None:
         self.pending += 1
         self.pending_wait += waited
         self.pending_tokens += metrics["valid_tokens"]
+        checkpointing = self.ckpt.due(self.step, self.steps)
         if not (self.step == self.start + 1 or self.step % self.spec.metrics.interval == 0
-                or self.step == self.steps):
+                or self.step == self.steps or checkpointing):
             return
         check_nan_guard(self.spec.health.nan, self.guard)  # raises HealthHalt when tripped
-        record = self._record(metrics)
+        record = self._record(metrics, checkpointing)
         self.losses[self.step] = record["loss"] if record["loss"] is not None else float("nan")
         self.bar.update(self.step - self.bar.n)
         self.bar.set_postfix(loss=f"{self.losses[self.step]:.3f}",
@@ -204,7 +215,7 @@ class TorchSession:
             self.stragglers.observe(step, [float(t[i]) for t in every])
         self.times.clear()
 
-    def _record(self, metrics: dict) -> dict:
+    def _record(self, metrics: dict, checkpointing: bool) -> dict:
         self._observe_stragglers()
         now = time.perf_counter()
         wall, n = now - self.interval_start, self.pending
@@ -217,13 +228,19 @@ class TorchSession:
             "time": time.time(),
             "loss": records.finite_or_none(metrics["loss"]),
             "grad_norm": records.finite_or_none(metrics["grad_norm"]),
+            # the update count this step used: the applied updates less its own, if applied
+            "learning_rate": learning_rate(self.spec.optimizer, self.total_steps,
+                                           self.job.updates - (1 - metrics["nonfinite"])),
             **records.interval_fields(self.facts, n, wall, self.pending_tokens,
                                       flops.tokens_per_step(self.spec), self.pending_wait,
                                       self.goodput.summary(now)),
             "skipped_steps": self.skipped_before + int(self.guard["skipped"]),
             "stragglers": self.stragglers.stragglers(),
             "framework": "torch",
+            **(self.resume_mark or {}),
+            **({"checkpoint_saved": True} if checkpointing else {}),
         }
+        self.resume_mark = None
         if self.sink:
             self.sink.write(record)
         self.pending, self.pending_wait, self.pending_tokens = 0, 0.0, 0.0
@@ -239,7 +256,7 @@ class TorchSession:
             "last_checkpoint": self.ckpt.last_saved, "rollbacks": [], "excluded_devices": [],
             "skipped_steps": self.skipped_before + int(self.guard["skipped"]),
             **self.stragglers.report(),
-            "mesh": {name: int(self.mesh.size(i)) for i, name in enumerate(self.mesh.mesh_dim_names)},
+            "mesh": self.mesh_shape,
             "accumulation_steps": self.spec.batch.accumulation_steps,
             "spec": spec_label, "metrics_file": str(self.metrics_path), "framework": "torch",
         }
@@ -247,13 +264,18 @@ class TorchSession:
 
 def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "default",
         progress: bool = True, summary_json: Path | None = None,
-        adapter: TorchAdapter | None = None) -> dict[str, Any]:
-    """One rank of the job: train to step `steps`, resuming from the newest checkpoint."""
+        adapter: TorchAdapter | None = None, announce=None) -> dict[str, Any]:
+    """One rank of the job: train to step `steps`, resuming from the newest checkpoint; saves
+    `spec` as RUN_DIR/spec.toml, tells `announce(line)` where a resume starts. AlreadyTrained
+    when the run dir is at or past `steps` (nothing changed)."""
     adapter = adapter or TorchAdapter(spec.collectives.timeout_s)
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
     try:
-        session = TorchSession(spec, run_dir, steps or spec.train.steps, adapter, progress)
+        session = TorchSession(spec, run_dir, steps or spec.train.steps, adapter, progress,
+                               announce)
+        if session.writer:
+            save_spec(spec, run_dir)
         session.train()
         summary = session.summary(spec_label)
         if summary_json is not None and session.writer:

@@ -1,11 +1,12 @@
 """The summary `trainspec train` prints, whichever implementation trained (framework-free)."""
 from __future__ import annotations
 
+from spec_jax.core.mesh import mesh_text
+
 
 def print_summary(summary: dict) -> None:
-    mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
     print(
-        f"\ntrained {summary['steps']} steps on mesh {mesh} "
+        f"\ntrained {summary['steps']} steps on mesh {mesh_text(summary['mesh'])} "
         f"({plural(summary['accumulation_steps'], 'micro-batch', 'micro-batches')} per step)\n"
         f"  loss           {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}\n"
         f"  tokens/s       {summary['tokens_per_s']:.0f} (mean over the run)\n"

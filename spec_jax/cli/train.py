@@ -9,12 +9,14 @@ from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
 from spec_jax.cli.summary import print_summary
+from spec_jax.cli.train_spec import announce, silent, spec_to_use
 from spec_jax.core.errors import UserInputError
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train the reference model under a spec")
-    p.add_argument("--spec", type=Path, help="spec file (TOML); default: the built-in spec")
+    p.add_argument("--spec", type=Path, help="spec file (TOML); default: the spec the run dir was "
+                   "last trained under (RUN_DIR/spec.toml), else the built-in spec")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: train.steps)")
     p.add_argument("--run-dir", type=Path, default=Path("runs/default"),
                    help="output directory; a run directory with checkpoints is resumed from the "
@@ -87,10 +89,13 @@ def run(args) -> int:
     from spec_jax.distributed import initialize_from_env
 
     initialize_from_env()  # a no-op unless launched as one process of several
-    from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
+    from spec_jax.core.spec import load_spec
+    from spec_jax.distributed import is_writer
+    from spec_jax.run_files import AlreadyTrained
     from spec_jax.train import run as train
 
-    spec_path = args.spec or DEFAULT_SPEC_PATH
+    say = announce if is_writer() else silent  # once per job, not once per process
+    spec_path = spec_to_use(args, say)
     from spec_jax.core.health import HealthHalt
     from spec_jax.health.exclusion import exclude
     from spec_jax.health.faults import Faults
@@ -115,7 +120,11 @@ def run(args) -> int:
             summary_json=args.summary_json,
             faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
             restart=args.restart,
+            announce=say,
         )
+    except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
+        say(str(done))
+        return 0
     except HealthHalt as halt:  # one clear line, saying where the last good state is
         print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3
@@ -128,8 +137,6 @@ def run(args) -> int:
         print(f"trainspec: error: {err}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
-    from spec_jax.distributed import is_writer
-
     if is_writer():  # once per job, not once per process
         print_summary(summary)
     return 0

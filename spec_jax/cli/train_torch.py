@@ -25,10 +25,11 @@ def _check_flags(args) -> None:
 
 def run(args) -> int:
     from spec_jax.adapters.torch_support import launched, rank_from_env
-    from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
+    from spec_jax.cli.train_spec import announce, silent, spec_to_use
+    from spec_jax.core.spec import load_spec
 
     _check_flags(args)
-    spec_path = args.spec or DEFAULT_SPEC_PATH
+    spec_path = spec_to_use(args, silent if launched() else announce)  # said once, by the launcher
     spec = load_spec(Path(spec_path), args.overrides)
     if not launched():
         return _start_ranks(args, spec)
@@ -36,10 +37,16 @@ def run(args) -> int:
         raise UserInputError("--nprocs: this process is already one rank of a job")
     from spec_jax.adapters.torch_train import run as train
     from spec_jax.core.health import HealthHalt
+    from spec_jax.run_files import AlreadyTrained
 
     try:
         summary = train(spec, args.run_dir, steps=args.steps, spec_label=str(spec_path),
-                        progress=not args.quiet, summary_json=args.summary_json)
+                        progress=not args.quiet, summary_json=args.summary_json,
+                        announce=announce)
+    except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
+        if rank_from_env() == 0:
+            announce(str(done))
+        return 0
     except HealthHalt as halt:
         print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from spec_jax.core.errors import UserInputError
 from spec_jax.core.spec import Spec
+
+
+def mesh_text(shape: Mapping[str, int]) -> str:
+    """A mesh as messages and records name it: 'data=8 x fsdp=1 x tensor=1'."""
+    return " x ".join(f"{name}={size}" for name, size in shape.items())
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class ResolvedMesh:
         return math.prod(self.sizes[self.names.index(a)] for a in axes)
 
     def describe(self) -> str:
-        return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
+        return mesh_text(dict(zip(self.names, self.sizes)))
 
 
 def resolve_mesh(spec: Spec, n_devices: int) -> ResolvedMesh:

@@ -31,6 +31,8 @@ FIELDS: dict[str, tuple[dict, str]] = {
     "time": (_num, "Unix time of the record (s)."),
     "loss": (_num_or_null, "Loss of `step` (null if not finite)."),
     "grad_norm": (_num_or_null, "Global gradient norm of `step`, when the step reports it."),
+    "learning_rate": (_num_or_null, "The schedule's learning rate for the update of `step` "
+                      "(null when the trainer does not know the step's schedule)."),
     "step_time_s": (_num_or_null, "Mean wall time per step over the interval (s)."),
     "tokens_per_s": (_num_or_null, "Valid (unmasked) tokens per second over the interval."),
     "padded_tokens_per_s": (_num_or_null, "Token positions (padding included) per second."),
@@ -77,6 +79,17 @@ FIELDS: dict[str, tuple[dict, str]] = {
 
 REQUIRED = tuple(FIELDS)
 
+# Present only in the records they mark (absent, not null, elsewhere): a report draws the
+# events of a run from them.
+MARKS: dict[str, tuple[dict, str]] = {
+    "resumed_from_step": ({"type": "integer", "minimum": 0},
+                          "On the first record after a resume: the checkpoint's step."),
+    "resumed_from_mesh": ({"type": "string"}, "On the first record after a resume: the mesh "
+                          "the checkpoint was written on ('data=8 x fsdp=1 x tensor=1')."),
+    "checkpoint_saved": ({"const": True}, "On the record of a step after which a checkpoint "
+                         "of that step was saved."),
+}
+
 
 def json_schema() -> dict[str, Any]:
     return {
@@ -85,7 +98,8 @@ def json_schema() -> dict[str, Any]:
         "title": "trainspec metrics record, version 1",
         "description": "One JSON object per line of a metrics JSONL file (docs/metrics.md).",
         "type": "object",
-        "properties": {name: {**schema, "description": desc} for name, (schema, desc) in FIELDS.items()},
+        "properties": {name: {**schema, "description": desc}
+                       for name, (schema, desc) in {**FIELDS, **MARKS}.items()},
         "required": list(REQUIRED),
         "additionalProperties": True,  # later minor additions do not break version-1 readers
     }

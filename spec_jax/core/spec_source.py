@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -69,3 +70,37 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
             raise UserInputError(f"--set {key}: '{part}' is not a table")
         node = child
     node[path[-1]] = value
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    """A spec's data as TOML that reads back to the same data (`null` fields are left out:
+    their default is null). tomllib only reads, and the spec needs no more than this."""
+    lines: list[str] = []
+    _toml_table(data, (), lines)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_table(table: dict[str, Any], path: tuple[str, ...], lines: list[str]) -> None:
+    values = {k: v for k, v in table.items() if v is not None and not isinstance(v, dict)}
+    tables = {k: v for k, v in table.items() if isinstance(v, dict)}
+    if path and (values or not tables):  # an empty table is written, so that it reads back
+        lines.append(f"\n[{'.'.join(_toml_key(k) for k in path)}]")
+    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in values.items()]
+    for key, sub in tables.items():
+        _toml_table(sub, (*path, key), lines)
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # inf and nan are TOML too
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON's escapes are TOML basic-string escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")

@@ -139,9 +139,10 @@ class MetricsLogger:
         return step == self.first_step or step % self.interval == 0 or step == self.total_steps
 
     def after_step(self, step: int, metrics: dict, data_wait_s: float = 0.0,
-                   extra: Callable[[], dict] | None = None) -> dict | None:
+                   extra: Callable[[], dict] | None = None, due: bool = False) -> dict | None:
         """Note one finished step; returns the record when one is written, else None.
-        `extra()` (e.g. health fields) is called only when a record is due and merged in."""
+        `extra()` (e.g. health fields) is called only when a record is due and merged in;
+        `due` asks for a record at this step off the interval (a checkpoint follows it)."""
         if self._t_last is None:
             self.start()
         self._pending_steps += 1
@@ -150,7 +151,7 @@ class MetricsLogger:
             self._pending_tokens.append(metrics["valid_tokens"])  # a reference: no sync
         if "gns_grad_sq" in metrics:
             self._pending_gns.append((metrics["gns_grad_sq"], metrics["gns_trace"]))
-        if not self.due(step):
+        if not (due or self.due(step)):
             return None
         return self._record(step, metrics, extra() if extra else {})
 
@@ -176,6 +177,7 @@ class MetricsLogger:
             "time": time.time(),
             "loss": records.finite_or_none(loss),
             "grad_norm": records.finite_or_none(grad_norm),
+            "learning_rate": None,  # the loop knows the schedule and sets it through `extra`
             **records.interval_fields(self.analysis.fields, n, wall, valid, self.tokens_per_step,
                                       self._pending_wait, self.goodput.summary(now)),
             "memory_live_bytes": memory.live_bytes(),

@@ -15,7 +15,8 @@ from spec_jax.core.errors import UserInputError
 from spec_jax.core import flops
 from spec_jax.metrics.logger import analyze_step
 from spec_jax.models.transformer_flops import for_spec as model_flops
-from spec_jax.train import build_job, local_rows
+from spec_jax.feed import local_rows
+from spec_jax.train import build_job
 
 METRICS = [  # (key, label, scale, format) for the side-by-side table
     ("step_time_s", "step time (ms)", 1e3, "{:.2f}"),
