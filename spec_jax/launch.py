@@ -2,7 +2,8 @@
 
 Each child gets TRAINSPEC_COORDINATOR / TRAINSPEC_NUM_PROCESSES / TRAINSPEC_PROCESS_ID, which
 both implementations join from (spec_jax/distributed.py for JAX, spec_jax/adapters/torch.py).
-This module imports no framework. Output lines are prefixed with the rank. If one child fails,
+This module imports no framework. Output lines are prefixed with the rank; gloo's per-rank
+connection notices are left out unless `verbose`. If one child fails,
 the launcher names the first to fail (by when it exited, not by rank: once a rank dies the
 others abort in their next collective) and its status or signal, and stops the others
 (SIGTERM, then SIGKILL after the grace period), so a job never outlives a dead rank.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +36,9 @@ PROCESS_ID = "TRAINSPEC_PROCESS_ID"
 
 _PR_SET_PDEATHSIG = 1
 DEFAULT_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for every rank to write its checkpoint
+# Printed by gloo (jax's and torch's CPU collectives) for every rank at every connection: noise
+# unless one is debugging the rendezvous. Its "is NOT connected to" failure line stays.
+GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
 
 
 def free_port() -> int:
@@ -59,17 +64,19 @@ def _child_setup(cpus: set[int] | None):
     return setup
 
 
-def _pump(rank: int, stream, out) -> None:
+def _pump(rank: int, stream, out, verbose: bool) -> None:
     for line in iter(stream.readline, ""):
-        out.write(f"[rank {rank}] {line}")
-        out.flush()
+        if verbose or not GLOO_CONNECTED.match(line):
+            out.write(f"[rank {rank}] {line}")
+            out.flush()
     stream.close()
 
 
 class Launch:
     def __init__(self, command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
-                 port: int | None = None, bind: str | None = None):
+                 port: int | None = None, bind: str | None = None, verbose: bool = False):
         self.command, self.nprocs, self.grace_s = list(command), nprocs, grace_s
+        self.verbose = verbose
         nodes = topology.numa_nodes()
         self.bind = bind or topology.default_policy(nodes)  # numa where there are several nodes
         allowed = os.sched_getaffinity(0)
@@ -100,7 +107,7 @@ class Launch:
             self.children.append(child)
             pinned = f", --bind {self.bind}: CPUs {sorted(self.cpus[rank])}" if self.cpus[rank] else ""
             print(f"[launch] rank {rank} pid {child.pid}{pinned}", flush=True)
-            for target, args in ((_pump, (rank, child.stdout, sys.stdout)),
+            for target, args in ((_pump, (rank, child.stdout, sys.stdout, self.verbose)),
                                  (self._watch, (rank, child))):
                 thread = threading.Thread(target=target, args=args, daemon=True)
                 thread.start()
@@ -160,8 +167,8 @@ def describe_status(status: int) -> str:
 
 
 def run(command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
-        bind: str | None = None) -> int:
-    launch = Launch(command, nprocs, grace_s, bind=bind)
+        bind: str | None = None, verbose: bool = False) -> int:
+    launch = Launch(command, nprocs, grace_s, bind=bind, verbose=verbose)
 
     def forward(signum, _frame):
         print(f"[launch] {signal.Signals(signum).name}: every rank checkpoints and stops "

@@ -33,6 +33,8 @@ VALIDATE_CASES = [
     ("set on a section", None, ["--set", "batch=1"], "field 'batch'"),
     ("set string number", None, ["--set", 'batch.global_batch="8"'], "batch.global_batch"),
     ("set without =", None, ["--set", "batch.global_batch"], "--set expects"),
+    ("set a rule to an unknown axis", None, ["--set", 'layout.rules.batch=["nope"]'],
+     "field 'layout.rules.batch': names mesh axis 'nope'"),
     ("host devices -1", None, ["--host-devices", "-1"], "--host-devices must be at least 1"),
     ("host devices 0", None, ["--host-devices", "0"], "--host-devices must be at least 1"),
     ("missing spec", "absent", [], "spec file not found"),

@@ -106,3 +106,21 @@ def test_sigterm_is_forwarded_and_the_ranks_get_the_grace_period_to_save():
     assert job.returncode == 143, out
     assert out.count("] saved") == 2, out
     assert "[launch] rank 0 exited with status 143, rank 1 exited with status 143" in out, out
+
+
+def test_gloo_connection_lines_show_only_with_verbose():
+    """gloo prints this line for every rank at every connection (format from the
+    `peer ranks. Expected number of connected peer ranks is : ` string in jaxlib's gloo)."""
+    script = ("print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected "
+              "peer ranks is : 1'); print('[Gloo] Rank 0 is NOT connected to: [1]'); print('done')")
+
+    def output(*flags):
+        done = subprocess.run([*LAUNCH, "--nprocs", "1", *flags, "--", sys.executable, "-c", script],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    quiet, verbose = output(), output("-v")
+    assert "[rank 0] done" in quiet and "is connected to" not in quiet
+    assert "[rank 0] [Gloo] Rank 0 is NOT connected to: [1]" in quiet  # a failure stays
+    assert "[rank 0] [Gloo] Rank 0 is connected to 1 peer ranks." in verbose

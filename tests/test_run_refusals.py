@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -63,6 +64,64 @@ def test_a_save_that_fails_mid_run_ends_it_with_one_line(tmp_path):
     assert proc.returncode == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainspec: error: checkpoint.dir: saving to"), err
+
+
+# `trainspec` with the metrics writer failing as on a full disk from step 3 on (ENOSPC, raised
+# where the write reaches the file system; a tmpfs to fill needs root, CI has none).
+FULL_DISK_FROM_STEP_3 = """
+import errno, os, sys
+from spec_jax.core import records
+write = records.JsonlWriter.write
+def write_to_a_full_disk(self, record):
+    if record["step"] >= 3:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    write(self, record)
+records.JsonlWriter.write = write_to_a_full_disk
+from spec_jax.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_disk_that_fills_mid_run_is_one_line(tmp_path):
+    """The disk fills after a checkpoint started in the background: one line, exit 2, no
+    traceback and nothing from orbax's threads."""
+    argv = _train(tmp_path, "checkpoint.interval=2", "metrics.interval=1", steps=6)
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_FROM_STEP_3, *argv[3:]],
+                            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"trainspec: error: --run-dir {tmp_path}: No space left on device"]
+
+
+def test_a_full_disk_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from spec_jax.cli import train as train_cli
+    from spec_jax.cli.main import main
+
+    monkeypatch.setattr(train_cli.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0))
+    assert main(["train", "--run-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (
+        f"trainspec: error: --run-dir {tmp_path / 'run'}: no space left on its file system\n")
+
+
+def test_a_read_only_file_system_is_one_line(tmp_path, capsys, monkeypatch):
+    """As the kernel answers on a read-only mount (simulated: CI runs as root, with no such
+    mount): access(W_OK) fails for an existing run dir, mkdir raises EROFS for a new one."""
+    import errno
+
+    from spec_jax.cli import train as train_cli
+    from spec_jax.cli.main import main
+
+    monkeypatch.setattr(train_cli.os, "access", lambda path, mode: False)
+    assert main(["train", "--run-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"trainspec: error: --run-dir {tmp_path} is not writable\n"
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert main(["train", "--run-dir", str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err == (f"trainspec: error: --run-dir {tmp_path / 'new'}: cannot "
+                                       "create it (Read-only file system)\n")
 
 
 def test_a_batch_larger_than_the_host_is_refused_before_it_is_built(tmp_path):

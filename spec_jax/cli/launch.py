@@ -23,6 +23,8 @@ def register(subparsers) -> None:
                    help="pin each rank (and its threads) to the CPUs of one NUMA node, to an "
                    "equal block of cores, or not at all (default: numa where there are several "
                    "NUMA nodes, else none)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show gloo's '[Gloo] Rank N is connected to M peer ranks' lines")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     p.set_defaults(func=run)
 
@@ -39,4 +41,4 @@ def run(args) -> int:
         raise UserInputError(f"--nprocs must be at least 1, got {args.nprocs}")
     if args.grace < 0:
         raise UserInputError(f"--grace must be >= 0, got {args.grace}")
-    return launch(command, args.nprocs, args.grace, bind=args.bind)
+    return launch(command, args.nprocs, args.grace, bind=args.bind, verbose=args.verbose)

@@ -73,6 +73,17 @@ def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
         raise UserInputError(f"--run-dir {run_dir}: cannot create it ({err.strerror})") from None
     if not os.access(run_dir, os.W_OK):
         raise UserInputError(f"--run-dir {run_dir} is not writable")
+    if os.statvfs(run_dir).f_bavail == 0:
+        raise UserInputError(f"--run-dir {run_dir}: no space left on its file system")
+
+
+def _leave_now(message: str) -> None:
+    """One line, exit 2. After a failed write orbax's background threads may wait forever for
+    signals that will not come (or print tracebacks as the interpreter tears them down), and
+    the interpreter would wait for them at exit: leave without them."""
+    print(f"trainspec: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
 
 
 def run(args) -> int:
@@ -132,11 +143,10 @@ def run(args) -> int:
         print(f"trainspec: stopped: {stop}", file=sys.stderr)
         return stop.exit_status
     except CheckpointSaveError as err:
-        # After a failed save orbax's background threads wait forever for signals that will
-        # not come, and the interpreter would wait for them at exit: leave without them.
-        print(f"trainspec: error: {err}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(2)
+        _leave_now(str(err))
+    except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
+        _leave_now(f"--run-dir {args.run_dir}: {err.strerror or err}"
+                   + (f" ({err.filename})" if err.filename else ""))
     if is_writer():  # once per job, not once per process
         print_summary(summary)
     return 0

@@ -287,6 +287,15 @@ class HealthSpec(_Section):
     stragglers: StragglerSpec = StragglerSpec()
 
 
+class FieldError(ValueError):
+    """A check across sections, naming the field it is about: pydantic locates an error raised
+    by a whole-spec check nowhere."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class Spec(_Section):
     spec_version: Literal[1] = Field(SPEC_VERSION, description="Version of this format.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of parameter init and data order.")
@@ -308,10 +317,8 @@ class Spec(_Section):
         for logical, mesh_axes in self.layout.rules.items():
             for axis in mesh_axes:
                 if axis not in self.mesh.axes:
-                    raise ValueError(
-                        f"layout.rules.{logical} names mesh axis '{axis}', which is not in "
-                        f"mesh.axes ({', '.join(self.mesh.axes)})"
-                    )
+                    raise FieldError(f"layout.rules.{logical}", f"names mesh axis '{axis}', "
+                                     f"which is not in mesh.axes ({', '.join(self.mesh.axes)})")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -337,7 +344,8 @@ def _known_fields(loc: tuple) -> list[str]:
 def _format_errors(err: pydantic.ValidationError) -> str:
     parts = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<spec>"
+        field = ".".join(str(p) for p in e["loc"]) or getattr(e.get("ctx", {}).get("error"),
+                                                              "field", "the spec")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(str(e["loc"][-1]), _known_fields(e["loc"]), n=1)
