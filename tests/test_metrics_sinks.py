@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from tiny import tiny_spec
-from spec_jax.core.records import FIELDS
+from spec_jax.core.records import FIELDS, MARKS
 from spec_jax.metrics import sinks
 from spec_jax.metrics.sinks import TensorBoardSink
 
@@ -63,7 +63,7 @@ RECORDS = [_record(1), _record(2), _record(4),
 def test_every_record_field_has_a_place():
     placed = [*sinks.PER_RECORD, *sinks.PER_LAYOUT, *sinks.AS_TEXT, *sinks.NOT_LOGGED]
     assert len(placed) == len(set(placed))
-    assert set(FIELDS) <= set(placed), set(FIELDS) - set(placed)
+    assert {*FIELDS, *MARKS} <= set(placed), {*FIELDS, *MARKS} - set(placed)
 
 
 def test_scalars_are_grouped_and_constants_are_not_repeated(tmp_path, monkeypatch):
