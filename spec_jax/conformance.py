@@ -9,6 +9,10 @@ Families (each a row of the table `trainspec conformance --impl NAME` prints):
 - `illegal calls`: the calls every implementation must refuse, with the same message;
 - `guarantee levels`: every op declares one of the spec's levels; a `deterministic` one must
   give bitwise-identical results when the same call runs again;
+- `compression bounds`, `error feedback`: for each `collectives.compression` the
+  implementation offers, every format and block of spec_jax.core.conformance, the round trip
+  within its stated bound, and the new residual exactly (x + residual) - dequantized; skipped,
+  saying so, where the implementation offers none;
 - `accumulation`: one step with the batch in 4 micro-batches equals one step in 1, on ragged
   masks (where the mean of micro-batch means would not);
 - `layout invariance`: one step under data, fsdp and tensor layouts equals the data layout's;
@@ -54,6 +58,7 @@ class Row:
     passed: int = 0
     failed: int = 0
     first_failure: str = ""
+    skipped: str = ""  # why the family does not apply to the implementation
 
     def add(self, ok: bool, what: str) -> None:
         if ok:
@@ -167,6 +172,35 @@ def _guarantee_row(adapter: Adapter) -> Row:
     return row
 
 
+# -- collectives.compression ------------------------------------------------------------------
+
+def _compression_rows(adapter: Adapter) -> list[Row]:
+    """Per format, block and size: the round trip within the stated bound, and the new
+    residual exactly (x + residual) - dequantized, in float32."""
+    bounds, feedback = Row("compression bounds"), Row("error feedback")
+    if not adapter.compressions:
+        bounds.skipped = feedback.skipped = (
+            f"{adapter.name} reports collectives.compression unsupported")
+        return [bounds, feedback]
+    for compression, block in cases.COMPRESSION_FORMATS:
+        if compression not in adapter.compressions:
+            continue
+        for size in cases.COMPRESSION_SIZES:
+            what = f"{compression} block {block}, {size} elements"
+            x, residual = cases.compression_inputs(size, what)
+            sent = adapter.error_feedback(x, np.zeros_like(x), compression, block)[0]
+            err = np.abs(np.asarray(sent, np.float64) - x)
+            bound = cases.compression_bound(x, compression, block)
+            bounds.add(bool(np.all(err <= bound)),
+                       f"{what}: error {np.max(err - bound):.3g} above the bound")
+            sent, new_residual = adapter.error_feedback(x, residual, compression, block)
+            want = (x + residual) - np.asarray(sent, np.float32)
+            feedback.add(np.array_equal(np.asarray(new_residual, np.float32).view(np.uint32),
+                                        want.view(np.uint32)),
+                         f"{what}: new residual is not (x + residual) - dequantized")
+    return [bounds, feedback]
+
+
 # -- the step families --------------------------------------------------------------------------
 
 def _close(a: dict, b: dict) -> bool:
@@ -214,13 +248,16 @@ def _records_row(adapter: Adapter) -> Row:
 def run(adapter: Adapter, quick: bool = False) -> list[Row]:
     """Every family's row; `quick` runs the collectives on QUICK_LAYOUTS and QUICK_DTYPES only."""
     return [*_collective_rows(adapter, quick), _special_row(adapter), _illegal_row(adapter),
-            _guarantee_row(adapter),
+            _guarantee_row(adapter), *_compression_rows(adapter),
             *_step_rows(adapter), _records_row(adapter)]
 
 
 def table(impl: str, rows: list[Row]) -> str:
     lines = [f"conformance of {impl}", f"{'family':<20} {'cases':>6} {'passed':>7} {'failed':>7}  verdict"]
     for r in rows:
+        if r.skipped:
+            lines.append(f"{r.family:<20} {'-':>6} {'-':>7} {'-':>7}  skipped: {r.skipped}")
+            continue
         verdict = "pass" if not r.failed else f"FAIL: {r.first_failure}"
         lines.append(f"{r.family:<20} {r.passed + r.failed:>6} {r.passed:>7} {r.failed:>7}  {verdict}")
     total = sum(r.passed + r.failed for r in rows)

@@ -131,6 +131,7 @@ def test_a_corrupted_replica_is_found_and_halts(tmp_path):
     (["--exclude-devices", "1"], "--exclude-devices"),
     (["--set", "collectives.backend=ext"], "collectives.backend"),
     (["--set", "metrics.gns=true"], "metrics.gns"),
+    (["--set", 'collectives.compression="int8"'], "collectives.compression"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, extra, field):
     result = _run(_cmd(tmp_path, *extra))

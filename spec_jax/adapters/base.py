@@ -96,6 +96,17 @@ class Adapter(abc.ABC):
     def train_run(self, spec, run_dir, steps: int) -> dict:
         """`trainspec train` of the reference job in `run_dir` for `steps` steps: its summary."""
 
+    # -- collectives.compression ------------------------------------------------------------
+    # The compressions (besides "none") the implementation offers; none by default, and then
+    # the conformance runner skips the compression families saying so.
+    compressions: tuple[str, ...] = ()
+
+    def error_feedback(self, x, residual, compression: str, block: int):
+        """One replica's compression step on float32 NumPy vectors `x` and `residual`: (what
+        the other replicas receive of x + residual, dequantized, float32; the replica's new
+        residual, float32), as its gradient reduction computes them."""
+        raise NotImplementedError(f"{self.name} implements no collectives.compression")
+
     # -- metrics -----------------------------------------------------------------------------
     def open_metrics(self, path, append: bool = False):
         """The core JSONL writer on the writing process, None elsewhere: every implementation

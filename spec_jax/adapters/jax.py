@@ -29,10 +29,32 @@ def _x64(dtype: str):
     return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
 
 
+@functools.cache
+def _error_feedback(backend: str, compression: str, block: int):
+    """(x, residual) -> (dequantized x + residual, new residual) by the backend's kernels: the
+    xla_ext handlers on ext, the jnp kernels on xla."""
+    if backend == "ext":
+        from spec_jax.collectives import compression_ext as kernels
+
+        def step(x, residual):
+            packed, new_residual = kernels.error_feedback(x, residual, compression, block)
+            return kernels.dequantize_sum(packed[None], compression, block, x.size), new_residual
+    else:
+        from spec_jax.collectives import compression as kernels
+
+        def step(x, residual):
+            corrected = x + residual
+            sent = kernels.round_trip(corrected, compression, block)
+            return sent, corrected - sent
+    return jax.jit(step)
+
+
 class JaxAdapter(Adapter):
     def __init__(self, backend: str = "xla"):
         self.name = self.backend = backend
         self.guarantee_levels = dict.fromkeys(OPS, GUARANTEE_LEVELS[backend])
+        # the step refuses a compression on hierarchical (spec_jax/step.py)
+        self.compressions = ("bf16", "int8") if backend in ("xla", "ext") else ()
 
     @property
     def process_index(self) -> int:
@@ -83,6 +105,10 @@ class JaxAdapter(Adapter):
 
         low, high = np.asarray(fingerprint(x))
         return int(low), int(high)
+
+    def error_feedback(self, x, residual, compression, block):
+        sent, new_residual = _error_feedback(self.backend, compression, block)(x, residual)
+        return np.asarray(sent), np.asarray(new_residual)
 
     def gather_objects(self, obj) -> list:
         if jax.process_count() > 1:

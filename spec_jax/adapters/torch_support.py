@@ -49,6 +49,10 @@ def check_spec(spec: Spec, world: int) -> None:
         raise UserInputError(f"collectives.backend: {spec.collectives.backend!r} is a JAX "
                              "backend; the torch implementation reduces through torch.distributed "
                              "(leave the default)")
+    if spec.collectives.compression != "none":
+        raise UserInputError(f"collectives.compression: {spec.collectives.compression!r} is not "
+                             "implemented by the torch implementation (its gradients are "
+                             "reduced in float32; docs/adapters.md); use none")
     if spec.metrics.gns:
         raise UserInputError("metrics.gns: the torch implementation does not measure the "
                              "gradient noise scale (its records leave the gns fields null)")

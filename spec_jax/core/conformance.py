@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from spec_jax.core import collectives_reference as ref
+from spec_jax.core import packed
 
 DTYPES = ["float32", "bfloat16", "float16", "float64", "int32"]
 
@@ -141,3 +142,28 @@ def expected(layout: Layout, case: Case, dtype: str, x: np.ndarray):
     result = ref.REFERENCES[case.op](blocks, **kwargs)
     tol = ref.tolerance(case.op, kwargs, dtype, blocks, result)
     return back(result), back(np.broadcast_to(tol, result.shape))
+
+
+# -- collectives.compression: the quantizers' bounds and the error-feedback identity -----------
+COMPRESSION_FORMATS = [("bf16", 0), ("int8", 4), ("int8", 32), ("int8", 256)]
+COMPRESSION_SIZES = (1, 7, 1000, 1027)  # one element, a partial block, whole and ragged blocks
+
+
+def compression_inputs(size: int, salt: str) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 gradient-like values: heavy-tailed, both signs, over 8 decades, all in the
+    normal range; a residual about 1e-3 of them)."""
+    rng = np.random.default_rng(zlib.crc32(salt.encode()))
+    x = rng.standard_t(3, size) * 10.0 ** rng.uniform(-4, 4, size)
+    return x.astype(np.float32), (x * 1e-3 * rng.standard_normal(size)).astype(np.float32)
+
+
+def compression_bound(x: np.ndarray, compression: str, block: int) -> np.ndarray:
+    """The stated per-element bound on |x - dequantized(quantized(x))| (docs/xla_ext.md), for
+    finite float32 x in the normal range: bf16 half an ulp of 8 significant bits, 2^-8 |x|;
+    int8 half a step of the block's scale (spec_jax/core/packed.py), plus the two float32
+    roundings of x * fl(1/scale), (2^-23 + 2^-48) |x|."""
+    wide = np.abs(np.asarray(x, np.float64))
+    if compression == "bf16":
+        return wide * 2.0**-8
+    scales = packed.quantize_int8(np.asarray(x, np.float32), block)[0].astype(np.float64)
+    return np.repeat(scales / 2, block)[: wide.size] + wide * (2.0**-23 + 2.0**-48)
