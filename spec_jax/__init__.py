@@ -15,7 +15,7 @@ _JAX_ENTRY_POINTS = {
     "WrappedStep": "spec_jax.step",
     "loss_step": "spec_jax.step_forms",
     "grad_step": "spec_jax.step_forms",
-    "wrap": "spec_jax.step",
+    "wrap": "spec_jax.semi_sync",  # a WrappedStep, or a SemiSyncStep under `[semi_sync]`
 }
 
 __all__ = ["Spec", "UserInputError", "default_spec", "load_spec", *_JAX_ENTRY_POINTS]

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 FORMAT = 2  # 2: the meta holds per-array checksums
 # The sections that define the computation: resuming under a different one would silently
 # train another model. Placement (mesh, layout, collectives) and bookkeeping may change.
-MUST_MATCH = ("seed", "model", "optimizer", "batch", "precision")
+MUST_MATCH = ("seed", "model", "optimizer", "batch", "precision", "semi_sync")
 # Placement fields that change what the state holds: compression adds a residual per replica.
 STATE_DEFINING = (("collectives", "compression"),)
 
@@ -74,6 +74,23 @@ def check_compatible(saved: dict, spec: Spec, where: Path) -> None:
                 f"{field}: the checkpoints in {where} were written with {was!r}, the spec says "
                 f"{now!r}; use a new --run-dir, or the saved value"
             )
+
+
+def _by_path(state):
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def check_replicas(saved_shapes: dict, target, step: int) -> None:
+    """Raise UserInputError when an array's saved shape differs from the planned one. Global
+    shapes do not depend on the mesh, except the leading axis of state kept per data-parallel
+    replica (semi_sync groups, compression residuals), which is the number of replicas."""
+    for path, x in _by_path(target):
+        was = saved_shapes.get(path)
+        if was is not None and tuple(was) != tuple(x.shape):
+            raise UserInputError(
+                f"mesh.axes: checkpoint {step} holds {path} for {was[0]} data-parallel replicas, "
+                f"this mesh has {x.shape[0]}; state kept per replica (semi_sync, compression) "
+                f"resumes only on {was[0]} replicas")
 
 
 def abstract_like(state):
@@ -131,6 +148,7 @@ class Checkpointer:
             "total_steps": total_steps,
             "health": health or {},
             "checksums": checksums(state),
+            "shapes": {path: list(x.shape) for path, x in _by_path(state)},
             "spec": self.spec.to_dict(),
             "mesh": mesh_shape(state),
         }
@@ -180,6 +198,7 @@ class Checkpointer:
         if meta.get("format") != FORMAT or meta.get("step") != step:
             raise BadCheckpoint(f"it is not a trainspec format-{FORMAT} checkpoint of step {step}")
         check_compatible(meta["spec"], self.spec, self.directory)
+        check_replicas(meta.get("shapes", {}), target, step)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_like(target))))

@@ -29,7 +29,7 @@ from spec_jax.core.mesh import check_batch, resolve_mesh
 from spec_jax.core.spec import Spec
 from spec_jax.health import nan as nan_guard
 from spec_jax.mesh import build_mesh, check_hierarchical
-from spec_jax.metrics import gns
+from spec_jax.metrics import comm, gns
 from spec_jax.step_forms import (
     GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
 )
@@ -50,8 +50,13 @@ class WrappedStep:
     `devices`: run on these devices (or the first n) instead of all of them.
     """
 
+    runs_semi_sync = False  # spec_jax.semi_sync.SemiSyncStep runs `[semi_sync]`
+
     def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None,
                  devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True):
+        if spec.semi_sync is not None and not self.runs_semi_sync:
+            raise UserInputError("semi_sync: this step runs synchronously; wrap it with "
+                                 "spec_jax.wrap, which runs semi_sync")
         self.step_fn, self.spec = step_fn, spec
         self.nan_guard = nan_guard
         if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
@@ -355,7 +360,7 @@ class WrappedStep:
             "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch}),
             # one pass has no micro-batches: GNS over them (metrics.gns = true) cannot apply
             "metrics": self.spec.metrics.model_copy(update={"gns": None})})
-        flat = WrappedStep(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
+        flat = type(self)(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
         flat.state_pspecs, flat.state_shardings = self.state_pspecs, self.state_shardings
         return flat.lower(state, batch)
 
@@ -368,6 +373,10 @@ class WrappedStep:
         """
         self._compiled = self.lower(state, batch).compile()
         return self._compiled
+
+    def comm_volume(self, compiled) -> comm.CommVolume:
+        """Collectives per step of `compiled` (this step's program), from its HLO."""
+        return comm.analyze_compiled(compiled, self.mesh)
 
     def _prepare(self, batch) -> None:
         if self.state_shardings is None:

@@ -37,7 +37,8 @@ from spec_jax.run_files import (
     AlreadyTrained, resume_line, resume_mark, save_spec, write_json_atomically)
 from spec_jax.core.spec import Spec
 from spec_jax.preemption import Preempted, StopSignals
-from spec_jax.step import WrappedStep, wrap
+from spec_jax.semi_sync import SemiSyncStep, wrap
+from spec_jax.step import WrappedStep
 from spec_jax.step_forms import loss_step
 
 
@@ -321,6 +322,8 @@ class _Session:
             "mesh": self.job.mesh_shape,
             "accumulation_steps": spec.batch.accumulation_steps,
             "gns_not_measured": self.job.step.gns_note,  # None when measured
+            # schedule and bytes of the inner and outer programs (comm_bytes_per_step amortises)
+            "semi_sync": self.job.step.summary() if isinstance(self.job.step, SemiSyncStep) else None,
             "spec": spec_label,
             "metrics_file": str(self.metrics_file),
         }

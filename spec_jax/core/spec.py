@@ -183,6 +183,21 @@ class CollectivesSpec(_Section):
         return block
 
 
+class SemiSyncSpec(_Section):
+    """Semi-synchronous training (DiLoCo, Douillard et al. 2023; docs/communication.md)."""
+
+    inner_steps: int = Field(
+        ..., ge=1, le=2**20, description="H: steps each data-parallel group takes with the inner "
+        "optimizer, exchanging nothing with the other groups, between two outer steps."
+    )
+    outer_optimizer: Literal["nesterov"] = Field(
+        "nesterov", description="The outer step on the groups' mean parameter delta: SGD with "
+        "Nesterov momentum."
+    )
+    outer_lr: float = Field(0.7, gt=0, le=10.0, description="Outer learning rate.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1.0, description="Outer Nesterov momentum.")
+
+
 class MetricsSpec(_Section):
     sink: Literal["jsonl"] = Field("jsonl", description="Where metric records go.")
     path: str = Field("metrics.jsonl", description="Sink file, relative to the run directory.")
@@ -311,6 +326,8 @@ class Spec(_Section):
     train: TrainSpec = TrainSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     health: HealthSpec = HealthSpec()
+    semi_sync: SemiSyncSpec | None = Field(
+        None, description="Semi-synchronous (DiLoCo) training; absent = synchronous.")
 
     @model_validator(mode="after")
     def _rules_name_axes(self):

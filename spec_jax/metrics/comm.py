@@ -68,11 +68,15 @@ class Collective:
     bytes: float          # S on one device, per execution
     group_size: int
     axes: tuple[str, ...]  # mesh axes the groups span; ("?",) when no axis set matches
-    count: int             # executions per step (loop trip counts multiplied in)
+    count: float           # executions per step (loop trip counts multiplied in; 1/H: every H steps)
 
     @property
     def bytes_per_step(self) -> float:
         return self.bytes * self.count
+
+    def repeated(self, times: float) -> Collective:
+        """This collective run `times` as often (1/H: once every H steps, per step)."""
+        return dataclasses.replace(self, count=self.count * times)
 
     @property
     def bus_bytes_per_step(self) -> float:

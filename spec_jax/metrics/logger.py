@@ -54,7 +54,7 @@ def analyze_step(wrapped_step, state, batch, model_flops: flops.ModelFlops | Non
         hardware = model_flops.hardware_per_token() * tokens
     else:
         model, hardware, convention = None, xla, None
-    volume = comm.analyze_compiled(compiled, wrapped_step.mesh)
+    volume = wrapped_step.comm_volume(compiled)  # per step (amortised under semi_sync)
     peak = peak_flops(spec, list(wrapped_step.mesh.devices.flat))
     fields = {
         "model_flops_per_step": model,
