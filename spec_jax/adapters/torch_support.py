@@ -53,6 +53,9 @@ def check_spec(spec: Spec, world: int) -> None:
         raise UserInputError(f"collectives.compression: {spec.collectives.compression!r} is not "
                              "implemented by the torch implementation (its gradients are "
                              "reduced in float32; docs/adapters.md); use none")
+    if spec.semi_sync is not None:
+        raise UserInputError("semi_sync: the torch implementation trains synchronously only; "
+                             "remove the [semi_sync] table")
     if spec.metrics.gns:
         raise UserInputError("metrics.gns: the torch implementation does not measure the "
                              "gradient noise scale (its records leave the gns fields null)")
