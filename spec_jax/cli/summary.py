@@ -14,6 +14,7 @@ def print_summary(summary: dict) -> None:
         f"  MFU            {_percent(summary.get('mfu'))} (docs/metrics.md; "
         f"compile {summary.get('compile_time_s') or 0:.1f} s, goodput {_percent(summary.get('goodput'))})\n"
         f"  peak           {_peak(summary)}\n"
+        f"  comm           {_comm(summary)}\n"
         f"  GNS            {_gns(summary)}\n"
         f"  spec           {summary['spec']}\n"
         f"  metrics        {summary['metrics_file']}"
@@ -30,6 +31,19 @@ def _gns(summary: dict) -> str:
     if summary.get("gns") is None:
         return "- (no positive |G|^2 estimate yet)"
     return f"{summary['gns']:.0f} tokens (B_simple; `trainspec advise` reads it)"
+
+
+def _comm(summary: dict) -> str:
+    """Collective bytes per step and device; under semi_sync amortised over the round."""
+    total = summary.get("comm_bytes_per_step")
+    if total is None:
+        return "- (not measured)"
+    semi = summary.get("semi_sync")
+    if not semi:
+        return f"{total:,.0f} B per step and device (docs/metrics.md)"
+    return (f"{total:,.0f} B per step and device, amortised: inner "
+            f"{semi['inner_comm_bytes_per_step']:,.0f} + outer {semi['outer_comm_bytes']:,.0f} "
+            f"/ H={semi['inner_steps']} ({semi['groups']} semi_sync groups)")
 
 
 def _peak(summary: dict) -> str:
