@@ -22,7 +22,7 @@ import pytest
 
 from spec_jax.cli.main import main
 from spec_jax.core.plan.hardware import load_profile
-from spec_jax.core.plan.model import predict
+from spec_jax.core.plan.model import peak_phase, predict
 from spec_jax.core.plan.search import all_layouts
 from spec_jax.core.plan.transformer import parameters, shape_for_params
 from spec_jax.models.transformer_flops import for_spec
@@ -32,17 +32,16 @@ from spec_jax.core.spec import load_spec
 
 MODEL = ["model.d_model=128", "model.n_heads=8", "model.d_ff=256", "model.n_layers=1",
          "batch.seq_len=32"]
-# Memory: the issue asks 10%; XLA:CPU's temporaries are not linear in the rows per device
-# and the model reaches 10% on 18 of 24 validated layouts, worst +18% (docs/plan.md): the
-# test holds 20%.
-MEMORY_TOL, COMM_TOL = 0.20, 0.02
-# On these layouts XLA gathers three of the weight matrices over fsdp a second time inside
-# the step (7 full-size gathers where the other fsdp x tensor layouts have 4), which the
-# planner does not predict: their all-gather is held to [1, 2] x the prediction instead.
+MEMORY_TOL, COMM_TOL = 0.10, 0.02
+# On these layouts XLA gathers some weights over fsdp a second time, for the backward: the
+# forward's and the backward's all-gathers have the same operand and the same device groups,
+# written in two encodings, and are not merged (docs/plan.md). The planner gathers once: their
+# all-gather is held to [1, 2] x the prediction, and their memory to the tolerance once the
+# second copies XLA made (the extra all-gather output its HLO shows) are added.
 REGATHERED = {(2, 2, 2), (1, 4, 2)}
 CALIBRATION = ((1, 1, 1), (1, 1, 2), (1, 1, 4))  # (data, fsdp, tensor) fitted, not validated
 # Step times are printed (PLANROW), not asserted: the 30% target is not shown. Measured here at
-# loads of 8-13 per core the same layout's error moved between -50% and +75% from run to run,
+# loads of 6-13 per core the same layout's error moved between -79% and +75% from run to run,
 # and at CI's load it missed on most rows (docs/plan.md).
 
 
@@ -188,19 +187,22 @@ def test_prediction_within_tolerance(layout, profile):
     runner, got = compiled(layout)
     pred = _predict(spec, d * f * t, profile)
     assert pred.fits, pred.reasons
-    comm = _comm_errors(pred.comm_by_kind_and_axis(), got["comm_bytes_by_kind_and_axis"])
+    hlo = got["comm_bytes_by_kind_and_axis"]
+    comm = _comm_errors(pred.comm_by_kind_and_axis(), hlo)
+    regathered = 0.0
     if (d, f, t) in REGATHERED:
         gathered = comm.pop("all-gather@fsdp")
         assert -0.5 <= gathered < 0, gathered  # predicted / measured - 1: measured 1-2x
+        regathered = hlo["all-gather"]["fsdp"] - pred.comm_by_kind_and_axis()["all-gather"]["fsdp"]
     assert all(abs(e) <= COMM_TOL for e in comm.values()), comm
-    mem = pred.memory_bytes / got["memory_peak_bytes"] - 1
+    mem = (pred.memory_bytes + regathered) / got["memory_peak_bytes"] - 1
     pairs = paired_step_times(runner, probe(d * f * t))
     loads = load_factors(profile, d * f * t, [p for _, p in pairs], calibration_probe_s)
     # each step against the prediction at its own pair's load; the median of those ratios
     time = statistics.median(pred.step_time_s * load / s for (s, _), load in zip(pairs, loads)) - 1
     step_s, load = statistics.median(s for s, _ in pairs), statistics.median(loads)
     print(f"PLANROW d={d} f={f} t={t} dcn={dcn} mem {pred.memory_bytes:.0f}/{got['memory_peak_bytes']} "
-          f"({mem:+.3f}) comm worst {max(map(abs, comm.values()), default=0):.4f} time "
+          f"({mem:+.3f}, +{regathered:.0f} regathered, peak phase {peak_phase(pred.memory)}) comm worst {max(map(abs, comm.values()), default=0):.4f} time "
           f"{pred.step_time_s * load * 1e3:.1f}/{step_s * 1e3:.1f} ms ({time:+.3f}, load factor "
           f"{load:.2f}) loadavg {os.getloadavg()[0]:.1f}")
     if (d, f, t) not in CALIBRATION:

@@ -161,9 +161,32 @@ def _optimizer_elements(spec: Spec, layout: Layout, rules) -> float:
     return total
 
 
+ARGUMENTS = ("params", "optimizer", "batch")  # the step's inputs, live throughout
+# What the step holds besides its arguments, phase by phase; the peak is the largest phase.
+PHASES = {
+    # a micro-batch's forward and backward: the gradient accumulator, the fsdp-gathered
+    # parameters (gathered once, before the micro-batch loop) and the activations
+    "micro_batches": ("gradients", "gathered_params", "activations"),
+    # fsdp > 1 on XLA:CPU, at the end of each micro-batch: its gradient, whole, and the output
+    # of the all-reduce that stands for the reduce-scatter (then sliced)
+    "fsdp_reduction": ("gradients", "gathered_params", "unreduced_gradient", "reduce_scatter_output"),
+    # after the loop, data > 1: the local gradient and its all-reduced copy
+    "data_reduction": ("gradients", "data_reduction_buffer"),
+    # the update: the NaN guard (health.nan) chooses between the old state and the new, so the
+    # new parameters and optimizer state are whole beside the old before either is dropped,
+    # with the guard's is-finite masks (1 byte per element) of the gradient and the new state
+    "update": ("new_state", "finite_masks"),
+}
+
+
+def peak_phase(mem: dict[str, float]) -> str:
+    return max(PHASES, key=lambda phase: sum(mem[k] for k in PHASES[phase]))
+
+
 def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
-    """Bytes per device: state (params, optimizer), the gradient accumulator, the gathered
-    parameters (fsdp) and the packed gradient buffers of the reductions, and activations.
+    """Bytes per device of each part of `ARGUMENTS` and `PHASES`, and "total": the arguments
+    and the largest phase (the buffers of one phase are dead in the others, and XLA reuses
+    their memory).
 
     Activations are the elements `transformer.token_activations` counts for the tokens one
     device holds in one micro-batch, the part the tensor axis splits and the part it does not
@@ -178,16 +201,22 @@ def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
     gathered = sum(n for _, n, _ in _local_elements(spec, layout, rules, skip=fsdp_axes))
     copies = OPTIMIZER_COPIES[spec.optimizer.name]
     data = _role_axes(spec, layout, "data")
+    whole_reduction = bool(fsdp_axes) and profile.reduce_scatter_as_all_reduce
     out = {
         "params": local * pb,
         "optimizer": copies * _optimizer_elements(spec, layout, rules) * pb,
         "gradients": local * gb,
         "gathered_params": gathered * cb if fsdp_axes else 0.0,
-        # XLA:CPU reduce-scatters as all-reduce + slice: the rest of the whole gradient is
-        # held before the slice; the data reduction packs the local gradient into one buffer.
-        "reduction_buffers": ((gathered - local) * gb if fsdp_axes and profile.reduce_scatter_as_all_reduce
-                              else 0.0) + (local * gb if data else 0.0),
+        # XLA:CPU reduces the micro-batch's whole gradient in one all-reduce, then slices; a
+        # real reduce-scatter (GPU, TPU) takes each weight's gradient as it is produced and
+        # writes its shard into the accumulator
+        "unreduced_gradient": gathered * gb if whole_reduction else 0.0,
+        "reduce_scatter_output": gathered * gb if whole_reduction else 0.0,
+        # the data reduction packs the local gradient into one buffer
+        "data_reduction_buffer": local * gb if data else 0.0,
     }
+    out["new_state"] = out["params"] + out["optimizer"]
+    out["finite_masks"] = 2 * local
     tensor = layout.group(_role_axes(spec, layout, "tensor"))[0]
     shards = layout.group(_role_axes(spec, layout, "fsdp") + data)[0]
     tokens = spec.batch.micro / shards * spec.batch.seq_len
@@ -197,7 +226,8 @@ def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
         per_token.replicated * profile.activation_overhead_replicated
         + per_token.split / tensor * profile.activation_overhead)
     out["batch"] = spec.batch.global_batch / shards * spec.batch.seq_len * BATCH_BYTES_PER_TOKEN
-    out["total"] = sum(out.values())
+    phase = PHASES[peak_phase(out)]
+    out["total"] = sum(out[k] for k in ARGUMENTS) + sum(out[k] for k in phase)
     return out
 
 
@@ -259,7 +289,7 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
     mem = memory(spec, layout, profile) if not reasons else {"total": float("nan")}
     if not reasons and mem["total"] > profile.memory_bytes:
-        biggest = max((k for k in mem if k != "total"), key=mem.get)
+        biggest = max(ARGUMENTS + PHASES[peak_phase(mem)], key=mem.get)
         reasons.append(
             f"memory: {mem['total'] / 1e9:.1f} GB per device exceeds the {profile.memory_bytes / 1e9:.0f} "
             f"GB of {profile.name}; largest part {biggest} {mem[biggest] / 1e9:.1f} GB ({_remedy(biggest)})")
@@ -276,7 +306,12 @@ _REMEDIES = {
     "optimizer": "layout.optimizer_state = \"shard_over_data\", or a larger fsdp size",
     "gradients": "precision.grad_reduce = \"bfloat16\", or a larger fsdp size",
     "gathered_params": "raise the tensor size",
-    "reduction_buffers": "precision.grad_reduce = \"bfloat16\"",
+    "unreduced_gradient": "precision.grad_reduce = \"bfloat16\", or a larger tensor size",
+    "reduce_scatter_output": "precision.grad_reduce = \"bfloat16\", or a larger tensor size",
+    "data_reduction_buffer": "precision.grad_reduce = \"bfloat16\", or a larger fsdp size",
+    "new_state": "a larger fsdp size, or layout.optimizer_state = \"shard_over_data\"",
+    "finite_masks": "a larger fsdp or tensor size",
+    "batch": "a smaller batch.global_batch",
     "activations": "remat.policy = \"full\", a smaller batch.micro_batch, or a larger tensor size",
 }
 
@@ -288,16 +323,18 @@ def _remedy(part: str) -> str:
 def fit_activation_overheads(spec_layouts, profile: Profile) -> Profile:
     """The profile with both activation overhead factors fitted (least squares) to measured
     per-device memory: `spec_layouts` is [(spec, layout, measured bytes)], two or more, with
-    different tensor sizes so that the split and the replicated parts can be told apart."""
+    different tensor sizes so that the split and the replicated parts can be told apart, and
+    activations large enough that the micro-batch phase is the peak (it is the one fitted)."""
+    def micro_batch_peak(spec, layout, split, replicated):
+        mem = memory(spec, layout, dataclasses.replace(
+            profile, activation_overhead=split, activation_overhead_replicated=replicated))
+        return sum(mem[k] for k in ARGUMENTS + PHASES["micro_batches"])
+
     rows = []
     for spec, layout, measured in spec_layouts:
-        base = memory(spec, layout, dataclasses.replace(
-            profile, activation_overhead=0.0, activation_overhead_replicated=0.0))["total"]
-        split = memory(spec, layout, dataclasses.replace(
-            profile, activation_overhead=1.0, activation_overhead_replicated=0.0))["total"] - base
-        rep = memory(spec, layout, dataclasses.replace(
-            profile, activation_overhead=0.0, activation_overhead_replicated=1.0))["total"] - base
-        rows.append((split, rep, measured - base))
+        base = micro_batch_peak(spec, layout, 0.0, 0.0)
+        rows.append((micro_batch_peak(spec, layout, 1.0, 0.0) - base,
+                     micro_batch_peak(spec, layout, 0.0, 1.0) - base, measured - base))
     sxx = sum(a * a for a, _, _ in rows)
     syy = sum(b * b for _, b, _ in rows)
     sxy = sum(a * b for a, b, _ in rows)
