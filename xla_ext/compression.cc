@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -111,54 +112,68 @@ ffi::Error CheckF32(const char* op, const char* name, const ffi::AnyBuffer& b, s
   return ffi::Error::Success();
 }
 
+// Packed buffers travel as bytes (uint8) or as int32 words (what the ext all-gather moves, with
+// no conversion copy): the last dimension holds one buffer, of `bytes_each` bytes.
 ffi::Error CheckPacked(const char* op, const ffi::AnyBuffer& b, size_t bytes_each,
                        size_t* count) {
-  if (b.element_type() != ffi::DataType::U8) return Invalid(op, "packed must be uint8");
+  size_t width;
+  if (b.element_type() == ffi::DataType::U8) {
+    width = 1;
+  } else if (b.element_type() == ffi::DataType::S32) {
+    width = 4;
+  } else {
+    return Invalid(op, "packed must be uint8 or int32");
+  }
   const auto dims = b.dimensions();
-  if (dims.size() < 1 || static_cast<size_t>(dims.back()) != bytes_each) {
+  if (dims.size() < 1 || static_cast<size_t>(dims.back()) * width != bytes_each) {
     return Invalid(op, "packed buffers must be " + std::to_string(bytes_each) +
                            " bytes each (last dimension) for these elements and block");
   }
-  *count = bytes_each ? b.element_count() / bytes_each : 0;
+  *count = b.size_bytes() / bytes_each;
   if (*count == 0) return Invalid(op, "packed holds no buffer");
   if (b.untyped_data() == nullptr) return Invalid(op, "packed has no data");
   return ffi::Error::Success();
 }
 
 // ---- kernels -----------------------------------------------------------------------------------
+// Written as branch-free loops over contiguous elements so that the compiler vectorizes them
+// (compression.cc is built with -O3); vectorizing runs across elements and reorders nothing.
 
 // Round to nearest, ties to even; a NaN becomes the quiet NaN of its sign (as XLA converts).
-uint16_t ToBf16Bits(float f) {
+inline uint16_t ToBf16Bits(float f) {
   uint32_t b;
   std::memcpy(&b, &f, 4);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
-    return static_cast<uint16_t>(((b >> 16) & 0x8000u) | 0x7FC0u);
-  }
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = ((b >> 16) & 0x8000u) | 0x7FC0u;
+  return static_cast<uint16_t>((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
-float FromBf16Bits(uint16_t h) {
+inline float FromBf16Bits(uint16_t h) {
   const uint32_t b = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &b, 4);
   return f;
 }
 
+// 1.5 * 2^23: for |v| <= 127, (v + kRoundToInt) - kRoundToInt is v rounded to an integer in
+// the FPU's rounding mode, round to nearest even (no libm call, which would not vectorize).
+constexpr float kRoundToInt = 12582912.0f;
+
 // One int8 block of `len` <= block elements (the rest of the block is padding): the scale
 // absmax * fl(1/127) & kScaleMask (NaN if any element is NaN), and
 // q = clamp(rint(x * fl(1/s)), -127, 127) with s = scale if scale > 0 else 1, a NaN product
 // giving 0 -- the jnp kernel's operations (XLA turns its division by the broadcast scale into
-// this multiplication).
+// this multiplication). Clamping before rounding gives the same integers: the bounds are
+// integers and both steps are monotonic.
 float QuantizeBlock(const float* x, size_t len, size_t block, int8_t* q) {
   float absmax = 0.0f;
+  int any_nan = 0;
   for (size_t i = 0; i < len; ++i) {
     const float a = std::fabs(x[i]);
-    if (std::isnan(a)) {
-      absmax = a;
-      break;
-    }
-    if (a > absmax) absmax = a;
+    any_nan |= a != a;
+    absmax = a > absmax ? a : absmax;
   }
+  if (any_nan) absmax = std::numeric_limits<float>::quiet_NaN();
   float scale = absmax * kInvInt8Max;
   uint32_t bits;
   std::memcpy(&bits, &scale, 4);
@@ -166,8 +181,11 @@ float QuantizeBlock(const float* x, size_t len, size_t block, int8_t* q) {
   std::memcpy(&scale, &bits, 4);
   const float inverse = 1.0f / (scale > 0.0f ? scale : 1.0f);
   for (size_t i = 0; i < len; ++i) {
-    const float r = std::nearbyint(x[i] * inverse);
-    q[i] = std::isnan(r) ? 0 : static_cast<int8_t>(std::fmin(std::fmax(r, -kInt8Max), kInt8Max));
+    float v = x[i] * inverse;
+    v = v < -kInt8Max ? -kInt8Max : v;  // a NaN passes both comparisons unchanged
+    v = v > kInt8Max ? kInt8Max : v;
+    const float r = v != v ? 0.0f : (v + kRoundToInt) - kRoundToInt;
+    q[i] = static_cast<int8_t>(static_cast<int32_t>(r));
   }
   std::memset(q + len, 0, block - len);
   return scale;
@@ -187,7 +205,9 @@ void Pack(const Format& f, const float* x, uint8_t* packed, float* lost) {
     for (size_t i = 0; i < f.n; ++i) {
       const uint16_t h = ToBf16Bits(x[i]);
       std::memcpy(payload + 2 * i, &h, 2);
-      if (lost) lost[i] = x[i] - FromBf16Bits(h);
+    }
+    if (lost) {
+      for (size_t i = 0; i < f.n; ++i) lost[i] = x[i] - FromBf16Bits(ToBf16Bits(x[i]));
     }
     if (f.n % 2) std::memset(payload + 2 * f.n, 0, 2);
     return;
@@ -199,11 +219,36 @@ void Pack(const Format& f, const float* x, uint8_t* packed, float* lost) {
     const float scale = QuantizeBlock(x + start, len, f.block, payload + start);
     std::memcpy(packed + f.scales_offset() + 4 * b, &scale, 4);
     if (lost) {
+      const int8_t* q = payload + start;
       for (size_t i = 0; i < len; ++i) {
-        const float sent = static_cast<float>(payload[start + i]) * scale;
-        lost[start + i] = x[start + i] - sent;
+        lost[start + i] = x[start + i] - static_cast<float>(q[i]) * scale;
       }
     }
+  }
+}
+
+// out[0, len) (=, or += when `add`) one stretch of dequantized values.
+inline void AccumulateBf16(const uint8_t* payload, size_t len, bool add, float* out) {
+  if (add) {
+    for (size_t i = 0; i < len; ++i) {
+      uint16_t h;
+      std::memcpy(&h, payload + 2 * i, 2);
+      out[i] = out[i] + FromBf16Bits(h);
+    }
+  } else {
+    for (size_t i = 0; i < len; ++i) {
+      uint16_t h;
+      std::memcpy(&h, payload + 2 * i, 2);
+      out[i] = FromBf16Bits(h);
+    }
+  }
+}
+
+inline void AccumulateInt8(const int8_t* q, float scale, size_t len, bool add, float* out) {
+  if (add) {
+    for (size_t i = 0; i < len; ++i) out[i] = out[i] + static_cast<float>(q[i]) * scale;
+  } else {
+    for (size_t i = 0; i < len; ++i) out[i] = static_cast<float>(q[i]) * scale;
   }
 }
 
@@ -212,18 +257,16 @@ void DequantizeSum(const Format& f, const uint8_t* packed, size_t k, float* out)
   const size_t bytes = f.bytes();
   for (size_t r = 0; r < k; ++r) {
     const uint8_t* p = packed + r * bytes;
-    for (size_t i = 0; i < f.n; ++i) {
-      float v;
-      if (f.code == kFormatBf16) {
-        uint16_t h;
-        std::memcpy(&h, p + kHeaderBytes + 2 * i, 2);
-        v = FromBf16Bits(h);
-      } else {
-        float scale;
-        std::memcpy(&scale, p + f.scales_offset() + 4 * (i / f.block), 4);
-        v = static_cast<float>(static_cast<int8_t>(p[f.payload_offset() + i])) * scale;
-      }
-      out[i] = r == 0 ? v : out[i] + v;
+    if (f.code == kFormatBf16) {
+      AccumulateBf16(p + kHeaderBytes, f.n, r > 0, out);
+      continue;
+    }
+    const int8_t* payload = reinterpret_cast<const int8_t*>(p + f.payload_offset());
+    for (size_t b = 0; b < f.blocks(); ++b) {
+      float scale;
+      std::memcpy(&scale, p + f.scales_offset() + 4 * b, 4);
+      const size_t start = b * f.block;
+      AccumulateInt8(payload + start, scale, std::min(f.block, f.n - start), r > 0, out + start);
     }
   }
 }
