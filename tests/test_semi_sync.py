@@ -60,6 +60,19 @@ def test_data_axes_carry_the_deltas_only_at_outer_steps(programs):
           f" over data), outer {outer.total_bytes:.0f} B, amortised {amortised.total_bytes:.0f} B/step")
 
 
+def test_tensor_parallel_groups_reduce_within_themselves():
+    """data 2 x tensor 4: the inner program's activation reductions stay on `tensor`; the outer
+    one all-reduces each device's (tensor-split) delta shard over `data`."""
+    job = build_job(tiny_spec("semi_sync.inner_steps=2", layout="tensor"))
+    inner = analyze_compiled(job.step.compile(job.state, job.step.shard_batch(job.data.batch(0))),
+                             job.step.mesh)
+    outer = analyze_compiled(job.step._outer_compiled, job.step.mesh)
+    elements = sum(x.addressable_shards[0].data.size for x in jax.tree.leaves(job.state.anchor))
+    assert inner.by_axis().get("tensor", 0) > 0
+    assert sum(c.bytes_per_step for c in _data_collectives(inner)) <= SCALAR_BYTES
+    assert outer.by_kind_and_axis() == {"all-reduce": {"data": 4 * elements}}
+
+
 def test_compression_applies_to_the_delta_exchange(programs):
     """int8 payload and scales all-gathered: bus bytes (nccl-tests) ~4x fewer than float32's."""
     none_outer = programs["none"][2].bus_bytes
