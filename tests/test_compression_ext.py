@@ -90,7 +90,8 @@ def test_training_steps_on_ext_equal_the_xla_path_bitwise():
     update differently around the custom calls; the reduction is what is compared.)"""
     out = {}
     for backend in ("xla", "ext"):
-        job = build_job(tiny_spec('collectives.compression="int8"', f'collectives.backend="{backend}"',
+        job = build_job(tiny_spec('collectives.compression="int8"',
+                                  f'collectives.backend="{backend}"',
                                   "collectives.compression_block=32", layout="data"))
         state = job.state
         for i in range(2):
@@ -142,6 +143,7 @@ def _corrupt(offset, value):
      r"packed buffer 1 has header \(magic 0x31515354, format 1,"),
     ("dequantize", [_corrupt(12, 8)], F32(8), {},
      r"packed buffer 0 has header .*block 8\), expected .*block 4\)"),
+    ("error_feedback", [F32_8.astype(np.int32), F32_8], (U8(32), F32(8)), {}, "g must be float32"),
     ("error_feedback", [F32_8, F32_8[:7]], (U8(32), F32(8)), {},
      "residual has 7 elements, expected 8"),
     ("error_feedback", [F32_8, F32_8], (U8(32), F32(9)), {}, "new residual has 9 elements"),

@@ -273,17 +273,28 @@ void DequantizeSum(const Format& f, const uint8_t* packed, size_t k, float* out)
 
 // ---- handlers ----------------------------------------------------------------------------------
 
-ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> packed,
-                        std::string_view compression, int64_t block) {
-  constexpr const char* kOp = "quantize";
-  Format f;
+// The format for the float32 input `x` (called `name`) and the checks of `x` and of its one
+// packed output.
+ffi::Error CheckPacking(const char* op, std::string_view compression, int64_t block,
+                        const char* name, const ffi::AnyBuffer& x, const ffi::AnyBuffer& packed,
+                        Format* f) {
   size_t count = 0;
-  if (ffi::Error e = MakeFormat(kOp, compression, block, x.element_count(), &f); e.failure()) {
+  if (ffi::Error e = MakeFormat(op, compression, block, x.element_count(), f); e.failure()) {
     return e;
   }
-  if (ffi::Error e = CheckF32(kOp, "x", x, f.n); e.failure()) return e;
-  if (ffi::Error e = CheckPacked(kOp, *packed, f.bytes(), &count); e.failure()) return e;
-  if (count != 1) return Invalid(kOp, "packed must hold exactly one buffer");
+  if (ffi::Error e = CheckF32(op, name, x, f->n); e.failure()) return e;
+  if (ffi::Error e = CheckPacked(op, packed, f->bytes(), &count); e.failure()) return e;
+  if (count != 1) return Invalid(op, "packed must hold exactly one buffer");
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> packed,
+                        std::string_view compression, int64_t block) {
+  Format f;
+  if (ffi::Error e = CheckPacking("quantize", compression, block, "x", x, *packed, &f);
+      e.failure()) {
+    return e;
+  }
   Pack(f, static_cast<const float*>(x.untyped_data()),
        static_cast<uint8_t*>(packed->untyped_data()), nullptr);
   return ffi::Error::Success();
@@ -319,15 +330,11 @@ ffi::Error ErrorFeedbackImpl(ffi::AnyBuffer g, ffi::AnyBuffer residual,
                              std::string_view compression, int64_t block) {
   constexpr const char* kOp = "error_feedback";
   Format f;
-  size_t count = 0;
-  if (ffi::Error e = MakeFormat(kOp, compression, block, g.element_count(), &f); e.failure()) {
+  if (ffi::Error e = CheckPacking(kOp, compression, block, "g", g, *packed, &f); e.failure()) {
     return e;
   }
-  if (ffi::Error e = CheckF32(kOp, "g", g, f.n); e.failure()) return e;
   if (ffi::Error e = CheckF32(kOp, "residual", residual, f.n); e.failure()) return e;
   if (ffi::Error e = CheckF32(kOp, "new residual", *new_residual, f.n); e.failure()) return e;
-  if (ffi::Error e = CheckPacked(kOp, *packed, f.bytes(), &count); e.failure()) return e;
-  if (count != 1) return Invalid(kOp, "packed must hold exactly one buffer");
   const float* gd = static_cast<const float*>(g.untyped_data());
   const float* rd = static_cast<const float*>(residual.untyped_data());
   float* corrected = static_cast<float*>(new_residual->untyped_data());
