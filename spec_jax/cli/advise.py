@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spec_jax.cli.options import add_outputs
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("advise", help="critical batch and batch-size advice from a run's GNS")
     p.add_argument("run", type=Path, help="run directory or its metrics JSONL")
     p.add_argument("--spec", type=Path, help="the run's spec (default: the one saved with the "
                    "run's newest checkpoint, else the built-in spec)")
-    p.add_argument("--plot", type=Path, help="write a PNG: GNS over steps and the trade-off")
-    p.add_argument("--json", type=Path, help="write the advice as JSON")
+    add_outputs(p, json="write the advice as JSON",
+                plot="write a PNG: GNS over steps and the trade-off")
     p.set_defaults(func=run)
 
 

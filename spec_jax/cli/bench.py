@@ -2,12 +2,12 @@
 registers its sub-subcommand in `register`."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
+from spec_jax.cli.options import add_host_devices, add_outputs, add_overrides, at_least, comma_list
 from spec_jax.core.errors import UserInputError
 
 _SIZE_HELP = ("bytes per device, as nccl-tests: the larger of the op's input and output buffer "
@@ -22,47 +22,27 @@ def register(subparsers) -> None:
     _register_step(kinds)
 
 
-def _at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-    return parse
-
-
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
 def _register_collectives(kinds) -> None:
     p = kinds.add_parser(
         "collectives", help="nccl-tests-style sweep of the collectives, backends side by side",
-        description="Time each collective over a range of sizes for each backend; print size, "
-                    "count, type, redop, root and per backend time (us), algbw, busbw (GB/s, "
-                    "GB = 1e9 B, nccl-tests' factors) and #wrong, then each backend's time over xla's. "
-                    "Under `trainspec launch` every process measures and process 0 reports.")
+        description=run_collectives.__doc__)
     p.add_argument("-b", "--min-bytes", default="4K", help=f"smallest size (default 4K); {_SIZE_HELP}")
     p.add_argument("-e", "--max-bytes", default="4M", help="largest size (default 4M)")
-    p.add_argument("-f", "--step-factor", type=_at_least(2), default=4, help="size multiplier (default 4)")
-    p.add_argument("--ops", type=_csv, default=["all_reduce"],
+    p.add_argument("-f", "--step-factor", type=at_least(2), default=4, help="size multiplier (default 4)")
+    p.add_argument("--ops", type=comma_list, default=["all_reduce"],
                    help="comma-separated: all_reduce,reduce_scatter,all_gather,all_to_all,"
                         "broadcast,permute or 'all' (default all_reduce)")
-    p.add_argument("--dtypes", type=_csv, default=["float32"],
+    p.add_argument("--dtypes", type=comma_list, default=["float32"],
                    help="comma-separated: float32,bfloat16,float16,float64,int32 (default float32)")
-    p.add_argument("--backends", type=_csv, default=["xla", "ext"], help="default xla,ext")
+    p.add_argument("--backends", type=comma_list, default=["xla", "ext"], help="default xla,ext")
     p.add_argument("-o", "--redop", default="sum",
                    help="reduction of all_reduce (sum, mean, max, min) and reduce_scatter "
                         "(sum, mean; others fall back to sum); default sum")
-    p.add_argument("-n", "--iters", type=_at_least(1), default=20, help="timed calls per size (default 20)")
-    p.add_argument("-w", "--warmup", type=_at_least(0), default=5, help="untimed calls first (default 5)")
-    p.add_argument("--host-devices", type=_at_least(2),
-                   help="CPU devices to present (default 8, or as XLA_FLAGS says)")
-    p.add_argument("--json", type=Path, help="write the rows as a JSON list to this file")
-    p.add_argument("--plot", type=Path, help="write a PNG of busbw against size to this file")
+    p.add_argument("-n", "--iters", type=at_least(1), default=20, help="timed calls per size (default 20)")
+    p.add_argument("-w", "--warmup", type=at_least(0), default=5, help="untimed calls first (default 5)")
+    add_host_devices(p, minimum=2)
+    add_outputs(p, json="write the rows as a JSON list to this file",
+                plot="write a PNG of busbw against size to this file")
     p.set_defaults(func=run_collectives)
 
 
@@ -77,6 +57,10 @@ def _choices(values, allowed, what) -> list[str]:
 
 
 def run_collectives(args) -> int:
+    """Time each collective over a range of sizes for each backend; print size, count, type,
+    redop, root and per backend time (us), algbw, busbw (GB/s, GB = 1e9 B, nccl-tests'
+    factors) and #wrong, then each backend's time over xla's. Under `trainspec launch` every
+    process measures and process 0 reports."""
     ensure_host_devices(args.host_devices)  # before anything asks jax for devices
     from spec_jax.distributed import initialize_from_env, is_writer
 
@@ -121,22 +105,21 @@ def _print(lines):
 def _register_step(kinds) -> None:
     p = kinds.add_parser(
         "step", help="time specs of one model interleaved, metrics side by side with ratios",
-        description="Build and compile each spec, warm up, then run the timed steps in rounds "
-                    "that alternate between the specs; print step time, tokens/s, MFU, memory, "
-                    "communication bytes and compile time per spec, with ratios to the first.")
+        description=run_step.__doc__)
     p.add_argument("--spec", dest="specs", type=Path, action="append", required=True,
                    help="spec file (TOML), repeatable; the first is the baseline")
-    p.add_argument("--steps", type=_at_least(1), default=10, help="timed steps per spec (default 10)")
-    p.add_argument("--warmup", type=_at_least(0), default=2, help="untimed steps first (default 2)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override a field in every spec (repeatable)")
-    p.add_argument("--host-devices", type=_at_least(1),
-                   help="CPU devices to present (default 8, or as XLA_FLAGS says)")
-    p.add_argument("--json", type=Path, help="write the results as JSON to this file")
+    p.add_argument("--steps", type=at_least(1), default=10, help="timed steps per spec (default 10)")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps first (default 2)")
+    add_overrides(p, help="override a field in every spec (repeatable)")
+    add_host_devices(p, minimum=1)
+    add_outputs(p, json="write the results as JSON to this file")
     p.set_defaults(func=run_step)
 
 
 def run_step(args) -> int:
+    """Build and compile each spec, warm up, then run the timed steps in rounds that alternate
+    between the specs; print step time, tokens/s, MFU, memory, communication bytes and compile
+    time per spec, with ratios to the first."""
     ensure_host_devices(args.host_devices)
     from spec_jax.tools import step_bench
     from spec_jax.core.spec import load_spec

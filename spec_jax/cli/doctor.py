@@ -1,7 +1,8 @@
-"""`trainspec doctor`: one table of checks of this machine; exit 1 when a check fails.
+"""One table (check, status, detail) of checks of this machine; exit status 1 when any fails.
 
 Platform and devices, topology (NUMA nodes, this process's binding, GPUs, NICs), the numerics
-self-test per device (spec_jax.health.doctor), a quick collective conformance pass and the
+self-test per device (sums, means and matmuls against float64 within the bound of each
+algorithm, docs/plan.md; spec_jax.health.doctor), a quick collective conformance pass and the
 bandwidth of the collectives against a hardware profile.
 """
 from __future__ import annotations
@@ -12,9 +13,9 @@ import platform
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
+from spec_jax.cli.options import add_host_devices, add_outputs
 from spec_jax.core.errors import UserInputError
 
 STATUSES = ("ok", "info", "warn", "fail")
@@ -24,15 +25,13 @@ BANDWIDTH_WARN = 0.25  # below this share of the profile's bus bandwidth: a warn
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "doctor", help="check this machine: platform, topology, numerics, collectives, links",
-        description="Prints one table (check, status, detail); exit status 1 when any check "
-        "fails. Numerics: sums, means and matmuls per device against float64 within the bound "
-        "of each algorithm (docs/plan.md).")
+        description=__doc__)
     p.add_argument("--hardware", default="cpu", help="profile the link bandwidth is held to")
     p.add_argument("--backends", default="xla,ext", help="collectives backends (default xla,ext)")
     p.add_argument("--quick", action="store_true",
                    help="only the per-device checks (what health.preflight runs)")
-    p.add_argument("--host-devices", type=int, help="CPU devices to present (default 8)")
-    p.add_argument("--json", type=Path, help="also write the rows as JSON")
+    add_host_devices(p)
+    add_outputs(p, json="also write the rows as JSON")
     p.set_defaults(func=run)
 
 

@@ -1,11 +1,14 @@
-"""`trainspec plan`: predicted memory, communication, FLOPs, step time and MFU per layout,
-on paper (spec_jax.core.plan; docs/plan.md)."""
+"""For a spec and a device count on a hardware profile, on paper: per-device memory (params,
+optimizer, gradients, activations), communication bytes per collective and mesh axis
+(ICI/DCN), FLOPs, step time (alpha-beta links + compute at the profile's achievable fraction
+of peak) and MFU; all layouts ranked, or the spec's own (spec_jax.core.plan; docs/plan.md).
+"""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from spec_jax.cli.options import add_outputs, add_overrides
 from spec_jax.cli.summary import plural
 from spec_jax.core.errors import UserInputError
 
@@ -18,12 +21,9 @@ PLOT_COUNTS = (8, 64, 512, 4096, 32768, 100000)
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="predict memory, communication and step time per layout, on paper",
-        description="For a spec and a device count on a hardware profile: per-device memory "
-        "(params, optimizer, gradients, activations), communication bytes per collective and "
-        "mesh axis (ICI/DCN), FLOPs, step time (alpha-beta links + compute at the profile's "
-        "achievable fraction of peak) and MFU; all layouts ranked, or the spec's own.")
+        description=__doc__)
     p.add_argument("--spec", type=Path, help="spec file (default: the default spec)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    add_overrides(p)
     p.add_argument("--devices", type=int, required=True, help="device count")
     p.add_argument("--hardware", default="cpu", help="profile name or .toml file (default cpu)")
     p.add_argument("--devices-per-host", type=int,
@@ -40,9 +40,9 @@ def register(subparsers) -> None:
                    help="fit the ICI link to `trainspec bench collectives --json` rows")
     p.add_argument("--peak-flops", type=float, help="measured matmul peak FLOP/s (all dtypes)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
-    p.add_argument("--json", type=Path, help="write all predictions as JSON")
-    p.add_argument("--plot", type=Path, help="PNG: best step time and memory vs device count "
-                   f"({PLOT_COUNTS[0]}..{PLOT_COUNTS[-1]}, per-device batch held)")
+    add_outputs(p, json="write all predictions as JSON",
+                plot="PNG: best step time and memory vs device count "
+                     f"({PLOT_COUNTS[0]}..{PLOT_COUNTS[-1]}, per-device batch held)")
     p.set_defaults(func=run)
 
 

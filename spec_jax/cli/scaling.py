@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from spec_jax.cli.options import add_outputs
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("scaling", help="fit scaling laws to sweep runs and predict a run")
@@ -13,8 +15,8 @@ def register(subparsers) -> None:
     p.add_argument("--predict-tokens", type=float, help="D of the run to predict")
     p.add_argument("--predict-compute", type=float, help="C (model FLOPs) of the run to predict")
     p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples (default 100)")
-    p.add_argument("--plot", type=Path, help="write a PNG of the fit, points and prediction")
-    p.add_argument("--json", type=Path, help="write fits and prediction as JSON")
+    add_outputs(p, json="write fits and prediction as JSON",
+                plot="write a PNG of the fit, points and prediction")
     p.set_defaults(func=run)
 
 

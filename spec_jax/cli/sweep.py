@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
+from spec_jax.cli.options import add_host_devices, add_overrides
 
 
 def _ints(text: str) -> list[int]:
@@ -22,10 +23,9 @@ def register(subparsers) -> None:
     p.add_argument("--tokens", type=_ints, required=True,
                    help="token budgets per run, e.g. 1e5,2e5 (steps = tokens / batch tokens)")
     p.add_argument("--spec", type=Path, help="base spec (default: the built-in spec)")
-    p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="KEY.PATH=VALUE", help="override a base spec field (repeatable)")
+    add_overrides(p, help="override a base spec field (repeatable)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per run")
-    p.add_argument("--host-devices", type=int, help="CPU devices to present (default 8)")
+    add_host_devices(p)
     p.set_defaults(func=run)
 
 

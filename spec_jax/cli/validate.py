@@ -4,13 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from spec_jax.cli.devices import ensure_host_devices
+from spec_jax.cli.options import add_host_devices, add_overrides
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("validate", help="check a spec and show its mesh and layout")
     p.add_argument("spec", type=Path, help="spec file (TOML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
-    p.add_argument("--host-devices", type=int, help="CPU devices to present (default 8)")
+    add_overrides(p)
+    add_host_devices(p)
     p.set_defaults(func=run)
 
 

@@ -1,0 +1,42 @@
+"""Options that several `trainspec` commands take alike, declared once: the spec overrides,
+the simulated device count, and the JSON/PNG outputs. Each command adds what it needs."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= `minimum`, else argparse's one-line usage error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def comma_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_overrides(p: argparse.ArgumentParser, help: str = "override a spec field (repeatable)"):
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="KEY.PATH=VALUE", help=help)
+
+
+def add_host_devices(p: argparse.ArgumentParser, minimum: int | None = None) -> None:
+    """--host-devices N; below `minimum` argparse refuses it, below 1 ensure_host_devices does."""
+    p.add_argument("--host-devices", type=at_least(minimum) if minimum else int,
+                   help="CPU devices to present (default 8, or as XLA_FLAGS says)")
+
+
+def add_outputs(p: argparse.ArgumentParser, *, json: str | None = None,
+                plot: str | None = None) -> None:
+    """--json FILE and/or --plot FILE.png, each with what it writes."""
+    for flag, help in (("--json", json), ("--plot", plot)):
+        if help:
+            p.add_argument(flag, type=Path, help=help)
