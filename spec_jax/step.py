@@ -172,7 +172,8 @@ class WrappedStep:
             new_state, metrics = fn(state, batch)
             if not self.nan_guard:
                 return new_state, guard, metrics
-            return nan_guard.guarded(policy, guard, state, new_state, metrics)
+            return nan_guard.guarded(policy, guard, state, new_state, metrics,
+                                     self.mesh, self.state_pspecs)
 
         return jax.jit(
             guarded_step,

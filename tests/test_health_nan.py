@@ -1,7 +1,13 @@
 """health.nan: a NaN batch is dropped inside the step (skip) or halts with the good state kept."""
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training import train_state
+
+import spec_jax
 
 from spec_jax.checkpoint import Checkpointer
 from spec_jax.core.errors import UserInputError
@@ -106,3 +112,55 @@ def test_consecutive_nonfinite_steps_count_across_a_resume(tmp_path):
     assert first["skipped_steps"] == 2
     with pytest.raises(HealthHalt, match=r"at step 6 .*max_consecutive_skips = 3"):
         run(spec, tmp_path, steps=8, progress=False, faults=Faults(nan_steps=frozenset({5, 6})))
+
+
+class _Odd(nn.Module):
+    """A kernel split by fsdp/tensor where the layout says so, an odd-sized replicated leaf."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.with_logical_partitioning(
+            nn.initializers.normal(), ("embed", "mlp")), (16, 24))
+        odd = self.param("odd", nn.initializers.normal(), (6, 5))  # 30 = 7 slices of 4 + 2
+        return x @ kernel + jnp.sum(odd)
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp2", "tensor"])
+def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
+    """Each device checks only a slice of its block of each leaf. One NaN element of the new
+    state, first, inside or last of its leaf (the last slices overlap a neighbour), in a leaf
+    split by the layout or replicated, drops the step: params, optimizer moments and step
+    count stay exactly as they were."""
+    spec = tiny_spec(layout=layout)
+    model, optimizer = _Odd(), optax.adam(1e-2)
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 16)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
+
+    def step(state, batch):  # batch["nan"][0] lands on element batch["at"][0] of a leaf
+        grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, batch["x"]) ** 2))(
+            state.params)
+        new = state.apply_gradients(grads=grads)
+        at, nan = batch["at"][0], batch["nan"][0]
+        poisoned = {name: (leaf.ravel().at[at % leaf.size].add(nan).reshape(leaf.shape)
+                           if name == batch_leaf else leaf)
+                    for name, leaf in new.params.items()}
+        return new.replace(params=poisoned), {"loss": jnp.float32(0)}
+
+    rows = spec.batch.global_batch
+    x = np.random.default_rng(0).normal(size=(rows, 16)).astype(np.float32)
+    for batch_leaf in ("kernel", "odd"):
+        wrapped = spec_jax.wrap(step, spec)
+        state = wrapped.init(init, jax.random.key(0))
+        clean = {"x": x, "at": np.zeros(rows, np.int32), "nan": np.zeros(rows, np.float32)}
+        state, _ = wrapped(state, clean)
+        for at in (0, 13, -1):
+            before = [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
+            poison = {**clean, "at": np.full(rows, at, np.int32),
+                      "nan": np.full(rows, np.nan, np.float32)}
+            state, metrics = wrapped(state, poison)
+            assert int(metrics["nonfinite"]) == 1
+            for a, b in zip(before, jax.tree.leaves(state)):
+                np.testing.assert_array_equal(a, np.asarray(b))
+        assert int(state.step) == 1

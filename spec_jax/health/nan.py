@@ -5,15 +5,23 @@ produced is not finite: the last is a reduction fused into the step, and catches
 cannot see (an infinite learning rate turns finite gradients into NaN parameters). The decision
 is spec_jax.core.health's state machine (`nan_guard_step`), run on device (a `lax.cond` keeps
 the old state or the new), so a NaN never reaches the parameters, nor a checkpoint, and the host
-never waits on the device per step. The guard record travels with the step; the host reads it only when it
-syncs anyway (metrics interval, checkpoint), and halts then.
+never waits on the device per step. The guard record travels with the step; the host reads it
+only when it syncs anyway (metrics interval, checkpoint), and halts then.
+
+The state check reads each element once over the mesh, not once per device: a device holds its
+leaves' blocks replicated over the mesh axes that do not split them (with data parallelism, all
+of it on every device), so each device checks 1/r of each block (r: the devices holding that
+block) and one all-reduce of one integer counts the non-finite slices. On 8 simulated devices
+checking every copy was most of the guard's cost (docs/wrapping.md).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 from spec_jax.core.health import check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step
 from spec_jax.core.spec import NanSpec
@@ -36,21 +44,50 @@ def init_guard(step: int = 0, skipped: int = 0, consecutive: int = 0) -> jax.Arr
     return _pack(init_nan_guard(step, skipped, consecutive))
 
 
-def _is_finite(metrics: dict[str, Any], new_state) -> jax.Array:
-    """True when the step is usable: the loss and gradient norm where the step reports them,
-    and every element of the new state's floating arrays (elementwise: a norm would overflow
-    on large finite values)."""
-    checks = [jnp.all(jnp.isfinite(metrics["loss"]))] if "loss" in metrics else []
+def _my_slice(block: jax.Array, pspec: P, mesh: Mesh) -> jax.Array:
+    """This device's 1/r of its local block of a leaf laid out by `pspec` (inside shard_map),
+    r being the devices holding the same block: those along the mesh axes `pspec` does not
+    split. The slices have one length, ceil(block / r); the last ones end at the block's end,
+    overlapping a neighbour (padding would copy the block). Together they cover it."""
+    used = {a for part in pspec if part is not None
+            for a in (part if isinstance(part, tuple) else (part,))}
+    holders = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    flat = block.ravel()
+    if not holders:
+        return flat
+    length = -(-flat.size // math.prod(mesh.shape[a] for a in holders))
+    start = jnp.minimum(jax.lax.axis_index(holders) * length, flat.size - length)
+    return jax.lax.dynamic_slice(flat, (start,), (length,))
+
+
+def _state_is_finite(new_state, mesh: Mesh, pspecs) -> jax.Array:
+    """Every element of the state's floating arrays is finite (elementwise: a norm would
+    overflow on large finite values); each device reads its slices, one all-reduce."""
+    leaves = [x for x in jax.tree.leaves(new_state)
+              if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+    specs = [ps for ps, x in zip(jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P)),
+                                 jax.tree.leaves(new_state))
+             if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+
+    def count_bad(blocks):
+        bad = sum(jnp.logical_not(jnp.all(jnp.isfinite(_my_slice(b, ps, mesh)))).astype(jnp.int32)
+                  for b, ps in zip(blocks, specs))
+        return jax.lax.psum(bad, tuple(mesh.axis_names))
+
+    return jax.shard_map(count_bad, mesh=mesh, in_specs=(specs,), out_specs=P(),
+                         check_vma=False)(leaves) == 0
+
+
+def guarded(policy: NanSpec, guard, old_state, new_state, metrics: dict[str, Any],
+            mesh: Mesh, pspecs):
+    """(state, guard, metrics) after applying the policy to one step, all on device.
+    `pspecs`: the state's PartitionSpecs on `mesh` (a pytree like the state)."""
+    checks = [_state_is_finite(new_state, mesh, pspecs)]
+    if "loss" in metrics:
+        checks.append(jnp.all(jnp.isfinite(metrics["loss"])))
     if "grad_norm" in metrics:
         checks.append(jnp.isfinite(metrics["grad_norm"]))
-    checks += [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_state)
-               if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.stack(checks).all()
-
-
-def guarded(policy: NanSpec, guard, old_state, new_state, metrics):
-    """(state, guard, metrics) after applying the policy to one step, all on device."""
-    finite = _is_finite(metrics, new_state)
+    finite = jnp.stack(checks).all()
     guard, take = nan_guard_step(policy, _unpack(guard), finite, where=jnp.where)
     # The decision needs the new state, so it comes after the update: a cond copies the kept
     # state once, where a per-element select would read both states and write a third.
