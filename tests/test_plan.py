@@ -34,8 +34,8 @@ MODEL = ["model.d_model=128", "model.n_heads=8", "model.d_ff=256", "model.n_laye
          "batch.seq_len=32"]
 MEMORY_TOL, COMM_TOL = 0.10, 0.02
 # On these layouts XLA gathers some weights over fsdp a second time, for the backward: the
-# forward's and the backward's all-gathers have the same operand and the same device groups,
-# written in two encodings, and are not merged (docs/plan.md). The planner gathers once: their
+# same operand over the same device groups, where on the other layouts one all-gather serves
+# both, a choice of XLA's SPMD partitioner (docs/plan.md). The planner gathers once: their
 # all-gather is held to [1, 2] x the prediction, and their memory to the tolerance once the
 # second copies XLA made (the extra all-gather output its HLO shows) are added.
 REGATHERED = {(2, 2, 2), (1, 4, 2)}
