@@ -2,66 +2,27 @@
 // float32 buffer into one contiguous packed buffer, dequantize k packed buffers and sum them in
 // order, and the error-feedback step (quantize g + residual, keep what the packing lost).
 //
-// Packed layout (docs/xla_ext.md; NumPy reference spec_jax/core/packed.py), little-endian,
-// every field at a multiple of 4 bytes from the start:
-//   header  16 bytes: uint32 magic "TSQ1", uint32 format (1 bf16, 2 int8), uint32 elements n,
-//           uint32 block (int8: elements per scale; bf16: 0)
-//   int8:   float32 scale[blocks], then int8 payload[blocks * block] (last block zero-padded)
-//   bf16:   uint16 payload[n], then one zero uint16 if n is odd
-// The arithmetic is float32 in the order of the jnp kernels (spec_jax/collectives/compression.py)
-// and this file is compiled without FMA contraction, so the two paths agree bit for bit (tested).
-// Every handler checks dtypes, sizes, the block and each packed header, and returns
+// The layout and the kernels are packed_kernels.h's; this file translates between XLA FFI and
+// them. Every handler checks dtypes, sizes, the block and each packed header, and returns
 // INVALID_ARGUMENT naming what is wrong; none of them can crash on a bad call.
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <limits>
 #include <string>
 #include <string_view>
 
 #include "handlers.h"
+#include "packed_kernels.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packed layout is little-endian");
-
-constexpr uint32_t kMagic = 0x31515354;  // the bytes "TSQ1"
-constexpr uint32_t kFormatBf16 = 1;
-constexpr uint32_t kFormatInt8 = 2;
-constexpr size_t kHeaderBytes = 16;
-constexpr float kInt8Max = 127.0f;
-// scale = absmax * fl(1/127): the spec defines the scale by this multiplication (what XLA makes
-// of a division by the constant 127), not as a rounded quotient; then truncated to 17
-// significant bits, so that q * scale (|q| <= 127: 7 bits) is exact in float32 and no FMA
-// contraction, on either side, can change a sum or a residual.
-constexpr float kInvInt8Max = 1.0f / 127.0f;
-constexpr uint32_t kScaleMask = 0xFFFFFF80u;
-
-struct Header {
-  uint32_t magic, format, elements, block;
-};
-
-// What a packed buffer of n elements looks like, from the handler's attributes.
-struct Format {
-  uint32_t code = 0;
-  size_t block = 0;  // 0 for bf16
-  size_t n = 0;
-
-  size_t blocks() const { return code == kFormatInt8 ? (n + block - 1) / block : 0; }
-  size_t scales_offset() const { return kHeaderBytes; }
-  size_t payload_offset() const { return kHeaderBytes + 4 * blocks(); }
-  size_t bytes() const {
-    return code == kFormatInt8 ? payload_offset() + blocks() * block
-                               : kHeaderBytes + 2 * (n + n % 2);
-  }
-  Header header() const {
-    return Header{kMagic, code, static_cast<uint32_t>(n), static_cast<uint32_t>(block)};
-  }
-};
+using trainspec::kFormatBf16;
+using trainspec::kFormatInt8;
+using trainspec::kHeaderBytes;
+using Format = trainspec::PackedFormat;
+using Header = trainspec::PackedHeader;
 
 std::string Describe(const Header& h) {
   char magic[9];
@@ -135,142 +96,6 @@ ffi::Error CheckPacked(const char* op, const ffi::AnyBuffer& b, size_t bytes_eac
   return ffi::Error::Success();
 }
 
-// ---- kernels -----------------------------------------------------------------------------------
-// Written as branch-free loops over contiguous elements so that the compiler vectorizes them
-// (compression.cc is built with -O3); vectorizing runs across elements and reorders nothing.
-
-// Round to nearest, ties to even; a NaN becomes the quiet NaN of its sign (as XLA converts).
-inline uint16_t ToBf16Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = ((b >> 16) & 0x8000u) | 0x7FC0u;
-  return static_cast<uint16_t>((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
-}
-
-inline float FromBf16Bits(uint16_t h) {
-  const uint32_t b = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-// 1.5 * 2^23: for |v| <= 127, (v + kRoundToInt) - kRoundToInt is v rounded to an integer in
-// the FPU's rounding mode, round to nearest even (no libm call, which would not vectorize).
-constexpr float kRoundToInt = 12582912.0f;
-
-// One int8 block of `len` <= block elements (the rest of the block is padding): the scale
-// absmax * fl(1/127) & kScaleMask (NaN if any element is NaN), and
-// q = clamp(rint(x * fl(1/s)), -127, 127) with s = scale if scale > 0 else 1, a NaN product
-// giving 0 -- the jnp kernel's operations (XLA turns its division by the broadcast scale into
-// this multiplication). Clamping before rounding gives the same integers: the bounds are
-// integers and both steps are monotonic.
-float QuantizeBlock(const float* x, size_t len, size_t block, int8_t* q) {
-  float absmax = 0.0f;
-  int any_nan = 0;
-  for (size_t i = 0; i < len; ++i) {
-    const float a = std::fabs(x[i]);
-    any_nan |= a != a;
-    absmax = a > absmax ? a : absmax;
-  }
-  if (any_nan) absmax = std::numeric_limits<float>::quiet_NaN();
-  float scale = absmax * kInvInt8Max;
-  uint32_t bits;
-  std::memcpy(&bits, &scale, 4);
-  bits &= kScaleMask;
-  std::memcpy(&scale, &bits, 4);
-  const float inverse = 1.0f / (scale > 0.0f ? scale : 1.0f);
-  for (size_t i = 0; i < len; ++i) {
-    float v = x[i] * inverse;
-    v = v < -kInt8Max ? -kInt8Max : v;  // a NaN passes both comparisons unchanged
-    v = v > kInt8Max ? kInt8Max : v;
-    const float r = v != v ? 0.0f : (v + kRoundToInt) - kRoundToInt;
-    q[i] = static_cast<int8_t>(static_cast<int32_t>(r));
-  }
-  std::memset(q + len, 0, block - len);
-  return scale;
-}
-
-void WriteHeader(const Format& f, uint8_t* packed) {
-  const Header h = f.header();
-  std::memcpy(packed, &h, kHeaderBytes);
-}
-
-// Packs x (f.n elements) into `packed`; with `lost` non-null also stores x - dequantized(x)
-// there (x may alias `lost`: each element is read before it is overwritten).
-void Pack(const Format& f, const float* x, uint8_t* packed, float* lost) {
-  WriteHeader(f, packed);
-  if (f.code == kFormatBf16) {
-    uint8_t* payload = packed + kHeaderBytes;
-    for (size_t i = 0; i < f.n; ++i) {
-      const uint16_t h = ToBf16Bits(x[i]);
-      std::memcpy(payload + 2 * i, &h, 2);
-    }
-    if (lost) {
-      for (size_t i = 0; i < f.n; ++i) lost[i] = x[i] - FromBf16Bits(ToBf16Bits(x[i]));
-    }
-    if (f.n % 2) std::memset(payload + 2 * f.n, 0, 2);
-    return;
-  }
-  int8_t* payload = reinterpret_cast<int8_t*>(packed + f.payload_offset());
-  for (size_t b = 0; b < f.blocks(); ++b) {
-    const size_t start = b * f.block;
-    const size_t len = std::min(f.block, f.n - start);
-    const float scale = QuantizeBlock(x + start, len, f.block, payload + start);
-    std::memcpy(packed + f.scales_offset() + 4 * b, &scale, 4);
-    if (lost) {
-      const int8_t* q = payload + start;
-      for (size_t i = 0; i < len; ++i) {
-        lost[start + i] = x[start + i] - static_cast<float>(q[i]) * scale;
-      }
-    }
-  }
-}
-
-// out[0, len) (=, or += when `add`) one stretch of dequantized values.
-inline void AccumulateBf16(const uint8_t* payload, size_t len, bool add, float* out) {
-  if (add) {
-    for (size_t i = 0; i < len; ++i) {
-      uint16_t h;
-      std::memcpy(&h, payload + 2 * i, 2);
-      out[i] = out[i] + FromBf16Bits(h);
-    }
-  } else {
-    for (size_t i = 0; i < len; ++i) {
-      uint16_t h;
-      std::memcpy(&h, payload + 2 * i, 2);
-      out[i] = FromBf16Bits(h);
-    }
-  }
-}
-
-inline void AccumulateInt8(const int8_t* q, float scale, size_t len, bool add, float* out) {
-  if (add) {
-    for (size_t i = 0; i < len; ++i) out[i] = out[i] + static_cast<float>(q[i]) * scale;
-  } else {
-    for (size_t i = 0; i < len; ++i) out[i] = static_cast<float>(q[i]) * scale;
-  }
-}
-
-// out = sum over the k packed buffers of their dequantized values, in buffer order.
-void DequantizeSum(const Format& f, const uint8_t* packed, size_t k, float* out) {
-  const size_t bytes = f.bytes();
-  for (size_t r = 0; r < k; ++r) {
-    const uint8_t* p = packed + r * bytes;
-    if (f.code == kFormatBf16) {
-      AccumulateBf16(p + kHeaderBytes, f.n, r > 0, out);
-      continue;
-    }
-    const int8_t* payload = reinterpret_cast<const int8_t*>(p + f.payload_offset());
-    for (size_t b = 0; b < f.blocks(); ++b) {
-      float scale;
-      std::memcpy(&scale, p + f.scales_offset() + 4 * b, 4);
-      const size_t start = b * f.block;
-      AccumulateInt8(payload + start, scale, std::min(f.block, f.n - start), r > 0, out + start);
-    }
-  }
-}
-
 // ---- handlers ----------------------------------------------------------------------------------
 
 // The format for the float32 input `x` (called `name`) and the checks of `x` and of its one
@@ -295,7 +120,7 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> packed,
       e.failure()) {
     return e;
   }
-  Pack(f, static_cast<const float*>(x.untyped_data()),
+  trainspec::Pack(f, static_cast<const float*>(x.untyped_data()),
        static_cast<uint8_t*>(packed->untyped_data()), nullptr);
   return ffi::Error::Success();
 }
@@ -320,7 +145,7 @@ ffi::Error DequantizeImpl(ffi::AnyBuffer packed, ffi::Result<ffi::AnyBuffer> out
                               Describe(got) + ", expected " + Describe(want));
     }
   }
-  DequantizeSum(f, data, count, static_cast<float*>(out->untyped_data()));
+  trainspec::DequantizeSum(f, data, count, static_cast<float*>(out->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -339,7 +164,7 @@ ffi::Error ErrorFeedbackImpl(ffi::AnyBuffer g, ffi::AnyBuffer residual,
   const float* rd = static_cast<const float*>(residual.untyped_data());
   float* corrected = static_cast<float*>(new_residual->untyped_data());
   for (size_t i = 0; i < f.n; ++i) corrected[i] = gd[i] + rd[i];
-  Pack(f, corrected, static_cast<uint8_t*>(packed->untyped_data()), corrected);
+  trainspec::Pack(f, corrected, static_cast<uint8_t*>(packed->untyped_data()), corrected);
   return ffi::Error::Success();
 }
 

@@ -6,6 +6,7 @@ set(XLA_EXT_CORE_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/output_pages.cc
   ${CMAKE_CURRENT_LIST_DIR}/collective_policies.cc
   ${CMAKE_CURRENT_LIST_DIR}/collective_ops.cc
+  ${CMAKE_CURRENT_LIST_DIR}/packed_kernels.cc
 )
 # Our own sources build warning-free; third-party headers (nanobind, XLA FFI) are included as
 # SYSTEM so their warnings do not count.
@@ -21,3 +22,7 @@ set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/reduce_kernels.cc PROPERTI
   COMPILE_OPTIONS "-ffp-contract=off;-Wno-psabi")
 find_package(Threads REQUIRED)
 target_link_libraries(xla_ext_core PUBLIC Threads::Threads)
+# The packed-buffer kernels of collectives.compression must round like the jnp kernels they
+# match bit for bit (no FMA contraction); -O3, whatever the build type, vectorizes their loops.
+set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/packed_kernels.cc PROPERTIES
+  COMPILE_OPTIONS "-ffp-contract=off;-O3")

@@ -10,7 +10,8 @@
 //                both work plans, and 30 invocations of one call site back to back;
 //   failures     a missing member (deadline exceeded, then the run fails fast), a duplicate
 //                rank, a group-size mismatch, disagreeing attributes or shapes, a bad rank
-//                (invalid argument, at once), and no rendezvous state left afterwards.
+//                (invalid argument, at once), and no rendezvous state left afterwards;
+//   packed       the compression kernels against their scalar reference (packed_kernels_test.cc).
 // Exit status 0 when every check passed; each failed check prints one line.
 #include <atomic>
 #include <chrono>
@@ -22,6 +23,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "collective_ops.h"
@@ -449,6 +451,10 @@ void TestFailures() {
 }  // namespace
 }  // namespace trainspec
 
+namespace trainspec {
+std::pair<int, int> TestPackedKernels();  // packed_kernels_test.cc
+}  // namespace trainspec
+
 int main() {
   using namespace trainspec;
   const uint64_t digest = TestKernels();
@@ -457,6 +463,9 @@ int main() {
   TestOps(8, 5 * 8 * 1024);  // a length that does not fill the last unit
   TestGroupsAndRepeats();
   TestFailures();
+  const auto [packed_checks, packed_failed] = TestPackedKernels();
+  checks += packed_checks;
+  failed_checks += packed_failed;
   Check(LiveRendezvousCount() == 0, "rendezvous state left: " +
                                         std::to_string(LiveRendezvousCount()) + " slots");
   std::printf("isa %s\nkernel digest %016llx\n%d checks, %d failed\n", IsaName(ActiveIsa()),
