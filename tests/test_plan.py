@@ -187,7 +187,10 @@ def test_prediction_within_tolerance(layout, profile):
     runner, got = compiled(layout)
     pred = _predict(spec, d * f * t, profile)
     assert pred.fits, pred.reasons
-    hlo = got["comm_bytes_by_kind_and_axis"]
+    # an all-reduce over no mesh axis (the NaN guard's count on one device) moves nothing
+    hlo = {k: {a: b for a, b in v.items() if a != "none"}
+           for k, v in got["comm_bytes_by_kind_and_axis"].items()}
+    hlo = {k: v for k, v in hlo.items() if v}
     comm = _comm_errors(pred.comm_by_kind_and_axis(), hlo)
     regathered = 0.0
     if (d, f, t) in REGATHERED:

@@ -15,6 +15,8 @@ micro-batches, R rows per device and micro-batch, T tokens per row, L layers, wi
 - tensor > 1: per micro-batch, all-reduces of (2 + 6 L) activations of R x T x d elements
   (forward: embedding, attention and MLP outputs; backward: the input gradients of the head,
   mlp_in, q, k and v) plus 4 per-token scalars of the vocabulary-split softmax loss.
+- every step on more than one device: the NaN guard's (health.nan) all-reduce of one int32,
+  its count of non-finite state slices, over the whole mesh.
 """
 from __future__ import annotations
 
@@ -172,10 +174,10 @@ PHASES = {
     "fsdp_reduction": ("gradients", "gathered_params", "unreduced_gradient", "reduce_scatter_output"),
     # after the loop, data > 1: the local gradient and its all-reduced copy
     "data_reduction": ("gradients", "data_reduction_buffer"),
-    # the update: the NaN guard (health.nan) chooses between the old state and the new, so the
-    # new parameters and optimizer state are whole beside the old before either is dropped,
-    # with the guard's is-finite masks (1 byte per element) of the gradient and the new state
-    "update": ("new_state", "finite_masks"),
+    # the update: the NaN guard (health.nan) chooses between the old state and the new after
+    # both exist, so the new parameters and optimizer state are whole beside the old, and the
+    # chosen state is copied out leaf by leaf (at most the largest leaf at once)
+    "update": ("new_state", "kept_state_copy"),
 }
 
 
@@ -216,7 +218,7 @@ def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
         "data_reduction_buffer": local * gb if data else 0.0,
     }
     out["new_state"] = out["params"] + out["optimizer"]
-    out["finite_masks"] = 2 * local
+    out["kept_state_copy"] = max(n for _, n, _ in _local_elements(spec, layout, rules)) * pb
     tensor = layout.group(_role_axes(spec, layout, "tensor"))[0]
     shards = layout.group(_role_axes(spec, layout, "fsdp") + data)[0]
     tokens = spec.batch.micro / shards * spec.batch.seq_len
@@ -250,6 +252,8 @@ def collectives(spec: Spec, layout: Layout) -> list[Collective]:
     if data:
         local = sum(n for _, n, _ in _local_elements(spec, layout, rules))
         add("all-reduce", data, local * gb, 1)
+    if layout.n_devices > 1:  # the NaN guard's count of non-finite state slices (one int32)
+        add("all-reduce", tuple(a for a, size in layout.sizes.items() if size > 1), 4, 1)
     if tensor:
         rows = spec.batch.micro / layout.group(data + fsdp)[0]
         tokens = rows * spec.batch.seq_len
@@ -310,7 +314,7 @@ _REMEDIES = {
     "reduce_scatter_output": "precision.grad_reduce = \"bfloat16\", or a larger tensor size",
     "data_reduction_buffer": "precision.grad_reduce = \"bfloat16\", or a larger fsdp size",
     "new_state": "a larger fsdp size, or layout.optimizer_state = \"shard_over_data\"",
-    "finite_masks": "a larger fsdp or tensor size",
+    "kept_state_copy": "a larger fsdp or tensor size",
     "batch": "a smaller batch.global_batch",
     "activations": "remat.policy = \"full\", a smaller batch.micro_batch, or a larger tensor size",
 }
