@@ -20,6 +20,9 @@ Resharding: restore targets an abstract state whose leaves carry the *current* j
 so a run saved on (data=4, fsdp=2) restores onto 4 devices, or onto (data=2, fsdp=4), directly.
 The data position is the step: batches are a pure function of (seed, step) (data.py), so
 resuming at step S on any mesh continues with exactly batch S, none seen twice or skipped.
+A compressed run's error-feedback residuals (one per data-parallel replica) are read back as
+saved and, onto another replica count, folded: their sum, which is what the replicas still
+owe the gradient sum, becomes replica 0's residual (docs/communication.md).
 """
 from __future__ import annotations
 
@@ -30,11 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spec_jax.checksum import checksums, first_mismatch
+from spec_jax.core.compression import RESIDUAL
 from spec_jax.core.errors import UserInputError
 from spec_jax.core.spec import Spec
 from spec_jax.distributed import is_writer
@@ -45,8 +51,9 @@ FORMAT = 2  # 2: the meta holds per-array checksums
 # The sections that define the computation: resuming under a different one would silently
 # train another model. Placement (mesh, layout, collectives) and bookkeeping may change.
 MUST_MATCH = ("seed", "model", "optimizer", "batch", "precision", "semi_sync")
-# Placement fields that change what the state holds: compression adds a residual per replica.
-STATE_DEFINING = (("collectives", "compression"),)
+# Placement fields that change what the state holds: compression with error feedback adds a
+# residual per replica.
+STATE_DEFINING = (("collectives", "compression"), ("collectives", "error_feedback"))
 
 
 def _first_difference(saved: Any, current: Any, path: str) -> tuple[str, Any, Any] | None:
@@ -105,6 +112,32 @@ def mesh_shape(state) -> dict[str, int]:
     return {name: int(size) for name, size in mesh.shape.items()}
 
 
+def residual_replicas(state) -> int | None:
+    """Replicas whose error-feedback residuals `state` carries (None: it carries none)."""
+    leaves = jax.tree.leaves(getattr(state, RESIDUAL, None))
+    return int(leaves[0].shape[0]) if leaves else None
+
+
+def _with_residual_replicas(target, replicas: int):
+    """`target` with residual leaves of `replicas` rows, each row whole on the data axes (the
+    saved count need not divide the current data axes)."""
+    def rows(t):
+        sharding = NamedSharding(t.sharding.mesh, P(None, *t.sharding.spec[1:]))
+        return jax.ShapeDtypeStruct((replicas, *t.shape[1:]), t.dtype, sharding=sharding)
+    return target.replace(**{RESIDUAL: jax.tree.map(rows, getattr(target, RESIDUAL))})
+
+
+def _fold_residual(state, target):
+    """`state` with its residuals summed into row 0 of `target`'s residual layout, other rows
+    zero: the sum over replicas, all error feedback needs, is kept."""
+    want = getattr(target, RESIDUAL)
+    folded = jax.jit(
+        lambda saved: jax.tree.map(
+            lambda r, t: jnp.zeros(t.shape, t.dtype).at[0].set(jnp.sum(r, axis=0)), saved, want),
+        out_shardings=jax.tree.map(lambda t: t.sharding, want))(getattr(state, RESIDUAL))
+    return state.replace(**{RESIDUAL: folded})
+
+
 class Checkpointer:
     """Checkpoints of one run directory (`checkpoint.dir` inside it), per the spec."""
 
@@ -149,6 +182,7 @@ class Checkpointer:
             "health": health or {},
             "checksums": checksums(state),
             "shapes": {path: list(x.shape) for path, x in _by_path(state)},
+            "residual_replicas": residual_replicas(state),
             "spec": self.spec.to_dict(),
             "mesh": mesh_shape(state),
         }
@@ -198,16 +232,19 @@ class Checkpointer:
         if meta.get("format") != FORMAT or meta.get("step") != step:
             raise BadCheckpoint(f"it is not a trainspec format-{FORMAT} checkpoint of step {step}")
         check_compatible(meta["spec"], self.spec, self.directory)
-        check_replicas(meta.get("shapes", {}), target, step)
+        saved_replicas = meta.get("residual_replicas")
+        fold = saved_replicas not in (None, residual_replicas(target))
+        read_as = _with_residual_replicas(target, saved_replicas) if fold else target
+        check_replicas(meta.get("shapes", {}), read_as, step)  # residuals fold, the rest not
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_like(target))))
+                state=ocp.args.StandardRestore(abstract_like(read_as))))
         except Exception as err:  # noqa: BLE001
             raise BadCheckpoint(f"its state does not read back ({_first_line(err)})") from None
         differs = first_mismatch(meta["checksums"], restored.state)
         if differs is not None:
             raise BadCheckpoint(f"the checksum of {differs} differs from the one saved")
-        return restored.state, meta
+        return (_fold_residual(restored.state, target) if fold else restored.state), meta
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
         """The newest good checkpoint resharded like `target`, or (None, None) when there is

@@ -84,9 +84,10 @@ class WrappedStep:
                 f"{', '.join(f'{a}={self.mesh.shape[a]}' for a in split)}: its blocking custom "
                 "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"")
         # collectives.compression: each replica's residual rides in the state (error feedback)
-        self.error_feedback = spec.collectives.compression != "none" and bool(self.data_axes)
-        if self.error_feedback and (spec.collectives.backend not in ("xla", "ext")
-                                    or not isinstance(step_fn, LossStep)):
+        self.compressed = spec.collectives.compression != "none" and bool(self.data_axes)
+        self.error_feedback = self.compressed and spec.collectives.error_feedback
+        if self.compressed and (spec.collectives.backend not in ("xla", "ext")
+                                or not isinstance(step_fn, LossStep)):
             raise UserInputError(
                 f"collectives.compression: {spec.collectives.compression} needs "
                 "collectives.backend = \"xla\" or \"ext\" and a step built with "
@@ -210,7 +211,7 @@ class WrappedStep:
         # or when the spec names a collectives backend other than XLA's own.
         # GNS over replicas needs each replica's gradient before the reduction, too.
         if self.data_axes and (k > 1 or spec.collectives.backend != "xla"
-                               or self.gns_source == gns.REPLICAS or self.error_feedback):
+                               or self.gns_source == gns.REPLICAS or self.compressed):
             return self._replica_reduced_step_fn(precision)
 
         def constrain(micro):  # keep each micro-batch split over the batch shards
@@ -231,8 +232,9 @@ class WrappedStep:
         """Sum per-replica gradients (stacked on a leading axis bound to the data axes) through
         the spec's collectives backend; the result is laid out like the parameters.
 
-        With a `residual` (stacked like the gradients), the reduction is compressed per
-        `collectives.compression` with error feedback: returns (sum, new residual)."""
+        With `collectives.compression`, the reduction is compressed (spec_jax.collectives.
+        compression) and returns (sum, new residual); the residual, stacked like the gradients,
+        is None without error feedback."""
         spec, data = self.spec, self.data_axes
         group = data if len(data) > 1 else data[0]
         param_pspecs = self.state_pspecs.params
@@ -253,14 +255,15 @@ class WrappedStep:
                 flat[a:b].reshape(*lead, *x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
             ])
             packed = jnp.concatenate([x.ravel() for x in leaves])
-            if r is None:
+            if not self.compressed:
                 return unpack(collectives.all_reduce(
                     packed, group, "sum",
                     timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend))
+            owed = None if r is None else jnp.concatenate([x.ravel() for x in jax.tree.leaves(r)])
             flat, new_residual = compressed_sum(
-                packed, jnp.concatenate([x.ravel() for x in jax.tree.leaves(r)]), group,
-                spec.collectives.compression, spec.collectives.compression_block)
-            return unpack(flat), unpack(new_residual, (1,))
+                packed, owed, group, self.replicas, spec.collectives.compression,
+                spec.collectives.compression_block)
+            return unpack(flat) if r is None else (unpack(flat), unpack(new_residual, (1,)))
 
         in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
                                 is_leaf=lambda x: isinstance(x, P))

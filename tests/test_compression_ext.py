@@ -69,7 +69,7 @@ def test_ext_compressed_sum_is_bitwise_the_jnp_one(compression, block):
 
     def run(impl):
         def body(xl, rl):
-            total, new_r = impl(xl[0], rl[0], "data", compression, block)
+            total, new_r = impl(xl[0], rl[0], "data", 8, compression, block)
             return total[None], new_r[None]
         split = NamedSharding(mesh, P("data"))
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),

@@ -1,20 +1,21 @@
 """Compressed gradient reduction with error feedback (`collectives.compression`), plain jnp.
 
 The rule and its float64 reference are spec_jax.core.compression. Here: the quantizers, the
-reduction of one replica's packed gradient inside a `shard_map` over the data axes, and the
+two-stage reduction of one replica's packed gradient inside a `shard_map` over the data axes, and the
 train state that carries each replica's residual (docs/communication.md).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spec_jax.core.compression import INT8_MAX, padded_size
+from spec_jax.core.compression import INT8_MAX, RESIDUAL, chunk_size, padded_size
 from spec_jax.core.packed import INT8_INV_MAX, SCALE_MASK
 
 
@@ -47,32 +48,79 @@ def round_trip(flat: jax.Array, compression: str, block: int) -> jax.Array:
     return dequantize_int8(*quantize_int8(flat, block), flat.size)
 
 
-def compressed_sum(flat: jax.Array, residual: jax.Array, group, compression: str,
-                   block: int) -> tuple[jax.Array, jax.Array]:
-    """(sum over `group` of every replica's compressed `flat + residual`, this replica's new
-    residual). Inside a shard_map over the data axes `group`.
+def _encode(chunks: jax.Array, compression: str, block: int):
+    """What goes on the wire for rows of float32 `chunks` (rows, chunk): bfloat16 as its uint16
+    bits (XLA would otherwise move the float32 convert before the collective), or the int8
+    payload (rows, blocks, block) and float32 scales (rows, blocks)."""
+    if compression == "bf16":
+        return jax.lax.bitcast_convert_type(chunks.astype(jnp.bfloat16), jnp.uint16)
+    payload, scales = quantize_int8(chunks.reshape(-1), block)
+    return payload.reshape(chunks.shape[0], -1, block), scales.reshape(chunks.shape[0], -1)
 
-    The compressed buffers are all-gathered (bfloat16; or int8 payload and float32 scales) and
-    every replica decompresses and sums them in float32 in rank order: all replicas hold the
-    same sum, bit for bit, and the sum adds no rounding of its own to what error feedback sees.
-    (An all-reduce would sum on the wire: int8 would overflow, and XLA:CPU promotes a bfloat16
+
+def _decode(wire, compression: str) -> jax.Array:
+    """float32 rows (rows, chunk) of what `_encode` put on the wire."""
+    if compression == "bf16":
+        return jax.lax.bitcast_convert_type(wire, jnp.bfloat16).astype(jnp.float32)
+    return dequantize_int8(*wire, wire[0].shape[-2] * wire[0].shape[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One backend's pieces of the two-stage exchange, on rows of float32 chunks (k, chunk)."""
+
+    encode: Callable  # (rows, residual rows) -> (wire, rows + residual - what the wire carries)
+    decode: Callable  # wire of k rows -> float32 (k, chunk)
+    all_to_all: Callable  # wire of n rows -> wire of n rows, row i from replica i
+    all_gather: Callable  # wire of 1 row -> wire of n rows, row i from replica i
+
+
+def two_stage_sum(flat: jax.Array, residual: jax.Array | None, group, replicas: int, chunk: int,
+                  exchange: Exchange) -> tuple[jax.Array, jax.Array | None]:
+    """(sum over `group` of every replica's compressed `flat + residual`, this replica's new
+    residual). Inside a shard_map over the data axes `group`, of `replicas` members. Without a
+    residual (collectives.error_feedback = false) the losses are dropped and None returned.
+
+    spec_jax.core.compression.two_stage_sum: an all-to-all of compressed chunks, a float32 sum
+    of each chunk in rank order on its owner, and an all-gather of the compressed sums. Every
+    replica decodes the same gathered bytes, so all hold the same sum bit for bit. (An
+    all-reduce would sum on the wire: int8 would overflow, and XLA:CPU promotes a bfloat16
     all-reduce to float32, sending no fewer bytes.)
     """
-    corrected = flat.astype(jnp.float32) + residual
-    if compression == "bf16":
-        # as uint16 bits: XLA would otherwise move the float32 convert before the gather
-        bits = jax.lax.bitcast_convert_type(corrected.astype(jnp.bfloat16), jnp.uint16)
-        gathered = jax.lax.all_gather(bits, group)
-        per_rank = jax.lax.bitcast_convert_type(gathered, jnp.bfloat16).astype(jnp.float32)
-    else:
-        gathered = jax.lax.all_gather(quantize_int8(corrected, block), group)
-        per_rank = dequantize_int8(*gathered, flat.size)
-    total = functools.reduce(jnp.add, list(per_rank))  # fixed rank order: deterministic
-    return total, corrected - per_rank[jax.lax.axis_index(group)]
+    size = flat.size
+    rows = lambda v: jnp.pad(  # noqa: E731
+        v.astype(jnp.float32), (0, replicas * chunk - size)).reshape(replicas, chunk)
+    zeros = jnp.zeros((replicas, chunk), jnp.float32)
+    wire, owed = exchange.encode(rows(flat), zeros if residual is None else rows(residual))
+    shard = functools.reduce(jnp.add, list(exchange.decode(exchange.all_to_all(wire))))
+    shard_wire, lost = exchange.encode(shard[None], zeros[:1])
+    total = exchange.decode(exchange.all_gather(shard_wire)).reshape(-1)[:size]
+    if residual is None:
+        return total, None
+    # stage 1 lost `owed` of this replica's buffer; stage 2 lost `lost` of the chunk it owns:
+    # this replica owes both (core.compression.two_stage_sum)
+    mine = jax.lax.axis_index(group)
+    owed = jax.lax.dynamic_update_index_in_dim(owed, owed[mine] + lost[0], mine, 0)
+    return total, owed.reshape(-1)[:size]
+
+
+def compressed_sum(flat: jax.Array, residual: jax.Array | None, group, replicas: int,
+                   compression: str, block: int) -> tuple[jax.Array, jax.Array | None]:
+    """two_stage_sum with the jnp quantizers and XLA's all-to-all and all-gather."""
+    def encode(rows, residual_rows):
+        corrected = rows + residual_rows
+        wire = _encode(corrected, compression, block)
+        return wire, corrected - _decode(wire, compression)
+
+    exchange = Exchange(
+        encode, functools.partial(_decode, compression=compression),
+        lambda wire: jax.tree.map(lambda w: jax.lax.all_to_all(w, group, 0, 0), wire),
+        lambda wire: jax.tree.map(lambda w: jax.lax.all_gather(w, group, tiled=True), wire))
+    return two_stage_sum(flat, residual, group, replicas,
+                         chunk_size(flat.size, replicas, compression, block), exchange)
 
 
 # -- the residual in the train state ----------------------------------------------------------
-RESIDUAL = "ef_residual"
 
 
 @functools.cache

@@ -1,10 +1,10 @@
 """Compressed gradient reduction on the `ext` backend: the xla_ext packed-buffer handlers.
 
 Same contract as spec_jax.collectives.compression.compressed_sum (the jnp kernels of the `xla`
-backend), bit for bit: each replica's error-feedback handler packs `flat + residual` into one
-contiguous buffer (header, per-block scales, payload; spec_jax.core.packed) and keeps what the
-packing lost as its new residual; the ext all-gather moves the packed buffers as int32 words;
-the dequantize handler unpacks them and sums them in rank order.
+backend), bit for bit, and the same two-stage exchange: the error-feedback handler packs each
+chunk of `flat + residual` into one contiguous buffer (header, per-block scales, payload;
+spec_jax.core.packed) and keeps what the packing lost as the residual; the ext all-to-all and
+all-gather move the packed buffers as int32 words; the dequantize handler unpacks them.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import numpy as np
 
 from spec_jax import xla_ext
 from spec_jax.collectives import ext
+from spec_jax.collectives.compression import Exchange, two_stage_sum
+from spec_jax.core.compression import chunk_size
 from spec_jax.core.packed import packed_bytes
 
 TARGETS = {op: f"trainspec_{op}" for op in ("quantize", "dequantize", "error_feedback")}
@@ -56,12 +58,17 @@ def error_feedback(g: jax.Array, residual: jax.Array, compression: str, block: i
     return call(g, residual, **_attrs(compression, block))
 
 
-def compressed_sum(flat: jax.Array, residual: jax.Array, group, compression: str, block: int,
-                   timeout_s: float | None = None) -> tuple[jax.Array, jax.Array]:
-    """(sum over `group` of every replica's compressed `flat + residual`, this replica's new
-    residual). Inside a shard_map over the data axes `group`."""
-    # int32 words end to end: ext's all-gather moves them, and no bitcast copies the buffers
-    words, new_residual = error_feedback(flat.astype(jnp.float32), residual, compression, block,
-                                         jnp.int32)
-    gathered = ext.all_gather(words[None], group, axis=0, timeout_s=timeout_s)
-    return dequantize_sum(gathered, compression, block, flat.size), new_residual
+def compressed_sum(flat: jax.Array, residual: jax.Array | None, group, replicas: int,
+                   compression: str, block: int,
+                   timeout_s: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """The two-stage exchange (spec_jax.collectives.compression.two_stage_sum) with a packed
+    buffer per chunk: the error-feedback handler packs each chunk and keeps what packing lost,
+    the dequantize handler unpacks, and the ext all-to-all and all-gather move the buffers.
+    int32 words end to end: ext's collectives move them, and no bitcast copies the buffers."""
+    chunk = chunk_size(flat.size, replicas, compression, block)
+    exchange = Exchange(
+        jax.vmap(lambda rows, res: error_feedback(rows, res, compression, block, jnp.int32)),
+        jax.vmap(lambda words: dequantize_sum(words[None], compression, block, chunk)),
+        lambda words: ext.all_to_all(words, group, 0, 0, timeout_s=timeout_s),
+        lambda words: ext.all_gather(words, group, axis=0, timeout_s=timeout_s))
+    return two_stage_sum(flat, residual, group, replicas, chunk, exchange)

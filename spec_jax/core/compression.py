@@ -8,6 +8,15 @@ Error feedback (1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019): 
 compresses `x + residual` and keeps what compression lost as the next residual, so over steps
 sum(transmitted) + residual = sum(x): nothing is lost, only delayed.
 
+The exchange over n replicas has two compressed stages (`two_stage_sum`), so that every replica
+sends about 2(n-1)/n of its compressed buffer, as a ring all-reduce does of the float32 one:
+1. each replica compresses its whole buffer, cut into n chunks, and sends chunk j to replica j
+   (all-to-all); replica j decompresses the n pieces and sums them in float32, in rank order;
+2. replica j compresses its summed chunk again and every replica gathers all n (all-gather).
+What stage 2 loses on chunk j is added to replica j's residual at those elements: the
+residuals then sum to everything the replicas' transmissions still owe, and error feedback
+covers both stages with one residual per replica.
+
 The jnp implementation (spec_jax.collectives.compression) is tested against this module.
 """
 from __future__ import annotations
@@ -19,6 +28,8 @@ INT8_MAX = 127
 # Blocks of a multiple of 4 elements keep the packed buffer (header, float32 scales, int8
 # payload; spec_jax/core/packed.py) a whole number of 4-byte words.
 BLOCK_ALIGN = 4
+# The train-state field holding each replica's error-feedback residual.
+RESIDUAL = "ef_residual"
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -83,3 +94,26 @@ def error_feedback_step(x: np.ndarray, residual: np.ndarray, compression: str,
     corrected = np.asarray(x, np.float64) + residual
     sent = round_trip(corrected.astype(np.float32), compression, block)
     return sent, corrected - sent
+
+
+def chunk_size(size: int, replicas: int, compression: str, block: int) -> int:
+    """Elements of each replica's chunk in the two-stage exchange: the packed buffer of `size`
+    elements is zero-padded to `replicas` chunks of whole int8 blocks."""
+    return padded_size(-(-size // replicas), block if compression == "int8" else 1)
+
+
+def two_stage_sum(xs: list[np.ndarray], residuals: list[np.ndarray], compression: str,
+                  block: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the sum every replica receives, each replica's new residual), float64: the reference
+    of the two-stage exchange above, for replicas' flat buffers `xs` and their residuals."""
+    n, size = len(xs), np.size(xs[0])
+    chunk = chunk_size(size, n, compression, block)
+    padded = np.zeros((n, n * chunk))
+    padded[:, :size] = np.asarray(xs, np.float64) + np.asarray(residuals, np.float64)
+    sent = np.stack([round_trip(c.astype(np.float32), compression, block) for c in padded])
+    shards = sent.sum(axis=0).reshape(n, chunk)  # chunk j, summed on replica j
+    gathered = np.stack([round_trip(s.astype(np.float32), compression, block) for s in shards])
+    new = padded - sent
+    for j in range(n):  # stage 2's loss on chunk j is owed by replica j
+        new[j, j * chunk:(j + 1) * chunk] += shards[j] - gathered[j]
+    return gathered.ravel()[:size], [r[:size] for r in new]

@@ -169,6 +169,11 @@ class CollectivesSpec(_Section):
         "(`none`), bfloat16, or int8 with a float32 scale per block, with error feedback "
         "(docs/communication.md). `xla` or `ext` backend."
     )
+    error_feedback: bool = Field(
+        True, description="With a compression: each replica keeps what compression lost in a "
+        "residual (train state) and sends it with its next gradient. `false` drops it; for "
+        "measuring what error feedback is worth (docs/communication.md)."
+    )
     compression_block: int = Field(
         256, ge=BLOCK_ALIGN, le=MAX_WIDTH,
         description=f"Elements per int8 scale block; a multiple of {BLOCK_ALIGN} (keeps the "
