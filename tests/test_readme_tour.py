@@ -67,6 +67,7 @@ def test_the_readme_tour_runs_top_to_bottom(tmp_path):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "TRAINSPEC_"))}
     env.update(PATH=f"{BIN}{os.pathsep}{env['PATH']}", TRAINSPEC_CPU_PEAK="table")
+    trained = set()  # run dirs a tour command trained: a later one resumes
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; wall s, CPU s:")
     for argv in commands:
         full = [*argv, *smaller(argv)]
@@ -76,6 +77,12 @@ def test_the_readme_tour_runs_top_to_bottom(tmp_path):
         print(f"{time.monotonic() - t0:6.1f} {_children_cpu_s() - cpu0:6.1f}  {shlex.join(full)}")
         assert done.returncode == 0, (shlex.join(full), done.stdout[-3000:], done.stderr[-3000:])
         assert "Traceback" not in done.stderr, (shlex.join(full), done.stderr[-3000:])
+        assert "is connected to" not in done.stdout  # gloo's per-rank lines: only with -v
+        if argv[1] == "train":
+            run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else "runs/default"
+            assert (run_dir in trained) == ("trainspec: resumed from step" in done.stderr), (
+                shlex.join(full), done.stderr[-3000:])
+            trained.add(run_dir)
     for output in ("s.json", "report", "busbw.png", "advice.png", "fit.png", "runs/two_hosts",
                    "runs/torch", "runs/ext"):
         assert (tmp_path / output).exists(), output

@@ -1,7 +1,6 @@
 """A run directory across invocations (issue 10 §5-6): every record's learning rate, the marks
 of resumes and checkpoints, the line a resume prints, the spec the run dir keeps and reuses,
 and a rerun asking for a step the run is already past (nothing trained, nothing changed)."""
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +15,7 @@ from spec_jax.core.spec_source import to_toml
 from spec_jax.run_files import AlreadyTrained
 from spec_jax.train import make_schedule, run
 
+from run_dirs import snapshot
 from tiny import TINY, tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +30,6 @@ def first_run(tmp_path_factory):
     spec = tiny_spec(*SETS, layout="data")
     run(spec, run_dir, steps=STEPS, progress=False)
     return spec, run_dir
-
-
-def _snapshot(run_dir: Path) -> dict:
-    return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, hashlib.sha256(
-        p.read_bytes()).hexdigest() if p.is_file() else None) for p in run_dir.rglob("*")}
 
 
 def test_records_carry_the_learning_rate_and_mark_the_checkpoints(first_run):
@@ -80,11 +75,11 @@ def test_a_resume_on_another_mesh_is_said_and_marked(first_run, tmp_path):
 
 def test_a_run_already_past_the_step_trains_nothing_and_changes_nothing(first_run):
     spec, run_dir = first_run
-    before = _snapshot(run_dir)
+    before = snapshot(run_dir)
     with pytest.raises(AlreadyTrained, match=r"already at step 4 \(its newest good checkpoint\); "
                        r"asked to train to step 2: nothing trained, nothing changed"):
         run(spec, run_dir, steps=2, progress=False)
-    assert _snapshot(run_dir) == before
+    assert snapshot(run_dir) == before
 
 
 def _train(capsys, *argv) -> tuple[int, str, str]:

@@ -14,6 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from run_dirs import snapshot
 from tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +109,17 @@ def test_resumes_on_another_world_size(tmp_path, reference):
     want, got = _losses(reference), _losses(run_dir)
     resumed = range(9, STEPS + 1)
     np.testing.assert_allclose([got[s] for s in resumed], [want[s] for s in resumed], rtol=1e-5)
+
+
+def test_a_rerun_to_an_earlier_step_trains_nothing_and_changes_nothing(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = snapshot(run_dir)
+    result = _run(_cmd(run_dir, steps=6))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (f"trainspec: {run_dir} is already at step {STEPS} (its newest good checkpoint); "
+            "asked to train to step 6: nothing trained, nothing changed") in result.stdout
+    assert "trained 6 steps" not in result.stdout and snapshot(run_dir) == before
 
 
 def test_a_corrupted_replica_is_found_and_halts(tmp_path):
