@@ -37,8 +37,11 @@ PROCESS_ID = "TRAINSPEC_PROCESS_ID"
 _PR_SET_PDEATHSIG = 1
 DEFAULT_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for every rank to write its checkpoint
 # Printed by gloo (jax's and torch's CPU collectives) for every rank at every connection: noise
-# unless one is debugging the rendezvous. Its "is NOT connected to" failure line stays.
-GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
+# unless one is debugging the rendezvous. Its "is NOT connected to" failure line stays. Its two
+# parts are written apart, and a progress bar's carriage return (a line end to the reader) can
+# land between them or before them on the same line: each part is cut out where it is.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?|"
+                            r"Expected number of connected peer ranks is : \d+")
 
 
 def free_port() -> int:
@@ -66,9 +69,12 @@ def _child_setup(cpus: set[int] | None):
 
 def _pump(rank: int, stream, out, verbose: bool) -> None:
     for line in iter(stream.readline, ""):
-        if verbose or not GLOO_CONNECTED.match(line):
-            out.write(f"[rank {rank}] {line}")
-            out.flush()
+        if not verbose:
+            line = GLOO_CONNECTED.sub("", line)
+            if not line.strip():
+                continue
+        out.write(f"[rank {rank}] {line}")
+        out.flush()
     stream.close()
 
 

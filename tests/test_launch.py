@@ -110,9 +110,13 @@ def test_sigterm_is_forwarded_and_the_ranks_get_the_grace_period_to_save():
 
 def test_gloo_connection_lines_show_only_with_verbose():
     """gloo prints this line for every rank at every connection (format from the
-    `peer ranks. Expected number of connected peer ranks is : ` string in jaxlib's gloo)."""
-    script = ("print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected "
-              "peer ranks is : 1'); print('[Gloo] Rank 0 is NOT connected to: [1]'); print('done')")
+    `peer ranks. Expected number of connected peer ranks is : ` string in jaxlib's gloo); a
+    progress bar's carriage return splits it in a real 2-process run."""
+    notice = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    split_by_a_bar = notice.replace(". ", ". \r")
+    script = (f"print({notice!r}); print('[Gloo] Rank 0 is NOT connected to: [1]'); "
+              f"print('train: 0%|', end='\\r'); print({notice!r}); "
+              f"print({split_by_a_bar!r}); print('done')")
 
     def output(*flags):
         done = subprocess.run([*LAUNCH, "--nprocs", "1", *flags, "--", sys.executable, "-c", script],
@@ -122,5 +126,6 @@ def test_gloo_connection_lines_show_only_with_verbose():
 
     quiet, verbose = output(), output("-v")
     assert "[rank 0] done" in quiet and "is connected to" not in quiet
+    assert "[rank 0] train: 0%|\n" in quiet  # what shared the notice's line stays
     assert "[rank 0] [Gloo] Rank 0 is NOT connected to: [1]" in quiet  # a failure stays
     assert "[rank 0] [Gloo] Rank 0 is connected to 1 peer ranks." in verbose
