@@ -1,7 +1,7 @@
-"""Time the compressed gradient exchange of one step on its own: each of 8 replicas (simulated
-CPU devices) compresses its float32 gradient plus residual, the compressed buffers are
-all-gathered, every replica dequantizes and sums them -- by the xla path's jnp kernels (lax
-all-gather) and by the ext path's xla_ext handlers (ext all-gather of packed buffers).
+"""Time the compressed gradient exchange of one step on its own: the two-stage exchange of 8
+replicas (simulated CPU devices; spec_jax.collectives.compression.two_stage_sum) with error
+feedback -- by the xla path's jnp kernels and XLA's all-to-all and all-gather, and by the ext
+path's xla_ext packed-buffer handlers and ext's all-to-all and all-gather.
 
 The two programs alternate within every round; each round times `--calls` calls of one; the
 figure is the median over rounds and the paired ratio ext/xla. The load average is printed
@@ -30,7 +30,7 @@ def loadavg() -> str:
 
 def program(impl, mesh, compression, block):
     def body(g, r):
-        total, new_r = impl.compressed_sum(g[0], r[0], "data", compression, block)
+        total, new_r = impl.compressed_sum(g[0], r[0], "data", 8, compression, block)
         return total[None], new_r[None]
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
                                  out_specs=(P("data"), P("data")), check_vma=False))
