@@ -111,11 +111,14 @@ ENTRY %main (a: f32[8]) -> f32[8] {{
 def test_ext_gradient_all_reduce_moves_the_same_bytes_as_xla():
     """The same data-parallel step through XLA's all-reduce and through xla_ext's custom call.
     XLA folds the step's few scalars (loss sum, tokens) into the gradient all-reduce; with ext
-    they stay a separate small XLA all-reduce, so the collectives differ in number, not bytes."""
+    they stay a separate small XLA all-reduce, so the collectives differ in number, not bytes.
+    Both also carry the NaN guard's verdict: one int32 all-reduced after the update."""
     job, _, xla_volume, _ = compiled_layout("data")
     _, _, ext_volume, _ = compiled_layout("data", "collectives.backend=ext")
     p = param_bytes(job.state.params)
-    assert len(ext_volume.collectives) == 2  # the custom call (the gradient) and the scalars
+    # the custom call (the gradient), the scalars, the guard's verdict
+    assert sorted(c.bytes for c in ext_volume.collectives)[0] == 4
+    assert len(ext_volume.collectives) == 3
     assert max(c.bytes for c in ext_volume.collectives) == p
     assert ext_volume.by_kind_and_axis() == xla_volume.by_kind_and_axis()
     assert ext_volume.bus_bytes == pytest.approx(xla_volume.bus_bytes)
