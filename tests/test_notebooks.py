@@ -14,6 +14,7 @@ EXPECTED = {
     "03_metrics": (["8 devices", "checked: memory and comm by layout"], True),
     "04_reliability": (["skipped steps = 2", "halt: non-finite", "diverged", "slow steps",
                         "resumed from"], False),
+    "07_communication": (["8 devices", "checked: bytes by option"], True),
 }
 
 

@@ -1,33 +1,38 @@
-"""Communication options side by side: the loss each reaches over the same tokens, the gradient
-bytes its compiled step moves over the data axes, and its step time.
+"""Communication options side by side: the loss each reaches over the same tokens, the bus
+bytes its compiled programs move per step (from the HLO), and its step time.
 
-Used by bench/communication.py (the table of docs/communication.md), the tests of convergence
-and error feedback (tests/test_compression_convergence.py) and notebooks/07_communication.ipynb.
-One option is one spec, compiled once: runs from other seeds reuse its executable.
+Two ways to run an option: `train_option`, one `trainspec train` run (spec_jax.train.run: any
+option, semi_sync included, with the bytes its records report, amortised over a DiLoCo round),
+used by bench/communication.py (the table of docs/communication.md) and
+notebooks/07_communication.ipynb; and `CompiledOption`, the step compiled once and trained
+from several seeds (tests/test_compression_convergence.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from spec_jax.core.data import ByteBatches
 from spec_jax.core.spec import Spec
-from spec_jax.metrics.comm import analyze_compiled
-from spec_jax.train import build_job
+from spec_jax.train import build_job, run
 
 
 @dataclasses.dataclass
 class Run:
-    """One option trained from one seed: the loss of every step, and the median step time."""
+    """One option trained from one seed: the loss of every step, the step time (CompiledOption:
+    the median; train_option: the run summary's mean) and, from train_option, the bus bytes."""
 
     label: str
     seed: int
     losses: list[float]
     step_time_s: float
+    bus_bytes: float | None = None  # per device per step over all mesh axes (amortised: DiLoCo)
 
     def final_loss(self, last: int) -> float:
         """Mean loss of the last `last` steps: one step's loss is one batch's noise."""
@@ -42,13 +47,7 @@ class CompiledOption:
         self.label, self.spec = label, spec
         self.job = build_job(spec, init=False)
         self.data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
-        step = self.job.step
-        compiled = step.compile(self.job.abstract_state, step.shard_batch(self.data.batch(0)))
-        volume = analyze_compiled(compiled, step.mesh)
-        data_axes = set(spec.mesh.axes_with_role("data"))
-        # bus bytes per device per step over the data axes (nccl-tests factors), from the HLO
-        self.bus_bytes = sum(c.bus_bytes_per_step for c in volume.collectives
-                             if c.axes and set(c.axes) <= data_axes)
+        self.job.step.compile(self.job.abstract_state, self.job.step.shard_batch(self.data.batch(0)))
 
     def train(self, seed: int, steps: int) -> Run:
         step = self.job.step
@@ -70,3 +69,18 @@ def margin_from_seeds(runs: list[Run], last: int) -> float:
     noise of initialisation."""
     finals = [r.final_loss(last) for r in runs]
     return max(finals) - min(finals)
+
+
+def train_option(label: str, spec: Spec, run_dir: Path, steps: int | None = None) -> Run:
+    """`spec` trained by `trainspec train`'s loop from step 0 into `run_dir` with a record per
+    step: its losses, the records' `comm_bus_bytes_per_step` (from the compiled HLO) and the
+    summary's mean step time."""
+    spec = spec.model_copy(update={
+        "metrics": spec.metrics.model_copy(update={"interval": 1}),
+        "checkpoint": spec.checkpoint.model_copy(update={"interval": 0})})
+    summary = run(spec, Path(run_dir), steps, spec_label=label, progress=False, restart=True)
+    records = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()
+               if line.strip()]
+    facts = next(r for r in records if "comm_bus_bytes_per_step" in r)
+    return Run(label, spec.seed, [r["loss"] for r in records if r.get("loss") is not None],
+               summary["step_time_s"], facts["comm_bus_bytes_per_step"])
