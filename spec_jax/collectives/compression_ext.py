@@ -16,8 +16,9 @@ from spec_jax import xla_ext
 from spec_jax.collectives import ext
 from spec_jax.collectives.compression import Exchange, two_stage_sum
 from spec_jax.core.compression import chunk_size
-from spec_jax.core.packed import packed_bytes
+from spec_jax.core.packed import MAGIC, packed_bytes
 
+MAGIC_WORD = np.int32(MAGIC)  # the first int32 word of every packed buffer
 TARGETS = {op: f"trainspec_{op}" for op in ("quantize", "dequantize", "error_feedback")}
 assert set(TARGETS.values()) <= xla_ext.TARGETS
 
@@ -66,9 +67,21 @@ def compressed_sum(flat: jax.Array, residual: jax.Array | None, group, replicas:
     the dequantize handler unpacks, and the ext all-to-all and all-gather move the buffers.
     int32 words end to end: ext's collectives move them, and no bitcast copies the buffers."""
     chunk = chunk_size(flat.size, replicas, compression, block)
+    gathered = []  # the all-gather's result, traced once
+
+    def all_gather(words):
+        gathered.append(ext.all_gather(words, group, axis=0, timeout_s=timeout_s))
+        return gathered[-1]
+
     exchange = Exchange(
         jax.vmap(lambda rows, res: error_feedback(rows, res, compression, block, jnp.int32)),
         jax.vmap(lambda words: dequantize_sum(words[None], compression, block, chunk)),
-        lambda words: ext.all_to_all(words, group, 0, 0, timeout_s=timeout_s),
-        lambda words: ext.all_gather(words, group, axis=0, timeout_s=timeout_s))
-    return two_stage_sum(flat, residual, group, replicas, chunk, exchange)
+        lambda words: ext.all_to_all(words, group, 0, 0, timeout_s=timeout_s), all_gather)
+    total, new_residual = two_stage_sum(flat, residual, group, replicas, chunk, exchange)
+    if new_residual is not None:
+        # Released only once the last blocking all-gather has delivered (its first word is a
+        # header's magic, so the select always keeps the residual): the residual is state, and
+        # an XLA collective over the state (the NaN guard's all-reduce) running beside a
+        # blocking ext collective deadlocks on CPU (docs/xla_ext.md, "Ordering").
+        new_residual = jnp.where(gathered[0][0, 0] == MAGIC_WORD, new_residual, jnp.nan)
+    return total, new_residual
