@@ -128,6 +128,17 @@ def _data_parallel_job(replicas: int, *overrides: str, init: bool = False):
     return build_job(spec, mesh=build_mesh(spec, jax.devices()[:replicas]), init=init)
 
 
+def _data_bus_bytes_by_kind(job, batch) -> dict[str, float]:
+    """Compile the job's step; bus bytes per step over the data axis, by collective kind."""
+    volume = analyze_compiled(job.step.compile(job.state or job.abstract_state, batch),
+                              job.step.mesh)
+    by_kind = {}
+    for c in volume.collectives:
+        if c.axes == ("data",):
+            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.bus_bytes_per_step
+    return by_kind
+
+
 @pytest.fixture(scope="module")
 def compiled_jobs():
     """(replicas, compression) -> (job, bus bytes per step of each collective kind over the data
@@ -138,12 +149,7 @@ def compiled_jobs():
             job = _data_parallel_job(replicas, f'collectives.compression="{compression}"',
                                      init=replicas == 2)
             batch = job.step.shard_batch(job.data.batch(0))
-            volume = analyze_compiled(job.step.compile(job.state or job.abstract_state, batch),
-                                      job.step.mesh)
-            by_kind = {}
-            for c in volume.collectives:
-                if c.axes == ("data",):
-                    by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.bus_bytes_per_step
+            by_kind = _data_bus_bytes_by_kind(job, batch)
             elements = sum(x.size for x in jax.tree.leaves(job.abstract_state.params))
             if job.state is not None:
                 job.state, _ = job.step(job.state, batch)
@@ -183,9 +189,18 @@ def test_residual_is_per_replica_state(compiled_jobs):
     assert not hasattr(compiled_jobs[2, "none"][0].state, "ef_residual")
 
 
-def test_without_error_feedback_the_state_has_no_residual():
-    job = _data_parallel_job(2, 'collectives.compression="int8"', "collectives.error_feedback=false")
-    assert not hasattr(job.abstract_state, "ef_residual")
+def test_without_error_feedback_the_state_has_no_residual(compiled_jobs):
+    """error_feedback = false: no residual in the state, the same exchange bytes, and the step
+    trains."""
+    job = _data_parallel_job(2, 'collectives.compression="int8"', "collectives.error_feedback=false",
+                             init=True)
+    assert not hasattr(job.state, "ef_residual")
+    batch = job.step.shard_batch(job.data.batch(0))
+    moved, with_feedback = _data_bus_bytes_by_kind(job, batch), compiled_jobs[2, "int8"][1]
+    for kind in ("all-to-all", "all-gather"):
+        assert moved[kind] == with_feedback[kind]
+    state, metrics = job.step(job.state, batch)
+    assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
 
 
 @pytest.mark.parametrize("setting,field", [
