@@ -82,6 +82,10 @@ def guarded(policy: NanSpec, guard, old_state, new_state, metrics: dict[str, Any
             mesh: Mesh, pspecs):
     """(state, guard, metrics) after applying the policy to one step, all on device.
     `pspecs`: the state's PartitionSpecs on `mesh` (a pytree like the state)."""
+    # The check's all-reduce starts only once the whole step is done: one beside a blocking
+    # xla_ext custom call (a leaf ready before the backend's last collective) deadlocked the
+    # CPU runtime (docs/xla_ext.md, "Ordering").
+    new_state, metrics = jax.lax.optimization_barrier((new_state, metrics))
     checks = [_state_is_finite(new_state, mesh, pspecs)]
     if "loss" in metrics:
         checks.append(jnp.all(jnp.isfinite(metrics["loss"])))
