@@ -3,7 +3,7 @@
 The margin is measured here, not assumed: the spread of the synchronous run's final loss over
 three initialisation seeds (same tokens). Each compressed option, from seed 0, must end within
 that margin of the synchronous run from seed 0. (What error feedback is worth at these sizes,
-and why no test of its absence is here: docs/communication.md.)
+and where its absence fails: tests/test_error_feedback_matters.py, docs/communication.md.)
 """
 import pytest
 
