@@ -44,6 +44,11 @@ GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.
                             r"Expected number of connected peer ranks is : \d+")
 
 
+# How long the launcher waits, once the ranks have exited, for their last output lines: a
+# pump thread on a loaded machine can take more than a second to get the CPU.
+DRAIN_S = 15.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,6 +95,7 @@ class Launch:
         self.port = port or free_port()
         self.children: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []  # output pumps and exit watchers
+        self._pumps: list[threading.Thread] = []
         self.exits: list[tuple[int, int]] = []  # (rank, status) in the order the ranks exited
         self._exited = threading.Condition()
 
@@ -118,6 +124,7 @@ class Launch:
                 thread = threading.Thread(target=target, args=args, daemon=True)
                 thread.start()
                 self._threads.append(thread)
+            self._pumps.append(self._threads[-2])
 
     def _watch(self, rank: int, child: subprocess.Popen) -> None:
         status = child.wait()
@@ -143,6 +150,13 @@ class Launch:
         for child in self.children:
             child.wait()
 
+    def drain(self, timeout_s: float = DRAIN_S) -> None:
+        """Let the output pumps relay what exited ranks printed last (their "saved" lines).
+        Bounded: a grandchild that kept a rank's stdout open must not hold the launcher."""
+        deadline = time.monotonic() + timeout_s
+        for pump in self._pumps:
+            pump.join(timeout=max(0.0, deadline - time.monotonic()))
+
     def wait(self) -> int:
         """Exit status of the job: 0 if all ranks succeed, else the first failure's."""
         try:
@@ -158,8 +172,7 @@ class Launch:
             self.stop_all()
             return status if status > 0 else 128 - status  # -9 (killed) -> 137, like a shell
         finally:
-            for thread in self._threads:
-                thread.join(timeout=1)
+            self.drain()
 
 
 def describe_status(status: int) -> str:
@@ -180,6 +193,7 @@ def run(command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
         print(f"[launch] {signal.Signals(signum).name}: every rank checkpoints and stops "
               f"(grace {grace_s:g} s)", file=sys.stderr, flush=True)
         launch.stop_all()
+        launch.drain()
         statuses = ", ".join(f"rank {r} {describe_status(s)}" for r, s in sorted(launch.exits))
         print(f"[launch] {statuses}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
