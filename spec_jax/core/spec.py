@@ -9,7 +9,6 @@ live in core/mesh.py, because only there is the device count known.
 """
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from spec_jax.core.compression import BLOCK_ALIGN
 from spec_jax.core.errors import UserInputError
+from spec_jax.core.spec_messages import validation_message
 from spec_jax.core.spec_source import apply_overrides, read_source
 
 SPEC_VERSION = 1
@@ -354,29 +354,6 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
-def _known_fields(loc: tuple) -> list[str]:
-    """Field names of the section that holds `loc` (for "did you mean")."""
-    model: Any = Spec
-    for part in loc[:-1]:
-        field = getattr(model, "model_fields", {}).get(part)
-        model = field.annotation if field is not None else None
-    return list(getattr(model, "model_fields", {}))
-
-
-def _format_errors(err: pydantic.ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or getattr(e.get("ctx", {}).get("error"),
-                                                              "field", "the spec")
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(e["loc"][-1]), _known_fields(e["loc"]), n=1)
-            msg = "unknown field" + (f" (did you mean '{close[0]}'?)" if close else "")
-        shown = repr(e["input"]) if not isinstance(e["input"], dict) else None
-        parts.append(f"field '{field}': {msg}" + (f" (got {shown})" if shown else ""))
-    return "invalid spec: " + "; ".join(parts)
-
-
 def load_spec(
     source: str | Path | dict[str, Any] | Spec | None = None, overrides: list[str] = ()
 ) -> Spec:
@@ -390,7 +367,7 @@ def load_spec(
     try:
         return Spec.model_validate(data)
     except pydantic.ValidationError as err:
-        raise UserInputError(_format_errors(err)) from None
+        raise UserInputError(validation_message(err, Spec)) from None
 
 
 def schema_text() -> str:
