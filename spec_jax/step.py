@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
@@ -21,9 +20,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax import collectives, init_checks, layout
+from spec_jax import init_checks, layout
 from spec_jax.batching import BatchPlacement
-from spec_jax.collectives import compression
+from spec_jax.collectives import compression, replica_reduce
 from spec_jax.core.errors import UserInputError
 from spec_jax.core.mesh import check_batch, resolve_mesh
 from spec_jax.core.spec import Spec
@@ -229,49 +228,11 @@ class WrappedStep:
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
 
     def _reduce_over_replicas(self, stacked, residual=None):
-        """Sum per-replica gradients (stacked on a leading axis bound to the data axes) through
-        the spec's collectives backend; the result is laid out like the parameters.
-
-        With `collectives.compression`, the reduction is compressed (spec_jax.collectives.
-        compression) and returns (sum, new residual); the residual, stacked like the gradients,
-        is None without error feedback."""
-        spec, data = self.spec, self.data_axes
-        group = data if len(data) > 1 else data[0]
-        param_pspecs = self.state_pspecs.params
-        if spec.collectives.backend == "ext":  # the xla_ext packed-buffer handlers
-            from spec_jax.collectives import compression_ext  # needs the compiled extension
-
-            compressed_sum = functools.partial(compression_ext.compressed_sum,
-                                               timeout_s=spec.collectives.timeout_s)
-        else:
-            compressed_sum = compression.compressed_sum
-
-        def body(g, r=None):
-            # Fused (Horovod's tensor fusion): one all-reduce of every local gradient
-            # shard packed into a single buffer, rather than one collective per leaf.
-            leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
-            offsets = np.cumsum([0] + [x.size for x in leaves])
-            unpack = lambda flat, lead=(): treedef.unflatten([  # noqa: E731
-                flat[a:b].reshape(*lead, *x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
-            ])
-            packed = jnp.concatenate([x.ravel() for x in leaves])
-            if not self.compressed:
-                return unpack(collectives.all_reduce(
-                    packed, group, "sum",
-                    timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend))
-            owed = None if r is None else jnp.concatenate([x.ravel() for x in jax.tree.leaves(r)])
-            flat, new_residual = compressed_sum(
-                packed, owed, group, self.replicas, spec.collectives.compression,
-                spec.collectives.compression_block)
-            return unpack(flat) if r is None else (unpack(flat), unpack(new_residual, (1,)))
-
-        in_specs = jax.tree.map(lambda ps: P(data, *ps), param_pspecs,
-                                is_leaf=lambda x: isinstance(x, P))
-        if residual is None:
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(in_specs,),
-                                 out_specs=param_pspecs, check_vma=False)(stacked)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(in_specs, in_specs),
-                             out_specs=(param_pspecs, in_specs), check_vma=False)(stacked, residual)
+        """Sum per-replica gradients through the spec's collectives backend, compressed per
+        `collectives.compression` (spec_jax.collectives.replica_reduce)."""
+        return replica_reduce.reduce_over_replicas(
+            self.spec, self.mesh, self.data_axes, self.state_pspecs.params, self.replicas,
+            self.compressed, stacked, residual)
 
     def _grad_step_fn(self):
         """A GradStep with GNS over replicas: `grad_fn` per replica (vmap bound to the data
