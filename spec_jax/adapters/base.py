@@ -26,13 +26,18 @@ class Adapter(abc.ABC):
     guarantee_levels: dict[str, str]
 
     # -- devices and processes --------------------------------------------------------------
-    @property
     @abc.abstractmethod
-    def process_index(self) -> int: ...
+    def process_grid(self) -> tuple[int, int]:
+        """This process's index and the job's number of processes (both known only once the
+        framework's distributed runtime is up, so asked each time)."""
 
     @property
-    @abc.abstractmethod
-    def process_count(self) -> int: ...
+    def process_index(self) -> int:
+        return self.process_grid()[0]
+
+    @property
+    def process_count(self) -> int:
+        return self.process_grid()[1]
 
     @abc.abstractmethod
     def device_ids(self) -> list[int]:

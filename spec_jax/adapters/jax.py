@@ -56,13 +56,8 @@ class JaxAdapter(Adapter):
         # the step refuses a compression on hierarchical (spec_jax/step.py)
         self.compressions = ("bf16", "int8") if backend in ("xla", "ext") else ()
 
-    @property
-    def process_index(self) -> int:
-        return jax.process_index()
-
-    @property
-    def process_count(self) -> int:
-        return jax.process_count()
+    def process_grid(self) -> tuple[int, int]:
+        return jax.process_index(), jax.process_count()
 
     def device_ids(self) -> list[int]:
         return [d.id for d in jax.devices()]

@@ -73,13 +73,8 @@ class TorchAdapter(Adapter):
             dist.destroy_process_group()
             self._joined_here = False
 
-    @property
-    def process_index(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def process_count(self) -> int:
-        return dist.get_world_size()
+    def process_grid(self) -> tuple[int, int]:
+        return dist.get_rank(), dist.get_world_size()
 
     @property
     def device(self) -> torch.device:
