@@ -5,33 +5,26 @@ devices through the single-process dcn path (mesh.py lays a dcn factor out withi
 so the compiled program, its memory and its collectives are those of the 2 x 4 job; its DCN
 link is in-process here). Each layout is compiled once. The CPU profile is calibrated in the
 same run: matmul peak, collective alpha-beta (bench rows), the activation overheads from the
-tensor = 1, 2, 4 single-replica layouts, and the achievable fraction and per-program overhead
-from the 1-device step at two batch sizes.
-Each layout's steps alternate with a compute probe on the same devices; the prediction is
-scaled by the probe's slowdown against the profile (the load factor), so that the load of a
-shared machine, which changes from minute to minute, does not decide the check (docs/plan.md).
+tensor = 1, 2, 4 single-replica layouts, and the step-time parameters
+(spec_jax.tools.plan_check.calibrate_time). Memory and communication are asserted; step time
+is printed (PLANROW lines): it is a benchmark, bench/plan_step_time.py (docs/plan.md).
 """
 import functools
 import json
 import math
 import os
-import statistics
 
 import jax
 import pytest
 
 from spec_jax.cli.main import main
 from spec_jax.core.plan.hardware import load_profile
-from spec_jax.core.plan.model import peak_phase, predict
-from spec_jax.core.plan.search import all_layouts
+from spec_jax.core.plan.model import peak_phase
 from spec_jax.core.plan.transformer import parameters, shape_for_params
-from spec_jax.models.transformer_flops import for_spec
-from spec_jax.tools.plan_check import (ComputeProbe, calibrate_cpu, compile_layout,
-                                 fit_compute, layout_of, load_factors, paired_step_times)
 from spec_jax.core.spec import load_spec
+from spec_jax.tools.plan_check import (calibrate_cpu, calibrate_time, compile_layout, predict_for,
+                                       step_time, validation_layouts, validation_spec as spec_for)
 
-MODEL = ["model.d_model=128", "model.n_heads=8", "model.d_ff=256", "model.n_layers=1",
-         "batch.seq_len=32"]
 MEMORY_TOL, COMM_TOL = 0.10, 0.02
 # On these layouts XLA gathers some weights over fsdp a second time, for the backward: the
 # same operand over the same device groups, where on the other layouts one all-gather serves
@@ -40,33 +33,10 @@ MEMORY_TOL, COMM_TOL = 0.10, 0.02
 # second copies XLA made (the extra all-gather output its HLO shows) are added.
 REGATHERED = {(2, 2, 2), (1, 4, 2)}
 CALIBRATION = ((1, 1, 1), (1, 1, 2), (1, 1, 4))  # (data, fsdp, tensor) fitted, not validated
-# Step times are printed (PLANROW), not asserted: the 30% target is not shown. Measured here at
-# loads of 6-13 per core the same layout's error moved between -79% and +75% from run to run,
-# and at CI's load it missed on most rows (docs/plan.md).
-
-
-def spec_for(data, fsdp, tensor, dcn=1, rows=8):
-    shards = data * fsdp
-    micro = shards * -(-rows // shards)  # >= `rows` rows, divisible by the batch shards
-    return load_spec(None, MODEL + [
-        f"mesh.axes.data.size={data}", f"mesh.axes.data.dcn={dcn}", f"mesh.axes.fsdp.size={fsdp}",
-        f"mesh.axes.tensor.size={tensor}", f"batch.micro_batch={micro}",
-        f"batch.global_batch={2 * micro}"])
-
-
-def accepted_layouts():
-    """(data, fsdp, tensor, dcn) of every layout the planner accepts at 1-8 devices, + 2 x 4."""
-    cpu = load_profile("cpu")
-    out = []
-    for n in range(1, 9):
-        for lay in all_layouts(spec_for(1, 1, 1), n, cpu.ici_domain):
-            d, f, t = (lay.sizes[a] for a in ("data", "fsdp", "tensor"))
-            if not predict(spec_for(d, f, t), lay, cpu, 0, 0).reasons:
-                out.append((d, f, t, 1))
-    return out + [(2, 1, 4, 2)]
-
-
-LAYOUTS = accepted_layouts()
+# Step times are printed (PLANROW), not asserted: speed is judged by a benchmark
+# (bench/plan_step_time.py), and on this shared 2-core machine the same step's time moves with
+# the load of other work by more than the 30% target.
+LAYOUTS = validation_layouts()
 
 
 def test_parameter_table_matches_the_flax_model():
@@ -138,40 +108,22 @@ def test_params_flag_plans_that_model(tmp_path):
     assert plan["predictions"][0]["fits"]
 
 
-@functools.lru_cache(maxsize=None)
 def compiled(layout, rows=8):
     """(runner, compiled memory and comm) of a (data, fsdp, tensor, dcn) layout, once."""
-    d, f, t, dcn = layout
+    return _compiled(*layout, rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(d, f, t, dcn, rows):
     return compile_layout(spec_for(d, f, t, dcn, rows), d * f * t)
-
-
-REFERENCE = (1, 1, 1, 1)
 
 
 @pytest.fixture(scope="module")
 def profile():
     points = [(spec_for(*c), math.prod(c), compiled(c + (1,))[1]["memory_peak_bytes"])
               for c in CALIBRATION]
-    cpu = calibrate_cpu(load_profile("cpu"), points)
-    # achievable fraction and per-program overhead: the 1-device step at 8 and 24 rows (the
-    # same program, three times the work), each timed alongside the 1-device probe
-    points, probes = [], []
-    for rows in (8, 24):
-        pairs = paired_step_times(compiled(REFERENCE, rows)[0], probe(1))
-        step_s, probe_s = (statistics.median(x) for x in zip(*pairs))
-        points.append((_predict(spec_for(1, 1, 1, rows=rows), 1, cpu), step_s))
-        probes.append(probe_s)
-    return fit_compute(cpu, points), statistics.fmean(probes)
-
-
-@functools.lru_cache(maxsize=None)
-def probe(n):
-    return ComputeProbe(n)
-
-
-def _predict(spec, n, profile):
-    f = for_spec(spec)
-    return predict(spec, layout_of(spec, n), profile, f.model_per_token(), f.hardware_per_token())
+    return calibrate_time(calibrate_cpu(load_profile("cpu"), points),
+                          lambda d, f, t, dcn, rows: step_time(compiled((d, f, t, dcn), rows)[0]))
 
 
 def _comm_errors(predicted: dict, hlo: dict) -> dict:
@@ -181,11 +133,10 @@ def _comm_errors(predicted: dict, hlo: dict) -> dict:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "d{}f{}t{}dcn{}".format(*l))
 def test_prediction_within_tolerance(layout, profile):
-    profile, calibration_probe_s = profile
     d, f, t, dcn = layout
     spec = spec_for(d, f, t, dcn)
     runner, got = compiled(layout)
-    pred = _predict(spec, d * f * t, profile)
+    pred = predict_for(spec, d * f * t, profile)
     assert pred.fits, pred.reasons
     # an all-reduce over no mesh axis (the NaN guard's count on one device) moves nothing
     hlo = {k: {a: b for a, b in v.items() if a != "none"}
@@ -199,14 +150,10 @@ def test_prediction_within_tolerance(layout, profile):
         regathered = hlo["all-gather"]["fsdp"] - pred.comm_by_kind_and_axis()["all-gather"]["fsdp"]
     assert all(abs(e) <= COMM_TOL for e in comm.values()), comm
     mem = (pred.memory_bytes + regathered) / got["memory_peak_bytes"] - 1
-    pairs = paired_step_times(runner, probe(d * f * t))
-    loads = load_factors(profile, d * f * t, [p for _, p in pairs], calibration_probe_s)
-    # each step against the prediction at its own pair's load; the median of those ratios
-    time = statistics.median(pred.step_time_s * load / s for (s, _), load in zip(pairs, loads)) - 1
-    step_s, load = statistics.median(s for s, _ in pairs), statistics.median(loads)
+    step_s = step_time(runner)
     print(f"PLANROW d={d} f={f} t={t} dcn={dcn} mem {pred.memory_bytes:.0f}/{got['memory_peak_bytes']} "
           f"({mem:+.3f}, +{regathered:.0f} regathered, peak phase {peak_phase(pred.memory)}) comm worst {max(map(abs, comm.values()), default=0):.4f} time "
-          f"{pred.step_time_s * load * 1e3:.1f}/{step_s * 1e3:.1f} ms ({time:+.3f}, load factor "
-          f"{load:.2f}) loadavg {os.getloadavg()[0]:.1f}")
+          f"{pred.step_time_s * 1e3:.1f}/{step_s * 1e3:.1f} ms ({pred.step_time_s / step_s - 1:+.3f}) "
+          f"loadavg {os.getloadavg()[0]:.1f}")
     if (d, f, t) not in CALIBRATION:
         assert abs(mem) <= MEMORY_TOL, (pred.memory, got["memory_peak_bytes"])

@@ -1,14 +1,16 @@
 """The planner against what runs here: compile and time one layout, calibrate the CPU profile.
 
-`measure_layout` compiles the reference job's step for a spec on the first n devices and
-reports what the planner predicts: per-device memory (`compiled.memory_analysis()`), HLO
-communication bytes by kind and mesh axis (spec_jax.metrics.comm) and the median step time.
+`compile_layout` compiles the reference job's step for a spec on the first n devices and
+reports what the planner predicts: per-device memory (`compiled.memory_analysis()`) and HLO
+communication bytes by kind and mesh axis (spec_jax.metrics.comm); `step_time` times it.
 `calibrate_cpu` measures this machine's matmul peak and collective alpha-beta and fits the
-activation overheads, so that `trainspec plan --hardware cpu` predicts this machine.
+activation overheads, `calibrate_time` the step-time parameters, so that `trainspec plan
+--hardware cpu` predicts this machine. tests/test_plan.py and bench/plan_step_time.py use them.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -17,18 +19,54 @@ import jax.numpy as jnp
 
 from spec_jax.core.data import ByteBatches
 from spec_jax.core.mesh import resolve_mesh
-from spec_jax.core.plan.hardware import Profile, calibrate
-from spec_jax.core.plan.model import Layout, fit_activation_overheads
-from spec_jax.core.spec import Spec
+from spec_jax.core.plan.hardware import Profile, calibrate, load_profile
+from spec_jax.core.plan.model import Layout, Prediction, fit_activation_overheads, predict
+from spec_jax.core.plan.search import all_layouts
+from spec_jax.core.spec import Spec, load_spec
 from spec_jax.mesh import build_mesh
 from spec_jax.metrics import comm, memory
 from spec_jax.metrics.cpu_peak import matmul_peak
+from spec_jax.models.transformer_flops import for_spec
 from spec_jax.train import build_abstract_job, build_job
 
 
 def layout_of(spec: Spec, n_devices: int) -> Layout:
     resolved = resolve_mesh(spec, n_devices)
     return Layout(dict(zip(resolved.names, resolved.sizes)), dict(zip(resolved.names, resolved.dcn)))
+
+
+# The validation model (docs/plan.md): small enough to compile 30 layouts in a minute
+VALIDATION_MODEL = ["model.d_model=128", "model.n_heads=8", "model.d_ff=256", "model.n_layers=1",
+                    "batch.seq_len=32"]
+
+
+def validation_spec(data: int, fsdp: int, tensor: int, dcn: int = 1, rows: int = 8) -> Spec:
+    """The validation model on a (data, fsdp, tensor) mesh (data over `dcn` hosts): a
+    micro-batch of at least `rows` rows divisible by the batch shards, 2 micro-batches a step."""
+    shards = data * fsdp
+    micro = shards * -(-rows // shards)
+    return load_spec(None, VALIDATION_MODEL + [
+        f"mesh.axes.data.size={data}", f"mesh.axes.data.dcn={dcn}", f"mesh.axes.fsdp.size={fsdp}",
+        f"mesh.axes.tensor.size={tensor}", f"batch.micro_batch={micro}",
+        f"batch.global_batch={2 * micro}"])
+
+
+def validation_layouts() -> list[tuple[int, int, int, int]]:
+    """(data, fsdp, tensor, dcn) of every layout the planner accepts for the validation model
+    at 1-8 devices, and 2 processes x 4 (data 2 over 2 hosts, tensor 4)."""
+    cpu = load_profile("cpu")
+    out = []
+    for n in range(1, 9):
+        for lay in all_layouts(validation_spec(1, 1, 1), n, cpu.ici_domain):
+            d, f, t = (lay.sizes[a] for a in ("data", "fsdp", "tensor"))
+            if not predict(validation_spec(d, f, t), lay, cpu, 0, 0).reasons:
+                out.append((d, f, t, 1))
+    return out + [(2, 1, 4, 2)]
+
+
+def predict_for(spec: Spec, n_devices: int, profile: Profile) -> Prediction:
+    f = for_spec(spec)
+    return predict(spec, layout_of(spec, n_devices), profile, f.model_per_token(), f.hardware_per_token())
 
 
 _HOST_STATES: dict[str, list] = {}
@@ -85,39 +123,6 @@ def compile_layout(spec: Spec, n_devices: int) -> tuple[Runner, dict]:
     }
 
 
-class ComputeProbe:
-    """A fixed matmul workload on each of the first n devices (one program, all at once): how
-    fast the machine runs n device threads right now, to pair with a layout's steps."""
-
-    def __init__(self, n_devices: int, size: int = 256, repeats: int = 16):
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-        mesh = Mesh(jax.devices()[:n_devices], ("d",))
-
-        def work(a):
-            return jax.lax.fori_loop(0, repeats, lambda _, x: jnp.tanh(x @ a), a)
-
-        self.x = jax.device_put(jnp.ones((n_devices * size, size), jnp.float32) / size,
-                                NamedSharding(mesh, P("d")))
-        self.fn = jax.jit(jax.shard_map(work, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        self.once()
-
-    def once(self) -> float:
-        t0 = time.perf_counter()
-        self.fn(self.x).block_until_ready()
-        return time.perf_counter() - t0
-
-
-def paired_step_times(runner, reference, steps: int = 11) -> list[tuple[float, float]]:
-    """(step time, reference time) pairs, the two alternating, so that both of a pair see the
-    same load on a shared machine (as `trainspec bench step` alternates specs)."""
-    pairs = []
-    for _ in range(steps):
-        ref = reference.once()
-        pairs.append((runner.once(), ref))
-    return pairs
-
-
 def collective_rows(sizes=(16 << 10, 256 << 10, 1 << 20, 4 << 20)) -> list[dict]:
     """`trainspec bench collectives --json` rows of the xla all_reduce over all devices."""
     from spec_jax.tools import collectives_bench as bench, collectives_report as report
@@ -139,7 +144,7 @@ def calibrate_cpu(profile: Profile, memory_points: list[tuple[Spec, int, float]]
 
 
 def fit_compute(profile: Profile, points) -> Profile:
-    """The achievable fraction and the per-program overhead that make measured steps come out
+    """The achievable fraction and the per-step overhead that make measured steps come out
     right: `points` are (prediction, measured seconds) of one device at two or more batch
     sizes (different work, the same program), solved by least squares for
     measured - comm = compute x (fraction / fitted fraction) + overhead."""
@@ -154,10 +159,36 @@ def fit_compute(profile: Profile, points) -> Profile:
                                program_overhead_s=overhead)
 
 
-def load_factors(profile: Profile, n_devices: int, probe_times, calibration_probe_s: float) -> list[float]:
-    """How much slower n device threads run now than the profile assumes, per probe run: the
-    compute probe on those devices over what the profile expects from the 1-device probe
-    timed at calibration (the same per-device work at the profile's share of the host for n
-    devices). On a CPU, load slows compute and in-process collectives alike."""
-    expected = calibration_probe_s * profile.device_flops("float32", 1) / profile.device_flops("float32", n_devices)
-    return [t / expected for t in probe_times]
+def _with_device_latency(profile: Profile, seconds: float) -> Profile:
+    return dataclasses.replace(profile, ici=dataclasses.replace(profile.ici, alpha_per_device_s=seconds))
+
+
+def fit_collective_latency(profile: Profile, spec: Spec, n_devices: int, measured_s: float) -> Profile:
+    """The ICI latency each device of a group adds, from one measured multi-device step: the
+    rest of the prediction held, solved for the step's sum of collective operations x group."""
+    base = predict_for(spec, n_devices, _with_device_latency(profile, 0.0)).step_time_s
+    per_second = predict_for(spec, n_devices, _with_device_latency(profile, 1.0)).step_time_s - base
+    return _with_device_latency(profile, max((measured_s - base) / per_second, 0.0))
+
+
+def step_time(runner: Runner, steps: int = 11) -> float:
+    """The median of `steps` timed steps."""
+    return statistics.median(runner.once() for _ in range(steps))
+
+
+# (data, fsdp, tensor, dcn, rows) of the steps the time calibration measures: the 1-device
+# step at two batch sizes (achievable fraction, per-step overhead) and the 8-device tensor
+# layout, the most collective operations on the largest group (latency per device)
+TIME_CALIBRATION = ((1, 1, 1, 1, 8), (1, 1, 1, 1, 24), (1, 1, 8, 1, 8))
+
+
+def calibrate_time(profile: Profile, measure) -> Profile:
+    """`profile` with the step-time parameters fitted to `measure(data, fsdp, tensor, dcn,
+    rows)` (median seconds) of the `TIME_CALIBRATION` steps. The validation's 2 x 4 row runs
+    its DCN stage in-process, so its DCN link is this ICI link."""
+    one, three, tensor8 = TIME_CALIBRATION
+    fitted = fit_compute(profile, [(predict_for(validation_spec(*c), 1, profile), measure(*c))
+                                   for c in (one, three)])
+    fitted = fit_collective_latency(fitted, validation_spec(*tensor8), math.prod(tensor8[:3]),
+                                    measure(*tensor8))
+    return dataclasses.replace(fitted, dcn=fitted.ici)

@@ -2,9 +2,12 @@
 
 A profile is a TOML data file (profiles/*.toml) that cites its sources. Two link classes:
 `ici` (within a host, or within a TPU slice: `ici_domain_devices`) and `dcn` (across them).
-A collective moving S bytes per device over a group of n costs
-    alpha + S * bus_factor(kind, n) / bandwidth
-(nccl-tests' bus bandwidth: the factor turns S into the bytes each link carries).
+A collective operation moving S bytes per device over a group of n costs
+    alpha + alpha_per_device * n + S * bus_factor(kind, n) / bandwidth
+(nccl-tests' bus bandwidth: the factor turns S into the bytes each link carries). The latency
+grows with the group where each participant adds its own: on the shipped accelerator profiles
+alpha_per_device is 0; on the CPU profile the simulated devices are threads sharing two cores,
+and a collective waits until every one of the n has been scheduled to arrive.
 
 `calibrate` refits a profile from this machine's measurements: `trainspec bench collectives
 --json` rows (a least-squares line of time against bus bytes gives alpha and 1/bandwidth) and
@@ -24,11 +27,15 @@ PROFILE_DIR = Path(__file__).with_name("profiles")
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    alpha_s: float         # latency of one collective
+    alpha_s: float         # latency of one collective operation
     bandwidth_Bps: float   # bus bandwidth per device, bytes/s
+    alpha_per_device_s: float = 0.0  # latency each device of the group adds
 
-    def time(self, bus_bytes: float, calls: int = 1) -> float:
-        return calls * self.alpha_s + bus_bytes / self.bandwidth_Bps
+    def latency(self, group: int) -> float:
+        return self.alpha_s + self.alpha_per_device_s * group
+
+    def time(self, bus_bytes: float, ops: int = 1, group: int = 1) -> float:
+        return ops * self.latency(group) + bus_bytes / self.bandwidth_Bps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +52,10 @@ class Profile:
     sources: tuple[str, ...]
     shared_host_compute: bool = False
     host_cores: int = 1  # cores the shared host compute is spread over (CPU profile)
-    # Per step and device program: dispatch and per-operation costs that do not grow with
-    # the work (significant for small models on XLA:CPU); shares the host like compute.
+    # Per step: dispatch and per-operation costs that do not grow with the work (significant
+    # for small models on XLA:CPU). Latency, not work the devices share: on this machine the
+    # data-parallel step at 2-8 devices does not grow with the devices as compute would
+    # (docs/plan.md).
     program_overhead_s: float = 0.0
     ici_domain_devices: int | None = None  # devices one ICI domain spans (default: a host)
     # What the compiler keeps beyond the counted activations (docs/plan.md); 1 = the count.
@@ -71,12 +80,6 @@ class Profile:
             rate /= max(min(devices_in_use, self.devices_per_host), self.host_cores)
         return rate
 
-    def program_overhead(self, devices_in_use: int) -> float:
-        """The per-step program overhead of one device, stretched as compute is when the
-        devices share the host."""
-        return self.program_overhead_s * self.device_flops("float32", 1) / self.device_flops(
-            "float32", devices_in_use)
-
     @property
     def ici_domain(self) -> int:
         return self.ici_domain_devices or self.devices_per_host
@@ -97,8 +100,7 @@ def _from_dict(data: dict, origin: str) -> Profile:
             peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
             achievable_fraction=float(data["achievable_fraction"]),
             comm_overlap=float(data.get("comm_overlap", 0.0)),
-            ici=Link(float(data["ici"]["alpha_s"]), float(data["ici"]["bandwidth_Bps"])),
-            dcn=Link(float(data["dcn"]["alpha_s"]), float(data["dcn"]["bandwidth_Bps"])),
+            ici=_link(data["ici"]), dcn=_link(data["dcn"]),
             sources=tuple(data.get("sources", ())),
             shared_host_compute=bool(data.get("shared_host_compute", False)),
             host_cores=int(data.get("host_cores", 1)),
@@ -111,6 +113,11 @@ def _from_dict(data: dict, origin: str) -> Profile:
         )
     except (KeyError, TypeError, ValueError) as err:
         raise UserInputError(f"--hardware {origin}: bad profile ({err!r} missing or malformed)") from None
+
+
+def _link(data: dict) -> Link:
+    return Link(float(data["alpha_s"]), float(data["bandwidth_Bps"]),
+                float(data.get("alpha_per_device_s", 0.0)))
 
 
 def load_profile(name_or_path: str) -> Profile:
@@ -163,7 +170,10 @@ def calibrate(profile: Profile, bench_rows: list[Mapping] | None = None,
     rows measured across processes, the peak for every dtype from a matmul measurement."""
     changes: dict = {}
     if bench_rows:
-        changes["ici"] = fit_link(bench_rows)
+        # the bench times collectives back to back, which all devices reach together; the
+        # per-device latency (devices descheduled between collectives) is the profile's
+        changes["ici"] = dataclasses.replace(fit_link(bench_rows),
+                                             alpha_per_device_s=profile.ici.alpha_per_device_s)
     if dcn_rows:
         changes["dcn"] = fit_link(dcn_rows)
     if matmul_peak_flops:

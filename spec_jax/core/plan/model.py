@@ -14,7 +14,9 @@ micro-batches, R rows per device and micro-batch, T tokens per row, L layers, wi
   reduction of step.py when K > 1 or the backend is not xla);
 - tensor > 1: per micro-batch, all-reduces of (2 + 6 L) activations of R x T x d elements
   (forward: embedding, attention and MLP outputs; backward: the input gradients of the head,
-  mlp_in, q, k and v) plus 4 per-token scalars of the vocabulary-split softmax loss.
+  mlp_in, q, k and v) plus 4 per-token scalars of the vocabulary-split softmax loss, in
+  (2 + 4 L) + 3 operations (XLA combines the q, k and v input gradients into one all-reduce,
+  one scalar rides with an activation).
 - every step on more than one device: the NaN guard's (health.nan) all-reduce of one int32,
   its count of non-finite state slices, over the whole mesh.
 """
@@ -33,6 +35,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_COPIES = {"adamw": 2, "sgd": 1}  # mu and nu; momentum (in the parameter dtype)
 BATCH_BYTES_PER_TOKEN = 12  # int32 inputs, targets and mask
 LOSS_SCALARS_PER_TOKEN = 4  # vocabulary-split log-softmax: max, sum, target logit, backward sum
+LOSS_OPS = 3  # the all-reduces that carry them (XLA sends one along with an activation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Collective:
     calls: int
     group: int          # devices in one group
     group_dcn: int      # of which across hosts: the group spans group_dcn ICI domains
+    ops: int            # collective operations per step, each paying the link's latency
 
     @property
     def bytes_per_step(self) -> float:
@@ -241,13 +245,15 @@ def collectives(spec: Spec, layout: Layout) -> list[Collective]:
     data, fsdp, tensor = (_role_axes(spec, layout, r) for r in ("data", "fsdp", "tensor"))
     out = []
 
-    def add(kind, axes, nbytes, calls):
+    def add(kind, axes, nbytes, calls, ops=None):
         n, n_dcn = layout.group(axes)
-        out.append(Collective(kind, axes, float(nbytes), calls, n, n_dcn))
+        out.append(Collective(kind, axes, float(nbytes), calls, n, n_dcn, calls if ops is None else ops))
 
     if fsdp:
         full = sum(n for _, n, _ in _local_elements(spec, layout, rules, skip=fsdp))
-        add("all-gather", fsdp, full * pb, 1)
+        # one all-gather per weight split over fsdp
+        gathered = sum(1 for _, _, used in _local_elements(spec, layout, rules) if used & set(fsdp))
+        add("all-gather", fsdp, full * pb, 1, gathered)
         add("reduce-scatter", fsdp, full * gb, k)  # kind renamed by the profile if need be
     if data:
         local = sum(n for _, n, _ in _local_elements(spec, layout, rules))
@@ -259,7 +265,7 @@ def collectives(spec: Spec, layout: Layout) -> list[Collective]:
         tokens = rows * spec.batch.seq_len
         per_micro = (2 + 6 * m.n_layers) * tokens * m.d_model * cb
         per_micro += LOSS_SCALARS_PER_TOKEN * tokens * 4
-        add("all-reduce", tensor, per_micro, k)
+        add("all-reduce", tensor, per_micro, k, k * (2 + 4 * m.n_layers + LOSS_OPS))
     return out
 
 
@@ -274,8 +280,9 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     """Memory, communication, FLOPs, step time and MFU of `spec` under `layout` on `profile`.
 
     step time = compute + overhead + (1 - comm_overlap) x communication, where compute is the hardware
-    FLOPs of one device at `achievable_fraction` of its peak and each collective costs
-    alpha + bus bytes / bandwidth on its ICI part and on its DCN part (hierarchically)."""
+    FLOPs of one device at `achievable_fraction` of its peak and each collective operation costs
+    its link's latency for its group + bus bytes / bandwidth, on its ICI part and on its DCN
+    part (hierarchically)."""
     n = layout.n_devices
     reasons = check(spec, layout)
     tokens = spec.batch.global_batch * spec.batch.seq_len
@@ -285,10 +292,11 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     per_host = min(n, profile.devices_per_host)
     compute_s = hardware_flops / n / profile.device_flops(dtype, per_host)
     comms = [_rename(c, profile) for c in collectives(spec, layout)] if not reasons else []
-    ici = sum(profile.ici.time(c.ici_bus_bytes, c.calls) for c in comms if c.group > c.group_dcn)
-    dcn = sum(profile.dcn.time(c.dcn_bus_bytes, c.calls) for c in comms if c.group_dcn > 1)
+    ici = sum(profile.ici.time(c.ici_bus_bytes, c.ops, c.group // c.group_dcn)
+              for c in comms if c.group > c.group_dcn)
+    dcn = sum(profile.dcn.time(c.dcn_bus_bytes, c.ops, c.group_dcn) for c in comms if c.group_dcn > 1)
     comm_s = {"ici": ici, "dcn": dcn, "exposed": (ici + dcn) * (1 - profile.comm_overlap)}
-    overhead_s = profile.program_overhead(per_host)
+    overhead_s = profile.program_overhead_s
     step = compute_s + overhead_s + comm_s["exposed"]
     peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
     mem = memory(spec, layout, profile) if not reasons else {"total": float("nan")}
