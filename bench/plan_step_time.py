@@ -37,22 +37,21 @@ def main() -> None:
     start, load_before = time.perf_counter(), loadavg()
 
     @functools.lru_cache(maxsize=None)
-    def measured(data, fsdp, tensor, dcn, rows):
-        runner, _ = compile_layout(validation_spec(data, fsdp, tensor, dcn, rows), data * fsdp * tensor)
-        return step_time(runner, args.steps), loadavg()
+    def runner(data, fsdp, tensor, dcn, rows):
+        return compile_layout(validation_spec(data, fsdp, tensor, dcn, rows), data * fsdp * tensor)[0]
 
-    profile = calibrate_time(calibrate_cpu(load_profile("cpu")), lambda *c: measured(*c)[0])
+    profile = calibrate_time(calibrate_cpu(load_profile("cpu")), runner)
     print(f"calibrated: peak {profile.peak('float32'):.3g} FLOP/s x achievable "
           f"{profile.achievable_fraction:.3f}, per-step overhead {profile.program_overhead_s * 1e3:.2f} ms, "
-          f"ICI alpha {profile.ici.alpha_s * 1e6:.0f} us + {profile.ici.alpha_per_device_s * 1e6:.0f} us "
-          f"per device, {profile.ici.bandwidth_Bps / 1e9:.2f} GB/s")
+          f"ICI alpha {profile.ici.alpha_s * 1e6:.0f} us + {profile.ici.alpha_per_peer_s * 1e6:.0f} us "
+          f"per peer, {profile.ici.bandwidth_Bps / 1e9:.2f} GB/s")
     print(f"{'data':>4} {'fsdp':>4} {'tensor':>6} {'dcn':>3}  {'predicted ms':>12} {'measured ms':>11} "
           f"{'error':>7}  {'compute':>7} {'overhead':>8} {'comm':>6}  loadavg")
     within, rows, excluded = 0, 0, 0
     for layout in validation_layouts():
         d, f, t, dcn = layout
         pred = predict_for(validation_spec(d, f, t, dcn), d * f * t, profile)
-        seconds, load = measured(d, f, t, dcn, 8)
+        seconds, load = step_time(runner(d, f, t, dcn, 8), args.steps), loadavg()
         err = pred.step_time_s / seconds - 1
         calibration = (*layout, 8) in TIME_CALIBRATION
         excluded += calibration

@@ -123,7 +123,7 @@ def profile():
     points = [(spec_for(*c), math.prod(c), compiled(c + (1,))[1]["memory_peak_bytes"])
               for c in CALIBRATION]
     return calibrate_time(calibrate_cpu(load_profile("cpu"), points),
-                          lambda d, f, t, dcn, rows: step_time(compiled((d, f, t, dcn), rows)[0]))
+                          lambda d, f, t, dcn, rows: compiled((d, f, t, dcn), rows)[0])
 
 
 def _comm_errors(predicted: dict, hlo: dict) -> dict:

@@ -159,16 +159,16 @@ def fit_compute(profile: Profile, points) -> Profile:
                                program_overhead_s=overhead)
 
 
-def _with_device_latency(profile: Profile, seconds: float) -> Profile:
-    return dataclasses.replace(profile, ici=dataclasses.replace(profile.ici, alpha_per_device_s=seconds))
+def _with_peer_latency(profile: Profile, seconds: float) -> Profile:
+    return dataclasses.replace(profile, ici=dataclasses.replace(profile.ici, alpha_per_peer_s=seconds))
 
 
 def fit_collective_latency(profile: Profile, spec: Spec, n_devices: int, measured_s: float) -> Profile:
-    """The ICI latency each device of a group adds, from one measured multi-device step: the
-    rest of the prediction held, solved for the step's sum of collective operations x group."""
-    base = predict_for(spec, n_devices, _with_device_latency(profile, 0.0)).step_time_s
-    per_second = predict_for(spec, n_devices, _with_device_latency(profile, 1.0)).step_time_s - base
-    return _with_device_latency(profile, max((measured_s - base) / per_second, 0.0))
+    """The ICI latency each peer in a group adds, from one measured multi-device step: the
+    rest of the prediction held, solved for the step's sum of collective operations x peers."""
+    base = predict_for(spec, n_devices, _with_peer_latency(profile, 0.0)).step_time_s
+    per_second = predict_for(spec, n_devices, _with_peer_latency(profile, 1.0)).step_time_s - base
+    return _with_peer_latency(profile, max((measured_s - base) / per_second, 0.0))
 
 
 def step_time(runner: Runner, steps: int = 11) -> float:
@@ -176,19 +176,29 @@ def step_time(runner: Runner, steps: int = 11) -> float:
     return statistics.median(runner.once() for _ in range(steps))
 
 
+def interleaved_step_times(runners: list[Runner], rounds: int = 15) -> list[float]:
+    """Each runner's median step time over `rounds` rounds of one step each, in turn, so that
+    a change of the machine's load during the measurement falls on all of them alike."""
+    times = [[] for _ in runners]
+    for _ in range(rounds):
+        for t, runner in zip(times, runners):
+            t.append(runner.once())
+    return [statistics.median(t) for t in times]
+
+
 # (data, fsdp, tensor, dcn, rows) of the steps the time calibration measures: the 1-device
 # step at two batch sizes (achievable fraction, per-step overhead) and the 8-device tensor
-# layout, the most collective operations on the largest group (latency per device)
+# layout, the most collective operations on the largest group (latency per peer)
 TIME_CALIBRATION = ((1, 1, 1, 1, 8), (1, 1, 1, 1, 24), (1, 1, 8, 1, 8))
 
 
-def calibrate_time(profile: Profile, measure) -> Profile:
-    """`profile` with the step-time parameters fitted to `measure(data, fsdp, tensor, dcn,
-    rows)` (median seconds) of the `TIME_CALIBRATION` steps. The validation's 2 x 4 row runs
-    its DCN stage in-process, so its DCN link is this ICI link."""
+def calibrate_time(profile: Profile, runner_for) -> Profile:
+    """`profile` with the step-time parameters fitted to the `TIME_CALIBRATION` steps, timed
+    interleaved; `runner_for(data, fsdp, tensor, dcn, rows)` gives each one's Runner. The
+    validation's 2 x 4 row runs its DCN stage in-process, so its DCN link is this ICI link."""
     one, three, tensor8 = TIME_CALIBRATION
-    fitted = fit_compute(profile, [(predict_for(validation_spec(*c), 1, profile), measure(*c))
-                                   for c in (one, three)])
-    fitted = fit_collective_latency(fitted, validation_spec(*tensor8), math.prod(tensor8[:3]),
-                                    measure(*tensor8))
+    t_one, t_three, t_tensor8 = interleaved_step_times([runner_for(*c) for c in TIME_CALIBRATION])
+    fitted = fit_compute(profile, [(predict_for(validation_spec(*one), 1, profile), t_one),
+                                   (predict_for(validation_spec(*three), 1, profile), t_three)])
+    fitted = fit_collective_latency(fitted, validation_spec(*tensor8), math.prod(tensor8[:3]), t_tensor8)
     return dataclasses.replace(fitted, dcn=fitted.ici)

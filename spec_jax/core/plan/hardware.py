@@ -3,11 +3,11 @@
 A profile is a TOML data file (profiles/*.toml) that cites its sources. Two link classes:
 `ici` (within a host, or within a TPU slice: `ici_domain_devices`) and `dcn` (across them).
 A collective operation moving S bytes per device over a group of n costs
-    alpha + alpha_per_device * n + S * bus_factor(kind, n) / bandwidth
+    alpha + alpha_per_peer * (n - 1) + S * bus_factor(kind, n) / bandwidth
 (nccl-tests' bus bandwidth: the factor turns S into the bytes each link carries). The latency
-grows with the group where each participant adds its own: on the shipped accelerator profiles
-alpha_per_device is 0; on the CPU profile the simulated devices are threads sharing two cores,
-and a collective waits until every one of the n has been scheduled to arrive.
+grows with the group where each device waits on each of its n - 1 peers: on the shipped
+accelerator profiles alpha_per_peer is 0; on the CPU profile the simulated devices are threads
+sharing two cores, and a collective waits until each peer has been scheduled to arrive.
 
 `calibrate` refits a profile from this machine's measurements: `trainspec bench collectives
 --json` rows (a least-squares line of time against bus bytes gives alpha and 1/bandwidth) and
@@ -29,10 +29,10 @@ PROFILE_DIR = Path(__file__).with_name("profiles")
 class Link:
     alpha_s: float         # latency of one collective operation
     bandwidth_Bps: float   # bus bandwidth per device, bytes/s
-    alpha_per_device_s: float = 0.0  # latency each device of the group adds
+    alpha_per_peer_s: float = 0.0  # latency each other device of the group adds
 
     def latency(self, group: int) -> float:
-        return self.alpha_s + self.alpha_per_device_s * group
+        return self.alpha_s + self.alpha_per_peer_s * (group - 1)
 
     def time(self, bus_bytes: float, ops: int = 1, group: int = 1) -> float:
         return ops * self.latency(group) + bus_bytes / self.bandwidth_Bps
@@ -117,7 +117,7 @@ def _from_dict(data: dict, origin: str) -> Profile:
 
 def _link(data: dict) -> Link:
     return Link(float(data["alpha_s"]), float(data["bandwidth_Bps"]),
-                float(data.get("alpha_per_device_s", 0.0)))
+                float(data.get("alpha_per_peer_s", 0.0)))
 
 
 def load_profile(name_or_path: str) -> Profile:
@@ -171,9 +171,9 @@ def calibrate(profile: Profile, bench_rows: list[Mapping] | None = None,
     changes: dict = {}
     if bench_rows:
         # the bench times collectives back to back, which all devices reach together; the
-        # per-device latency (devices descheduled between collectives) is the profile's
+        # per-peer latency (peers descheduled between collectives) is the profile's
         changes["ici"] = dataclasses.replace(fit_link(bench_rows),
-                                             alpha_per_device_s=profile.ici.alpha_per_device_s)
+                                             alpha_per_peer_s=profile.ici.alpha_per_peer_s)
     if dcn_rows:
         changes["dcn"] = fit_link(dcn_rows)
     if matmul_peak_flops:
