@@ -23,11 +23,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spec_jax import init_checks, layout
 from spec_jax.collectives import compression
 from spec_jax.core.errors import UserInputError
+from spec_jax.health import nan as nan_guard
 from spec_jax.metrics import comm
 from spec_jax.step import WrappedStep
 from spec_jax.step_forms import LossStep, Precision, accumulate, apply_update, split_micro
@@ -167,17 +169,63 @@ class SemiSyncStep(WrappedStep):
             with nn.logical_axis_rules(inner_rules):
                 inner, (loss_sums, tokens, norms, aux) = jax.vmap(
                     group_step, spmd_axis_name=data)(state.inner, per_group)
-            total_tokens = jnp.sum(tokens)
-            metrics = {
-                "loss": jnp.sum(loss_sums) / jnp.maximum(total_tokens, 1.0),
-                "valid_tokens": total_tokens,
-                "grad_norm": jnp.sqrt(jnp.mean(jnp.square(norms))),  # the groups' own, RMS
-                **({"aux": jax.tree.map(lambda x: jnp.sum(x, axis=0), aux)}
-                   if jax.tree.leaves(aux) else {}),
-            }
+            # Every metric stays per group, split over the data axes like the groups: reducing
+            # them here would be an all-reduce over data every step. The host combines them
+            # (combine_metrics); `loss_tokens` weights the groups' losses there.
+            metrics = {"loss": loss_sums / jnp.maximum(tokens, 1.0), "valid_tokens": tokens,
+                       "loss_tokens": tokens, "grad_norm": norms,
+                       **({"aux": aux} if jax.tree.leaves(aux) else {})}
             return state.replace(inner=inner), metrics
 
         return step
+
+    # -- the groups' metrics and non-finite guards ---------------------------------------------
+    @property
+    def guard_groups(self) -> int:
+        return self.replicas
+
+    @property
+    def guard_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(self.data_axes))
+
+    metrics_sharding = guard_sharding  # every metric and guard: (groups, ...) split over data
+
+    def _guarded(self, guard, state, new_state, metrics):
+        """Each group keeps its own old inner state when its update is not finite (the anchor,
+        momentum and residual change only in the outer program)."""
+        inner, guard, metrics = nan_guard.guarded_groups(
+            self.spec.health.nan, guard, state.inner, new_state.inner, metrics, self.mesh,
+            self.state_pspecs.inner, self.data_axes)
+        return new_state.replace(inner=inner), guard, metrics
+
+    def to_host(self, tree):
+        """The groups' values on the host. Where the groups span processes (jax.distributed),
+        each process gathers every group's (a collective of its own, run only when the host
+        reads metrics or the guard: at records and checkpoints, never inside the step)."""
+        def fetch(x):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            return np.asarray(jax.device_get(x))
+        return jax.tree.map(fetch, tree)
+
+    def combine_metrics(self, metrics: dict) -> dict:
+        """The record's values from the groups' (on the host): `loss` token-weighted over all
+        groups, each on its own parameters; `valid_tokens`, `aux` summed; `grad_norm` the root
+        mean square of the groups' own norms; `nonfinite` 1 if any group dropped its step;
+        `skipped_steps` the most steps any one group dropped."""
+        per_group = dict(metrics)
+        weights = per_group.pop("loss_tokens")
+        combined = {
+            "loss": np.float32(np.sum(per_group.pop("loss") * weights) / max(np.sum(weights), 1.0)),
+            "valid_tokens": np.sum(per_group.pop("valid_tokens")),
+            "grad_norm": np.sqrt(np.mean(np.square(per_group.pop("grad_norm")))),
+        }
+        if "aux" in per_group:
+            combined["aux"] = jax.tree.map(lambda x: np.sum(x, axis=0), per_group.pop("aux"))
+        if "nonfinite" in per_group:
+            combined["nonfinite"] = int(np.max(per_group.pop("nonfinite")))
+            combined["skipped_steps"] = int(np.max(per_group.pop("skipped_steps")))
+        return {**per_group, **combined}
 
     # -- the outer program --------------------------------------------------------------------
     def _outer_fn(self, state):
@@ -229,6 +277,7 @@ class SemiSyncStep(WrappedStep):
 
     # -- running ------------------------------------------------------------------------------
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
+        """Every group's guard starts from these counts (a checkpoint keeps the largest)."""
         super().reset_guard(step, skipped, consecutive)
         self.inner_steps_done = step
 

@@ -50,6 +50,7 @@ class WrappedStep:
     """
 
     runs_semi_sync = False  # spec_jax.semi_sync.SemiSyncStep runs `[semi_sync]`
+    guard_groups: int | None = None  # one non-finite guard per group (SemiSyncStep), or one
 
     def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None,
                  devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True):
@@ -165,42 +166,66 @@ class WrappedStep:
             fn = self._grad_step_fn()
         else:
             fn = self.step_fn
-        replicated = NamedSharding(self.mesh, P())
-        policy = self.spec.health.nan
 
         def guarded_step(state, guard, batch):  # health.nan: decided on device, no host sync
             new_state, metrics = fn(state, batch)
             if not self.nan_guard:
                 return new_state, guard, metrics
-            return nan_guard.guarded(policy, guard, state, new_state, metrics,
-                                     self.mesh, self.state_pspecs)
+            return self._guarded(guard, state, new_state, metrics)
 
         return jax.jit(
             guarded_step,
-            in_shardings=(self.state_shardings, replicated, batch_shardings),
-            out_shardings=(self.state_shardings, replicated, replicated),
+            in_shardings=(self.state_shardings, self.guard_sharding, batch_shardings),
+            out_shardings=(self.state_shardings, self.guard_sharding, self.metrics_sharding),
             donate_argnums=(0, 1),
         )
+
+    def _guarded(self, guard, state, new_state, metrics):
+        return nan_guard.guarded(self.spec.health.nan, guard, state, new_state, metrics,
+                                 self.mesh, self.state_pspecs)
+
+    @property
+    def guard_sharding(self) -> NamedSharding:
+        """Where the non-finite guard's record and the step's metrics live: replicated
+        (SemiSyncStep: one per group, split over the data axes)."""
+        return NamedSharding(self.mesh, P())
+
+    metrics_sharding = guard_sharding
+
+    def to_host(self, tree):
+        """Device arrays of this step (metrics, the guard) as NumPy on the host."""
+        return jax.device_get(tree)
+
+    def combine_metrics(self, metrics: dict) -> dict:
+        """The record's values from the step's metrics on the host (SemiSyncStep combines the
+        groups' values)."""
+        return metrics
+
+    def host_metrics(self, metrics: dict) -> dict:
+        """A step's metrics as the record reads them: on the host, `loss`, `grad_norm`,
+        `valid_tokens`, ... of the whole step (a host sync)."""
+        return self.combine_metrics(self.to_host(metrics))
 
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
         """Start the non-finite guard `step` steps into the run, with the counts of skipped
         and consecutive non-finite steps a restored checkpoint carries."""
-        record = nan_guard.init_guard(step, skipped, consecutive) if self.nan_guard else {}
-        self.guard = jax.device_put(record, NamedSharding(self.mesh, P()))
+        record = (nan_guard.init_guard(step, skipped, consecutive, self.guard_groups)
+                  if self.nan_guard else {})
+        self.guard = jax.device_put(record, self.guard_sharding)
 
     def check_nonfinite(self) -> int:
         """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped,
         counted on from `reset_guard`'s (0 without the guard). Reads the small guard record only."""
         if not self.nan_guard or self.guard is None:
             return 0
-        return nan_guard.check(self.spec.health.nan, self.guard)
+        return nan_guard.check(self.spec.health.nan, self.to_host(self.guard))
 
     def nonfinite_counts(self) -> dict[str, int]:
         """The guard's skipped and consecutive non-finite steps as of the last step whose
         update was kept: what a checkpoint of the state carries on (zeros without the guard)."""
         if not self.nan_guard or self.guard is None:
             return {"skipped_steps": 0, "consecutive_nonfinite": 0}
-        return nan_guard.counts(self.guard)
+        return nan_guard.counts(self.to_host(self.guard))
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps

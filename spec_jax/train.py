@@ -211,7 +211,8 @@ class _Session:
         marks of a resume just before it and of a checkpoint just after it."""
         fields = self.guards.at_sync()  # counts the skipped steps up to this one
         # The optimizer's update count at this step: the steps before it less those skipped.
-        skipped_before = self.guards.skipped - int(metrics.get("nonfinite", 0))
+        nonfinite = self.job.step.host_metrics(metrics).get("nonfinite", 0)
+        skipped_before = self.guards.skipped - int(nonfinite)
         fields["learning_rate"] = float(self.schedule(self.step - 1 - skipped_before))
         if self.resume_mark is not None:
             fields.update(self.resume_mark)

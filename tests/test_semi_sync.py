@@ -22,9 +22,10 @@ from spec_jax.train import build_job
 from test_checkpoint_crash import ROOT, _complete_steps, _env, _losses
 from tiny import TINY, tiny_spec
 
-# The scalars of a step's metrics (loss and token sums, the groups' gradient norms, the non-finite
-# guard's flag) are the only thing the inner program reduces over the data axes.
-SCALAR_BYTES = 64
+# The inner program moves nothing over the data axes: not even the step's metrics or the
+# non-finite guard's flag, which stay per group until the host reads them (before they did,
+# 45-69 bytes of scalars per step).
+SCALAR_BYTES = 0
 
 
 def _data_collectives(volume):
@@ -103,6 +104,31 @@ def test_outer_step_makes_the_groups_agree_on_the_anchor(programs):
         assert np.any(np.asarray(a) != a0)  # the outer step moved the anchor
 
 
+def test_a_non_finite_group_drops_only_its_own_step(programs):
+    """NaN in group 1's rows only: group 1 keeps its inner state bit for bit, group 0 trains
+    on; the host sees the step as non-finite (any group) and counts it skipped; the record's
+    loss combines both groups (NaN), its tokens are group 0's."""
+    job = programs["none"][0]
+    state = job.step.init(job.init_fn, jax.random.key(0))
+    job.step.reset_guard(0)
+    state, _ = job.step(state, job.data.batch(0))
+    before = [np.asarray(x) for x in jax.tree.leaves(state.inner.params)]
+    batch = job.data.batch(1)
+    mask = np.array(batch["mask"], np.float32)
+    mask[len(mask) // 2:] = np.nan  # the second half of the rows: group 1's
+    state, metrics = job.step(state, {**batch, "mask": mask})
+    after = [np.asarray(x) for x in jax.tree.leaves(state.inner.params)]
+    for b, a in zip(before, after):
+        assert np.any(b[0] != a[0])  # group 0 took its step
+        np.testing.assert_array_equal(b[1], a[1])  # group 1 kept its state
+    combined = job.step.host_metrics(metrics)
+    assert combined["nonfinite"] == 1 and combined["skipped_steps"] == 1
+    assert np.isnan(combined["loss"])
+    assert combined["valid_tokens"] == np.sum(np.asarray(batch["mask"])[: len(mask) // 2])
+    assert job.step.check_nonfinite() == 1 and job.step.nonfinite_counts() == {
+        "skipped_steps": 1, "consecutive_nonfinite": 1}
+
+
 # -- H = 1, outer_lr = 1, momentum 0 is synchronous training -------------------------------------
 # With SGD (linear in the gradient, no clipping) and equal valid tokens per group, one inner step
 # from the anchor and the mean delta give anchor - lr * mean(group gradients' updates): the
@@ -117,7 +143,7 @@ def _train(*overrides, steps=6):
     state, losses = job.state, []
     for i in range(steps):
         state, metrics = job.step(state, job.data.batch(i))
-        losses.append(float(metrics["loss"]))
+        losses.append(float(job.step.host_metrics(metrics)["loss"]))
     return np.array(losses), [np.asarray(x, np.float64) for x in jax.tree.leaves(state.params)]
 
 

@@ -80,8 +80,10 @@ class MetricsLogger:
     """Collects per-step device values and host timings; writes a record per interval."""
 
     def __init__(self, spec, sinks: list[Sink], analysis: StepAnalysis, total_steps: int,
-                 goodput: Goodput | None = None, first_step: int = 1):
+                 goodput: Goodput | None = None, first_step: int = 1, wrapped_step=None):
         self.spec, self.sinks, self.analysis = spec, sinks, analysis
+        # reads the step's metrics onto the host (SemiSyncStep: combines its groups' values)
+        self.wrapped_step = wrapped_step
         self.total_steps, self.interval = total_steps, spec.metrics.interval
         self.first_step = first_step  # always recorded (1, or the step after a resume)
         self.goodput = goodput or Goodput()
@@ -109,7 +111,8 @@ class MetricsLogger:
         goodput = goodput or Goodput()
         analysis = analyze_step(wrapped_step, state, first_batch, model_flops)
         sinks = sinks_for(spec, run_dir, append=resume_after is not None)
-        logger = cls(spec, sinks, analysis, total_steps, goodput, (resume_after or 0) + 1)
+        logger = cls(spec, sinks, analysis, total_steps, goodput, (resume_after or 0) + 1,
+                     wrapped_step)
         if resume_after is not None:
             logger._rewind(resume_after)
         return logger
@@ -123,7 +126,7 @@ class MetricsLogger:
                 model_flops: flops.ModelFlops | None = None) -> None:
         """After a rollback onto another step/mesh: drop the records after `first_step - 1`,
         analyse the new step, time afresh."""
-        self.spec, self.first_step = spec, first_step
+        self.spec, self.first_step, self.wrapped_step = spec, first_step, wrapped_step
         self._rewind(first_step - 1)
         self.analysis = analyze_step(wrapped_step, state, batch, model_flops)
         self.goodput.add("compilation", self.analysis.fields["compile_time_s"])
@@ -156,9 +159,12 @@ class MetricsLogger:
         return self._record(step, metrics, extra() if extra else {})
 
     def _record(self, step: int, metrics: dict, extra: dict) -> dict:
-        loss, grad_norm, tokens, gns_parts = jax.device_get(  # the interval's one host sync
-            (metrics.get("loss"), metrics.get("grad_norm"), self._pending_tokens,
-             self._pending_gns))
+        to_host = self.wrapped_step.to_host if self.wrapped_step else jax.device_get
+        now_metrics, tokens, gns_parts = to_host(  # the interval's one host sync
+            (metrics, self._pending_tokens, self._pending_gns))
+        if self.wrapped_step:
+            now_metrics = self.wrapped_step.combine_metrics(now_metrics)
+        loss, grad_norm = now_metrics.get("loss"), now_metrics.get("grad_norm")
         for grad_sq, trace in gns_parts:
             if np.isfinite(grad_sq) and np.isfinite(trace):  # a skipped (non-finite) step
                 self.noise_scale.update(grad_sq, trace)

@@ -57,10 +57,10 @@ class CompiledOption:
         for index in range(steps):
             start = time.perf_counter()
             state, metrics = step(state, self.data.batch(index))
-            losses.append(metrics["loss"])
-            jax.block_until_ready(metrics["loss"])
+            jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
-        return Run(self.label, seed, [float(x) for x in losses], statistics.median(times))
+            losses.append(float(step.host_metrics(metrics)["loss"]))
+        return Run(self.label, seed, losses, statistics.median(times))
 
 
 def margin_from_seeds(runs: list[Run], last: int) -> float:

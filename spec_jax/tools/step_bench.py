@@ -64,7 +64,7 @@ def bench(specs: list[tuple[str, object]], steps: int, warmup: int = 2, rounds: 
             metrics = advance(entry, n)
             jax.block_until_ready(metrics)
             entry["times"].append((time.perf_counter() - t) / n)
-            entry["loss"] = metrics["loss"]
+            entry["loss"] = entry["job"].step.host_metrics(metrics)["loss"]
 
     results = {}
     for label, entry in jobs.items():
