@@ -36,6 +36,11 @@ OPTIONS = {  # label -> overrides of the default spec
     "int8+EF": ['collectives.compression="int8"'],
     "DiLoCo H=4": ["semi_sync.inner_steps=4"],
     "DiLoCo H=16": ["semi_sync.inner_steps=16"],
+    # the best outer step of docs/communication.md's sweep for a run of a few rounds
+    "DiLoCo H=4 lr0.8 mu0.4": ["semi_sync.inner_steps=4", "semi_sync.outer_lr=0.8",
+                               "semi_sync.outer_momentum=0.4"],
+    "DiLoCo H=16 lr0.8 mu0.4": ["semi_sync.inner_steps=16", "semi_sync.outer_lr=0.8",
+                                "semi_sync.outer_momentum=0.4"],
 }
 
 

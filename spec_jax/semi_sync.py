@@ -3,7 +3,8 @@
 Every data-parallel group (one index along the data axes) keeps its own copy of the train state
 and takes `inner_steps` (H) steps with the inner optimizer on its rows of each batch, reducing
 gradients only over its own fsdp/tensor axes: the inner program has no collective over the data
-axes but the step's scalar metrics. Every H steps the outer program averages the groups'
+axes at all (its metrics and non-finite guards stay per group; the host combines them when it
+reads them). Every H steps the outer program averages the groups'
 parameter deltas `anchor - params` over the data axes (through `collectives.backend`, with
 `collectives.compression` and error feedback when set) and takes one SGD step with Nesterov
 momentum from the anchor; the result is the new anchor and every group's parameters.
