@@ -103,7 +103,7 @@ class Runner:
     def once(self) -> float:
         t0 = time.perf_counter()
         self.state, metrics = self.step(self.state, self.batch)
-        jax.block_until_ready(metrics)
+        jax.block_until_ready((self.state, metrics))  # the whole step, its update included
         return time.perf_counter() - t0
 
 
@@ -131,12 +131,38 @@ def collective_rows(sizes=(16 << 10, 256 << 10, 1 << 20, 4 << 20)) -> list[dict]
                                                    list(sizes), "sum", 10, 3)]
 
 
+def update_bandwidth(elements: int = 1 << 18, repeats: int = 20) -> float:
+    """The host's memory bandwidth as the optimizer update sees it (bytes/s): an AdamW-like
+    elementwise update of `elements` float32 per device (read parameter, gradient and two
+    moments, write parameter and moments) on every device at once, median of `repeats`."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    def update(p, g, m, v):
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        return p - 1e-3 * (m / (jnp.sqrt(v) + 1e-8) + 0.01 * p), m, v
+
+    devices = jax.devices()
+    sharding = NamedSharding(Mesh(devices, ("d",)), P("d"))
+    p, g, m, v = (jax.device_put(jnp.ones((len(devices) * elements,), jnp.float32), sharding)
+                  for _ in range(4))
+    step = jax.jit(update, donate_argnums=(0, 2, 3))
+    times = []
+    for _ in range(repeats + 1):  # the first compiles
+        t0 = time.perf_counter()
+        p, m, v = jax.block_until_ready(step(p, g, m, v))
+        times.append(time.perf_counter() - t0)
+    return len(devices) * 7 * elements * 4 / statistics.median(times[1:])
+
+
 def calibrate_cpu(profile: Profile, memory_points: list[tuple[Spec, int, float]] | None = None,
                   bench_rows: list[dict] | None = None, peak: float | None = None) -> Profile:
-    """The CPU profile with this machine's measured peak and links, and (given compiled
-    memory of two or more layouts with different tensor sizes) its activation overheads."""
+    """The CPU profile with this machine's measured peak, links and memory bandwidth, and
+    (given compiled memory of two or more layouts with different tensor sizes) its activation
+    overheads."""
     calibrated = calibrate(profile, bench_rows if bench_rows is not None else collective_rows(),
                            peak if peak is not None else matmul_peak())
+    calibrated = dataclasses.replace(calibrated, memory_bandwidth_Bps=update_bandwidth())
     if memory_points:
         calibrated = fit_activation_overheads(
             [(s, layout_of(s, n), measured) for s, n, measured in memory_points], calibrated)
@@ -147,9 +173,9 @@ def fit_compute(profile: Profile, points) -> Profile:
     """The achievable fraction and the per-step overhead that make measured steps come out
     right: `points` are (prediction, measured seconds) of one device at two or more batch
     sizes (different work, the same program), solved by least squares for
-    measured - comm = compute x (fraction / fitted fraction) + overhead."""
+    measured - comm - update = compute x (fraction / fitted fraction) + overhead."""
     xs = [p.compute_s for p, _ in points]
-    ys = [m - p.comm_s["exposed"] for p, m in points]
+    ys = [m - p.comm_s["exposed"] - p.update_s for p, m in points]
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     overhead = max(my - slope * mx, 0.0)
@@ -194,10 +220,14 @@ TIME_CALIBRATION = ((1, 1, 1, 1, 8), (1, 1, 1, 1, 24), (1, 1, 8, 1, 8))
 
 def calibrate_time(profile: Profile, runner_for) -> Profile:
     """`profile` with the step-time parameters fitted to the `TIME_CALIBRATION` steps, timed
-    interleaved; `runner_for(data, fsdp, tensor, dcn, rows)` gives each one's Runner. The
-    validation's 2 x 4 row runs its DCN stage in-process, so its DCN link is this ICI link."""
+    interleaved; `runner_for(data, fsdp, tensor, dcn, rows)` gives each one's Runner. One
+    multi-device step fits one latency parameter: the per-peer one, the ICI alpha set to 0.
+    The validation's 2 x 4 row runs its DCN stage in-process, so its DCN link is this ICI link."""
     one, three, tensor8 = TIME_CALIBRATION
     t_one, t_three, t_tensor8 = interleaved_step_times([runner_for(*c) for c in TIME_CALIBRATION])
+    # the collective bench's intercept is the dispatch of one jitted collective per call,
+    # which a collective inside the step does not pay: in the step, the latency is the peers'
+    profile = dataclasses.replace(profile, ici=dataclasses.replace(profile.ici, alpha_s=0.0))
     fitted = fit_compute(profile, [(predict_for(validation_spec(*one), 1, profile), t_one),
                                    (predict_for(validation_spec(*three), 1, profile), t_three)])
     fitted = fit_collective_latency(fitted, validation_spec(*tensor8), math.prod(tensor8[:3]), t_tensor8)

@@ -57,6 +57,9 @@ class Profile:
     # data-parallel step at 2-8 devices does not grow with the devices as compute would
     # (docs/plan.md).
     program_overhead_s: float = 0.0
+    # Streaming rate of one device's memory (on the CPU profile the host's, which the devices
+    # share); 0 leaves the optimizer update's memory traffic out of the step time.
+    memory_bandwidth_Bps: float = 0.0
     ici_domain_devices: int | None = None  # devices one ICI domain spans (default: a host)
     # What the compiler keeps beyond the counted activations (docs/plan.md); 1 = the count.
     activation_overhead: float = 1.0             # on the tensor-split activations
@@ -79,6 +82,14 @@ class Profile:
         if self.shared_host_compute:
             rate /= max(min(devices_in_use, self.devices_per_host), self.host_cores)
         return rate
+
+    def memory_time(self, nbytes: float, devices_in_use: int) -> float:
+        """Seconds for one device to stream `nbytes` while `devices_in_use` do the same (on a
+        CPU they share the host's memory bandwidth: one device alone uses all its cores)."""
+        if not self.memory_bandwidth_Bps:
+            return 0.0
+        share = min(devices_in_use, self.devices_per_host) if self.shared_host_compute else 1
+        return nbytes * share / self.memory_bandwidth_Bps
 
     @property
     def ici_domain(self) -> int:
@@ -105,6 +116,7 @@ def _from_dict(data: dict, origin: str) -> Profile:
             shared_host_compute=bool(data.get("shared_host_compute", False)),
             host_cores=int(data.get("host_cores", 1)),
             program_overhead_s=float(data.get("program_overhead_s", 0.0)),
+            memory_bandwidth_Bps=float(data.get("memory_bandwidth_Bps", 0.0)),
             ici_domain_devices=data.get("ici_domain_devices"),
             activation_overhead=float(data.get("activation_overhead", 1.0)),
             activation_overhead_replicated=float(data.get("activation_overhead_replicated", 1.0)),

@@ -74,6 +74,7 @@ class Prediction:
     hardware_flops_per_step: float
     compute_s: float
     overhead_s: float
+    update_s: float     # memory traffic of the gradient accumulation, reduction and update
     comm_s: dict[str, float]
     step_time_s: float
     mfu: float
@@ -275,14 +276,27 @@ def _rename(c: Collective, profile: Profile) -> Collective:
     return c
 
 
+def update_bytes(mem: dict[str, float], micro_batches: int) -> float:
+    """Memory traffic per device of the step's work on whole state-sized buffers: each
+    micro-batch adds its gradient into the accumulator (reads both, writes one); the data
+    reduction packs the gradient into one buffer and back; the update reads the parameters,
+    optimizer state and gradients and writes the new parameters and optimizer state, and the
+    NaN guard copies the state it keeps (read and write; `PHASES`). Data parallelism
+    replicates all of it on every device; fsdp and tensor split it."""
+    state = mem["params"] + mem["optimizer"]
+    return (3 * micro_batches * mem["gradients"] + 2 * mem["data_reduction_buffer"]
+            + 2 * state + mem["gradients"] + 2 * state)
+
+
 def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token: float,
             hardware_flops_per_token: float) -> Prediction:
     """Memory, communication, FLOPs, step time and MFU of `spec` under `layout` on `profile`.
 
-    step time = compute + overhead + (1 - comm_overlap) x communication, where compute is the hardware
-    FLOPs of one device at `achievable_fraction` of its peak and each collective operation costs
-    its link's latency for its group + bus bytes / bandwidth, on its ICI part and on its DCN
-    part (hierarchically)."""
+    step time = compute + overhead + update + (1 - comm_overlap) x communication: compute is
+    the hardware FLOPs of one device at `achievable_fraction` of its peak, update the
+    state-sized memory traffic (`update_bytes`) at the profile's memory bandwidth, and each
+    collective operation costs its link's latency for its group + bus bytes / bandwidth, on
+    its ICI part and on its DCN part (hierarchically)."""
     n = layout.n_devices
     reasons = check(spec, layout)
     tokens = spec.batch.global_batch * spec.batch.seq_len
@@ -297,9 +311,11 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     dcn = sum(profile.dcn.time(c.dcn_bus_bytes, c.ops, c.group_dcn) for c in comms if c.group_dcn > 1)
     comm_s = {"ici": ici, "dcn": dcn, "exposed": (ici + dcn) * (1 - profile.comm_overlap)}
     overhead_s = profile.program_overhead_s
-    step = compute_s + overhead_s + comm_s["exposed"]
-    peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
     mem = memory(spec, layout, profile) if not reasons else {"total": float("nan")}
+    update_s = (profile.memory_time(update_bytes(mem, spec.batch.accumulation_steps), per_host)
+                if not reasons else 0.0)
+    step = compute_s + overhead_s + update_s + comm_s["exposed"]
+    peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
     if not reasons and mem["total"] > profile.memory_bytes:
         biggest = max(ARGUMENTS + PHASES[peak_phase(mem)], key=mem.get)
         reasons.append(
@@ -308,7 +324,7 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     return Prediction(
         layout=dict(layout.sizes), dcn=dict(layout.dcn), n_devices=n, memory=mem,
         collectives=comms, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
-        compute_s=compute_s, overhead_s=overhead_s, comm_s=comm_s, step_time_s=step,
+        compute_s=compute_s, overhead_s=overhead_s, update_s=update_s, comm_s=comm_s, step_time_s=step,
         mfu=model_flops / (step * n * peak) if step > 0 else 0.0, tokens_per_step=tokens,
         fits=not reasons, reasons=reasons)
 
