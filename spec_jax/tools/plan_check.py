@@ -179,8 +179,8 @@ def fit_compute(profile: Profile, points) -> Profile:
     n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     overhead = max(my - slope * mx, 0.0)
-    if overhead == 0.0:  # noise made the intercept negative: all of it is compute
-        slope = sum(ys) / sum(xs)
+    if overhead == 0.0 or slope <= 0:  # noise made the intercept or the slope negative:
+        overhead, slope = 0.0, sum(ys) / sum(xs)  # all of it is compute
     return dataclasses.replace(profile, achievable_fraction=profile.achievable_fraction / slope,
                                program_overhead_s=overhead)
 
@@ -220,11 +220,16 @@ TIME_CALIBRATION = ((1, 1, 1, 1, 8), (1, 1, 1, 1, 24), (1, 1, 8, 1, 8))
 
 def calibrate_time(profile: Profile, runner_for) -> Profile:
     """`profile` with the step-time parameters fitted to the `TIME_CALIBRATION` steps, timed
-    interleaved; `runner_for(data, fsdp, tensor, dcn, rows)` gives each one's Runner. One
-    multi-device step fits one latency parameter: the per-peer one, the ICI alpha set to 0.
-    The validation's 2 x 4 row runs its DCN stage in-process, so its DCN link is this ICI link."""
-    one, three, tensor8 = TIME_CALIBRATION
-    t_one, t_three, t_tensor8 = interleaved_step_times([runner_for(*c) for c in TIME_CALIBRATION])
+    interleaved; `runner_for(data, fsdp, tensor, dcn, rows)` gives each one's Runner."""
+    return fit_time(profile, interleaved_step_times([runner_for(*c) for c in TIME_CALIBRATION]))
+
+
+def fit_time(profile: Profile, seconds: list[float]) -> Profile:
+    """`profile` with the step-time parameters fitted to the measured `TIME_CALIBRATION`
+    steps (`seconds`, in that order). One multi-device step fits one latency parameter: the
+    per-peer one, the ICI alpha set to 0. The validation's 2 x 4 row runs its DCN stage
+    in-process, so its DCN link is this ICI link."""
+    (one, three, tensor8), (t_one, t_three, t_tensor8) = TIME_CALIBRATION, seconds
     # the collective bench's intercept is the dispatch of one jitted collective per call,
     # which a collective inside the step does not pay: in the step, the latency is the peers'
     profile = dataclasses.replace(profile, ici=dataclasses.replace(profile.ici, alpha_s=0.0))
