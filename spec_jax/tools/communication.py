@@ -49,14 +49,17 @@ class CompiledOption:
         self.data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
         self.job.step.compile(self.job.abstract_state, self.job.step.shard_batch(self.data.batch(0)))
 
-    def train(self, seed: int, steps: int) -> Run:
+    def train(self, seed: int, steps: int, *, seed_data: bool = False) -> Run:
+        """With `seed_data`, the data order is `seed`'s too (as the spec's `seed` sets both)."""
         step = self.job.step
+        data = (ByteBatches(self.spec.batch.seq_len, self.spec.batch.global_batch, seed)
+                if seed_data else self.data)
         state = step.init(self.job.init_fn, jax.random.key(seed))
         step.reset_guard()
         losses, times = [], []
         for index in range(steps):
             start = time.perf_counter()
-            state, metrics = step(state, self.data.batch(index))
+            state, metrics = step(state, data.batch(index))
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
             losses.append(float(step.host_metrics(metrics)["loss"]))
