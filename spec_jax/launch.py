@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import socket
+import string
 import subprocess
 import sys
 import threading
@@ -37,11 +38,13 @@ PROCESS_ID = "TRAINSPEC_PROCESS_ID"
 _PR_SET_PDEATHSIG = 1
 DEFAULT_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for every rank to write its checkpoint
 # Printed by gloo (jax's and torch's CPU collectives) for every rank at every connection: noise
-# unless one is debugging the rendezvous. Its "is NOT connected to" failure line stays. Its two
-# parts are written apart, and a progress bar's carriage return (a line end to the reader) can
-# land between them or before them on the same line: each part is cut out where it is.
-GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?|"
-                            r"Expected number of connected peer ranks is : \d+")
+# unless one is debugging the rendezvous. Its "is NOT connected to" failure line stays. It is
+# written piece by piece (text, number, text...), by several threads of a rank at once, and a
+# progress bar's carriage return (a line end to the reader) can land between any two pieces: so
+# each piece is cut out where it is, with the number beside it, and a line that held pieces and
+# is left with nothing but digits is dropped.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d*|\d* ?is connected to \d*| ?peer ranks\. ?|"
+                            r"Expected number of connected peer ranks is : ?\d*")
 
 
 # How long the launcher waits, once the ranks have exited, for their last output lines: a
@@ -74,9 +77,9 @@ def _child_setup(cpus: set[int] | None):
 
 def _pump(rank: int, stream, out, verbose: bool) -> None:
     for line in iter(stream.readline, ""):
-        if not verbose:
-            line = GLOO_CONNECTED.sub("", line)
-            if not line.strip():
+        if not verbose and "NOT connected" not in line:
+            line, pieces = GLOO_CONNECTED.subn("", line)
+            if not line.strip(string.digits + string.whitespace if pieces else string.whitespace):
                 continue
         out.write(f"[rank {rank}] {line}")
         out.flush()
