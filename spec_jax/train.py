@@ -198,7 +198,7 @@ class _Session:
         """Host sync only when a record is due (metrics.interval, first and last step, a
         checkpoint after this step)."""
         record = self.metrics_log.after_step(self.step, metrics, data_wait, due=checkpointing,
-                                             extra=lambda: self._record_fields(metrics, checkpointing))
+                                             extra=lambda host: self._record_fields(host, checkpointing))
         if record is None:
             return
         self.bar.update(self.step - self.bar.n)
@@ -206,13 +206,13 @@ class _Session:
                              tok_s=f"{record['tokens_per_s']:.0f}",
                              mfu=f"{100 * (record['mfu'] or 0):.1f}%")
 
-    def _record_fields(self, metrics, checkpointing: bool) -> dict:
+    def _record_fields(self, host_metrics: dict, checkpointing: bool) -> dict:
         """The fields the loop adds to a record: health, the step's learning rate, and the
-        marks of a resume just before it and of a checkpoint just after it."""
+        marks of a resume just before it and of a checkpoint just after it. `host_metrics`:
+        the step's metrics as the record reads them (already on the host)."""
         fields = self.guards.at_sync()  # counts the skipped steps up to this one
         # The optimizer's update count at this step: the steps before it less those skipped.
-        nonfinite = self.job.step.host_metrics(metrics).get("nonfinite", 0)
-        skipped_before = self.guards.skipped - int(nonfinite)
+        skipped_before = self.guards.skipped - int(host_metrics.get("nonfinite", 0))
         fields["learning_rate"] = float(self.schedule(self.step - 1 - skipped_before))
         if self.resume_mark is not None:
             fields.update(self.resume_mark)

@@ -142,10 +142,11 @@ class MetricsLogger:
         return step == self.first_step or step % self.interval == 0 or step == self.total_steps
 
     def after_step(self, step: int, metrics: dict, data_wait_s: float = 0.0,
-                   extra: Callable[[], dict] | None = None, due: bool = False) -> dict | None:
+                   extra: Callable[[dict], dict] | None = None, due: bool = False) -> dict | None:
         """Note one finished step; returns the record when one is written, else None.
-        `extra()` (e.g. health fields) is called only when a record is due and merged in;
-        `due` asks for a record at this step off the interval (a checkpoint follows it)."""
+        `extra(host_metrics)` (e.g. health fields) is called only when a record is due, with
+        the step's metrics as the record reads them (on the host), and merged in; `due` asks
+        for a record at this step off the interval (a checkpoint follows it)."""
         if self._t_last is None:
             self.start()
         self._pending_steps += 1
@@ -156,14 +157,15 @@ class MetricsLogger:
             self._pending_gns.append((metrics["gns_grad_sq"], metrics["gns_trace"]))
         if not (due or self.due(step)):
             return None
-        return self._record(step, metrics, extra() if extra else {})
+        return self._record(step, metrics, extra)
 
-    def _record(self, step: int, metrics: dict, extra: dict) -> dict:
+    def _record(self, step: int, metrics: dict, extra: Callable[[dict], dict] | None) -> dict:
         to_host = self.wrapped_step.to_host if self.wrapped_step else jax.device_get
         now_metrics, tokens, gns_parts = to_host(  # the interval's one host sync
             (metrics, self._pending_tokens, self._pending_gns))
         if self.wrapped_step:
             now_metrics = self.wrapped_step.combine_metrics(now_metrics)
+        extra_fields = extra(now_metrics) if extra else {}
         loss, grad_norm = now_metrics.get("loss"), now_metrics.get("grad_norm")
         for grad_sq, trace in gns_parts:
             if np.isfinite(grad_sq) and np.isfinite(trace):  # a skipped (non-finite) step
@@ -188,7 +190,7 @@ class MetricsLogger:
                                       self._pending_wait, self.goodput.summary(now)),
             "memory_live_bytes": memory.live_bytes(),
             **self._gns_fields(),
-            **extra,
+            **extra_fields,
         }
         for sink in self.sinks:
             sink.write(record)
