@@ -25,7 +25,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from spec_jax.core.plan.hardware import load_profile  # noqa: E402
-from spec_jax.tools.plan_check import (TIME_CALIBRATION, calibrate_cpu, compile_layout,  # noqa: E402
+from spec_jax.tools.plan_check import (TIME_CALIBRATION, calibrate_cpu, calibrate_time,  # noqa: E402
+                                       compile_layout,
                                        fit_time, interleaved_step_times, predict_for,
                                        validation_layouts, validation_spec)
 
@@ -47,8 +48,8 @@ def main() -> int:
         return compile_layout(validation_spec(data, fsdp, tensor, dcn, rows), data * fsdp * tensor)[0]
 
     measured_profile = calibrate_cpu(load_profile("cpu"))  # peak, links, memory bandwidth
-    calibration = [runner(*c) for c in TIME_CALIBRATION]
-    profile = fit_time(measured_profile, interleaved_step_times(calibration))
+    profile = calibrate_time(measured_profile, runner)
+    calibration = [runner(*c) for c in TIME_CALIBRATION]  # the same runners (cached)
     print(f"calibrated: peak {profile.peak('float32'):.3g} FLOP/s x achievable "
           f"{profile.achievable_fraction:.3f}, per-step overhead {profile.program_overhead_s * 1e3:.2f} ms, "
           f"ICI alpha {profile.ici.alpha_s * 1e6:.0f} us + {profile.ici.alpha_per_peer_s * 1e6:.0f} us "
