@@ -6,6 +6,7 @@ with the conventional names runs unchanged under any layout.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -54,6 +55,44 @@ def mesh_axes_of(pspec: P) -> set[str]:
         if entry is not None:
             used.update((entry,) if isinstance(entry, str) else entry)
     return used
+
+
+def gathered_for_use(weight, names: Sequence[str]):
+    """A parameter (logical `names`) as a matmul uses it: gathered over the mesh axes that
+    also split the batch (fsdp), its gradient constrained back to the stored layout (a
+    reduce-scatter). One explicit gather serves the forward and the backward: left to XLA's
+    SPMD partitioner, some weights are gathered again for the backward (docs/plan.md).
+    Outside logical rules and a mesh (the model used on its own), `weight` as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = {logical: (axes,) if isinstance(axes, str) else tuple(axes or ())
+             for logical, axes in nn.get_logical_axis_rules()}
+    if mesh.empty or "batch" not in rules:
+        return weight
+    stored = to_partition_spec(P(*names), weight.shape, rules, mesh)
+    batch = set(rules["batch"]) & mesh_axes_of(stored)
+    if not batch:
+        return weight
+    use = P(*(None if e is None else tuple(a for a in ((e,) if isinstance(e, str) else e)
+                                           if a not in batch) or None for e in stored))
+    return _gather(weight, stored, use)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(weight, stored: P, use: P):
+    return jax.lax.with_sharding_constraint(weight, use)
+
+
+def _gather_forward(weight, stored: P, use: P):
+    return _gather(weight, stored, use), None
+
+
+def _gather_backward(stored: P, use: P, _, grad):
+    # A plain constraint's transpose would keep the gradient in the gathered layout: an
+    # all-reduce over the batch axes where a reduce-scatter to the stored layout suffices.
+    return (jax.lax.with_sharding_constraint(grad, stored),)
+
+
+_gather.defvjp(_gather_forward, _gather_backward)
 
 
 def strip_boxes(tree):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.core.spec import ModelSpec
+from spec_jax.layout import gathered_for_use
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
@@ -41,7 +42,7 @@ class Projection(nn.Module):
         kernel = self.param(
             "kernel", nn.with_logical_partitioning(init, self.names), self.shape, self.param_dtype
         )
-        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        x, kernel = x.astype(self.dtype), gathered_for_use(kernel, self.names).astype(self.dtype)
         return jnp.tensordot(x, kernel, axes=(tuple(range(-self.n_in, 0)), tuple(range(self.n_in))))
 
 
@@ -97,6 +98,7 @@ class Transformer(nn.Module):
         # A one-hot matmul rather than a gather: with the table split over vocab and embed, XLA's
         # partitioner turns a gather into a full rematerialisation; a matmul it splits cleanly.
         one_hot = jax.nn.one_hot(tokens, c.vocab_size, dtype=self.dtype)
+        table = gathered_for_use(table, ("vocab", "embed"))
         x = jnp.einsum("blv,ve->ble", one_hot, table.astype(self.dtype))
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         block = Block
