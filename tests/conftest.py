@@ -1,5 +1,7 @@
 """Test setup: 8 simulated CPU devices, set before anything imports jax."""
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -14,6 +16,23 @@ os.environ.setdefault("TRAINSPEC_CPU_PEAK", "table")
 # source tree's spec_jax, which has no compiled _xla_ext, instead of the installed package.
 os.environ["PYTHONSAFEPATH"] = "1"
 
+# One compilation cache per test run, shared by the xdist workers and every subprocess they
+# start: the suite compiles the same tiny programs many times over (each kill -9 test trains,
+# kills and resumes the same job in fresh processes; the README tour and notebooks start a
+# dozen). A fresh directory per run keeps runs independent of each other.
+# The first process to get here (pytest's controller, or the only process with -n 0) makes it;
+# the workers it starts inherit it, and it removes it at the end.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainspec-tests-jax-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
 assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
