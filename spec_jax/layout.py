@@ -62,11 +62,14 @@ def gathered_for_use(weight, names: Sequence[str]):
     also split the batch (fsdp), its gradient constrained back to the stored layout (a
     reduce-scatter). One explicit gather serves the forward and the backward: left to XLA's
     SPMD partitioner, some weights are gathered again for the backward (docs/plan.md).
-    Outside logical rules and a mesh (the model used on its own), `weight` as it is."""
+    Outside logical rules and a mesh (the model used on its own), and on a mesh whose axes are
+    not all `Auto` (explicit sharding: the array's type says where it lives, and resharding it
+    is the caller's), `weight` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = {logical: (axes,) if isinstance(axes, str) else tuple(axes or ())
              for logical, axes in nn.get_logical_axis_rules()}
-    if mesh.empty or "batch" not in rules:
+    if (mesh.empty or "batch" not in rules
+            or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types)):
         return weight
     stored = to_partition_spec(P(*names), weight.shape, rules, mesh)
     batch = set(rules["batch"]) & mesh_axes_of(stored)
