@@ -24,6 +24,21 @@ def process_grid(mesh: Mesh) -> np.ndarray:
     return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
 
 
+def users_mesh(spec: Spec, mesh: Mesh) -> Mesh:
+    """A mesh given to `wrap`, as the step runs on it: the same devices and axis names, every
+    axis `Auto` (the step places arrays by shardings and constraints, which on an `Explicit`
+    axis, `jax.make_mesh`'s default, are assertions). Its axes must be the spec's, no more and
+    no fewer: the layout rules map logical axes onto those names, and an axis the spec does not
+    know would replicate everything over it unseen."""
+    if set(mesh.axis_names) != set(spec.mesh.axes):
+        raise UserInputError(
+            f"mesh: its axes ({', '.join(mesh.axis_names)}) are not the spec's mesh.axes "
+            f"({', '.join(spec.mesh.axes)}); build it with spec_jax.build_mesh(spec, devices), "
+            "or pass devices= instead of a mesh")
+    return Mesh(mesh.devices, mesh.axis_names,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
 def check_hierarchical(spec: Spec, mesh: Mesh) -> None:
     """`collectives.backend = "hierarchical"` reduces over the in-process and the cross-process
     part of the data axes in separate stages, so each data axis must lie either inside one

@@ -27,7 +27,7 @@ from spec_jax.core.errors import UserInputError
 from spec_jax.core.mesh import check_batch, resolve_mesh
 from spec_jax.core.spec import Spec
 from spec_jax.health import nan as nan_guard
-from spec_jax.mesh import build_mesh, check_hierarchical
+from spec_jax.mesh import build_mesh, check_hierarchical, users_mesh
 from spec_jax.metrics import comm, gns
 from spec_jax.step_forms import (
     GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
@@ -61,7 +61,7 @@ class WrappedStep:
         self.nan_guard = nan_guard
         if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
             devices = jax.devices()[:devices]
-        self.mesh = mesh if mesh is not None else build_mesh(spec, devices)
+        self.mesh = users_mesh(spec, mesh) if mesh is not None else build_mesh(spec, devices)
         self.rules = layout.flax_rules(spec)
         resolved = resolve_mesh(spec, self.mesh.devices.size)
         check_batch(spec, resolved, layout.batch_axes(spec, self.mesh))

@@ -99,6 +99,22 @@ def test_devices_argument_runs_on_fewer_devices_than_present(devices):
     assert len(state.params["Dense_0"]["kernel"].sharding.device_set) == devices
 
 
+def test_a_mesh_must_name_the_specs_axes():
+    """jax.make_mesh((8,), ("data",)) beside a spec with fsdp and tensor axes: one line naming
+    the argument (it was a KeyError deep in the layout code)."""
+    with pytest.raises(UserInputError) as err:
+        wrap(_step, _spec(), mesh=jax.make_mesh((8,), ("data",)))
+    assert _one_line(err).startswith("mesh: its axes (data) are not the spec's mesh.axes "
+                                     "(data, fsdp, tensor)")
+
+
+def test_a_mesh_naming_the_specs_axes_trains():
+    """A user's own mesh (jax.make_mesh's default axis type) with the spec's axis names."""
+    step = wrap(_step, _spec(), mesh=jax.make_mesh((8, 1, 1), ("data", "fsdp", "tensor")))
+    _, metrics = step(step.init(_init, jax.random.key(0)), _batch())
+    assert np.isfinite(float(metrics["loss"]))
+
+
 def test_batch_rows_must_be_the_global_batch(data8):
     step, state = data8
     for rows in (8, 12):  # 12 rows would not even split over the 8 batch shards
