@@ -75,14 +75,27 @@ def _child_setup(cpus: set[int] | None):
     return setup
 
 
+# The launcher's own lines and every rank's pump write to one terminal from several threads
+# (and the SIGTERM handler from the main thread, hence reentrant): each line goes out whole,
+# in one write under this lock. print() writes a message and its newline separately, so a
+# rank's line could land between them.
+_OUTPUT = threading.RLock()
+
+
+def _say(line: str, out=None) -> None:
+    out = out or sys.stdout
+    with _OUTPUT:
+        out.write(line if line.endswith("\n") else line + "\n")
+        out.flush()
+
+
 def _pump(rank: int, stream, out, verbose: bool) -> None:
     for line in iter(stream.readline, ""):
         if not verbose and "NOT connected" not in line:
             line, pieces = GLOO_CONNECTED.subn("", line)
             if not line.strip(string.digits + string.whitespace if pieces else string.whitespace):
                 continue
-        out.write(f"[rank {rank}] {line}")
-        out.flush()
+        _say(f"[rank {rank}] {line}", out)
     stream.close()
 
 
@@ -121,7 +134,7 @@ class Launch:
             )
             self.children.append(child)
             pinned = f", --bind {self.bind}: CPUs {sorted(self.cpus[rank])}" if self.cpus[rank] else ""
-            print(f"[launch] rank {rank} pid {child.pid}{pinned}", flush=True)
+            _say(f"[launch] rank {rank} pid {child.pid}{pinned}")
             for target, args in ((_pump, (rank, child.stdout, sys.stdout, self.verbose)),
                                  (self._watch, (rank, child))):
                 thread = threading.Thread(target=target, args=args, daemon=True)
@@ -170,8 +183,8 @@ class Launch:
             if not failed:
                 return 0
             rank, status = failed[0]
-            print(f"[launch] rank {rank} {describe_status(status)} first; stopping the others",
-                  file=sys.stderr, flush=True)
+            _say(f"[launch] rank {rank} {describe_status(status)} first; stopping the others",
+                 sys.stderr)
             self.stop_all()
             return status if status > 0 else 128 - status  # -9 (killed) -> 137, like a shell
         finally:
@@ -193,12 +206,15 @@ def run(command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
     launch = Launch(command, nprocs, grace_s, bind=bind, verbose=verbose)
 
     def forward(signum, _frame):
-        print(f"[launch] {signal.Signals(signum).name}: every rank checkpoints and stops "
-              f"(grace {grace_s:g} s)", file=sys.stderr, flush=True)
+        _say(f"[launch] {signal.Signals(signum).name}: every rank checkpoints and stops "
+             f"(grace {grace_s:g} s)", sys.stderr)
         launch.stop_all()
         launch.drain()
-        statuses = ", ".join(f"rank {r} {describe_status(s)}" for r, s in sorted(launch.exits))
-        print(f"[launch] {statuses}", file=sys.stderr, flush=True)
+        # Every child is reaped once stop_all returns; its exit watcher may not have recorded
+        # it yet (launch.exits), so the statuses come from the children themselves.
+        statuses = ", ".join(f"rank {r} {describe_status(c.returncode)}"
+                             for r, c in enumerate(launch.children))
+        _say(f"[launch] {statuses}", sys.stderr)
         sys.exit(128 + signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}

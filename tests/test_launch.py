@@ -4,6 +4,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -136,3 +137,42 @@ def test_gloo_connection_lines_show_only_with_verbose():
         "[rank 0] [Gloo] Rank 0 is NOT connected to: [1]", "[rank 0] train: 0%|",
         "[rank 0] step 12 of 40", "[rank 0] done"], quiet  # a failure and what shared a line stay
     assert "[rank 0] [Gloo] Rank 0 is connected to 1 peer ranks." in verbose
+
+
+# In this process (jax imported by conftest) the launcher forks its ranks: jax warns about any
+# fork; the child only sets its affinity and parent-death signal before it execs.
+@pytest.mark.filterwarnings("ignore:os.fork")
+def test_sigterm_reports_every_rank_even_before_its_exit_watcher_records_it(monkeypatch, capsys):
+    """The launcher's SIGTERM report names each rank's status once the ranks are stopped, also
+    when a thread watching a rank's exit has not recorded it yet (it once printed rank 0 only)."""
+    from spec_jax import launch
+
+    watch = launch.Launch._watch
+    monkeypatch.setattr(launch.Launch, "_watch",
+                        lambda self, rank, child: (child.wait(), time.sleep(3), watch(self, rank, child)))
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+              "time.sleep(600)\n")
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    with pytest.raises(SystemExit) as stopped:
+        launch.run([sys.executable, "-c", script], nprocs=2, grace_s=10)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert "[launch] rank 0 exited with status 143, rank 1 exited with status 143\n" in \
+        capsys.readouterr().err
+
+
+def test_lines_from_many_threads_come_out_whole():
+    import io
+
+    from spec_jax.launch import _say
+
+    out = io.StringIO()
+    threads = [threading.Thread(target=lambda r=r: [_say(f"[rank {r}] line {i}", out)
+                                                    for i in range(500)]) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2000 and all(re.fullmatch(r"\[rank \d\] line \d+", x) for x in lines)
