@@ -83,7 +83,7 @@ _OUTPUT = threading.RLock()
 
 
 def _say(line: str, out=None) -> None:
-    out = out or sys.stdout
+    out = sys.stdout if out is None else out  # looked up per call: tests capture sys.stdout
     with _OUTPUT:
         out.write(line if line.endswith("\n") else line + "\n")
         out.flush()

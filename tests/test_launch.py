@@ -148,15 +148,23 @@ def test_sigterm_reports_every_rank_even_before_its_exit_watcher_records_it(monk
     from spec_jax import launch
 
     watch = launch.Launch._watch
-    monkeypatch.setattr(launch.Launch, "_watch",
-                        lambda self, rank, child: (child.wait(), time.sleep(3), watch(self, rank, child)))
+
+    def late_watch(self, rank, child):  # records the exit 3 s after the child has gone
+        child.wait()
+        time.sleep(3)
+        watch(self, rank, child)
+
+    monkeypatch.setattr(launch.Launch, "_watch", late_watch)
     script = ("import signal, sys, time\n"
               "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
               "time.sleep(600)\n")
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
-    with pytest.raises(SystemExit) as stopped:
-        launch.run([sys.executable, "-c", script], nprocs=2, grace_s=10)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            launch.run([sys.executable, "-c", script], nprocs=2, grace_s=10)
+    finally:
+        timer.cancel()  # should run() end early, the SIGTERM must not reach the test process
     assert stopped.value.code == 128 + signal.SIGTERM
     assert "[launch] rank 0 exited with status 143, rank 1 exited with status 143\n" in \
         capsys.readouterr().err
