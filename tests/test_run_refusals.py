@@ -42,6 +42,25 @@ def test_checkpoint_dir_that_is_a_file_is_one_line(tmp_path):
         f"trainspec: error: checkpoint.dir: {tmp_path / 'checkpoints'} exists and is not a directory"]
 
 
+def _replace_with_a_file(directory):
+    """Turn `directory` into an empty file while the run keeps saving into it. The run may
+    recreate the directory between our delete and our create, so move it aside (atomic) and
+    create the file exclusively, and go again if the run got there first."""
+    for attempt in range(100):
+        aside = directory.with_name(f"{directory.name}.aside{attempt}")
+        try:
+            directory.rename(aside)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+        try:
+            directory.touch(exist_ok=False)
+            return
+        except FileExistsError:
+            continue
+    raise AssertionError(f"the run kept recreating {directory}")
+
+
 def test_a_save_that_fails_mid_run_ends_it_with_one_line(tmp_path):
     """The checkpoint directory turns into a file after the first save: the next (background)
     save fails; the run ends with one line, exit 2, and does not hang at shutdown."""
@@ -56,8 +75,7 @@ def test_a_save_that_fails_mid_run_ends_it_with_one_line(tmp_path):
         while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.05)
-        shutil.rmtree(checkpoints, ignore_errors=True)
-        checkpoints.write_text("")
+        _replace_with_a_file(checkpoints)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=BOUND_S)
     finally:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -77,6 +78,38 @@ def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
         raise UserInputError(f"--run-dir {run_dir}: no space left on its file system")
 
 
+@contextlib.contextmanager
+def _failed_save_threads_quiet():
+    """A failed checkpoint save is reported as one line (CheckpointSaveError), but it leaves
+    writes of that save still running on orbax's and tensorstore's threads, and each of them
+    fails in turn: orbax logs them (absl), asyncio logs their futures that nobody awaits any
+    more, and tensorstore's completion callbacks find orbax's event loop closed, each a
+    traceback (sys.unraisablehook) printed before the run has said why it stops."""
+    def orbax_error(record):
+        return record.levelno >= logging.ERROR and "/orbax/" in record.pathname
+
+    def unawaited_write(record):
+        return (record.levelno >= logging.ERROR and record.exc_info is not None
+                and isinstance(record.exc_info[1], OSError))
+
+    def late_callback(unraisable):
+        return (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed")
+
+    filters = [(logging.getLogger("absl"), lambda record: not orbax_error(record)),
+               (logging.getLogger("asyncio"), lambda record: not unawaited_write(record))]
+    hook = sys.unraisablehook
+    for logger, keep in filters:
+        logger.addFilter(keep)
+    sys.unraisablehook = lambda unraisable: None if late_callback(unraisable) else hook(unraisable)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        for logger, keep in filters:
+            logger.removeFilter(keep)
+
+
 def _leave_now(message: str) -> None:
     """One line, exit 2. After a failed write orbax's background threads may wait forever for
     signals that will not come (or print tracebacks as the interpreter tears them down), and
@@ -113,40 +146,37 @@ def run(args) -> int:
     from spec_jax.checkpoint import CheckpointSaveError
     from spec_jax.preemption import Preempted
 
-    # orbax logs a failed background save as tracebacks from its threads; the save's error
-    # is reported here as one line instead.
-    logging.getLogger("absl").addFilter(
-        lambda record: record.levelno < logging.ERROR or "/orbax/" not in record.pathname)
     spec = load_spec(Path(spec_path), args.overrides)
     check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)
-    try:
-        summary = train(
-            spec,
-            args.run_dir,
-            steps=args.steps,
-            spec_label=str(spec_path),
-            progress=not args.quiet,
-            summary_json=args.summary_json,
-            faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
-            restart=args.restart,
-            announce=say,
-        )
-    except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
-        say(str(done))
-        return 0
-    except HealthHalt as halt:  # one clear line, saying where the last good state is
-        print(f"trainspec: halted: {halt}", file=sys.stderr)
-        return 3
-    except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
-        print(f"trainspec: stopped: {stop}", file=sys.stderr)
-        return stop.exit_status
-    except CheckpointSaveError as err:
-        _leave_now(str(err))
-    except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
-        _leave_now(f"--run-dir {args.run_dir}: {err.strerror or err}"
-                   + (f" ({err.filename})" if err.filename else ""))
+    with _failed_save_threads_quiet():  # until the process leaves on a failed save
+        try:
+            summary = train(
+                spec,
+                args.run_dir,
+                steps=args.steps,
+                spec_label=str(spec_path),
+                progress=not args.quiet,
+                summary_json=args.summary_json,
+                faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
+                restart=args.restart,
+                announce=say,
+            )
+        except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
+            say(str(done))
+            return 0
+        except HealthHalt as halt:  # one clear line, saying where the last good state is
+            print(f"trainspec: halted: {halt}", file=sys.stderr)
+            return 3
+        except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
+            print(f"trainspec: stopped: {stop}", file=sys.stderr)
+            return stop.exit_status
+        except CheckpointSaveError as err:
+            _leave_now(str(err))
+        except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
+            _leave_now(f"--run-dir {args.run_dir}: {err.strerror or err}"
+                       + (f" ({err.filename})" if err.filename else ""))
     if is_writer():  # once per job, not once per process
         print_summary(summary)
     return 0
