@@ -6,8 +6,9 @@ so the compiled program, its memory and its collectives are those of the 2 x 4 j
 link is in-process here). Each layout is compiled once. The CPU profile is calibrated in the
 same run: matmul peak, collective alpha-beta (bench rows), the activation overheads from the
 tensor = 1, 2, 4 single-replica layouts, and the step-time parameters
-(spec_jax.tools.plan_check.calibrate_time). Memory and communication are asserted; step time
-is printed (PLANROW lines): it is a benchmark, bench/plan_step_time.py (docs/plan.md).
+(spec_jax.tools.plan_check.calibrate_time). Memory, communication bytes and the count of
+all-gathers are asserted; step time is printed (PLANROW lines): it is a benchmark,
+bench/plan_step_time.py (docs/plan.md).
 """
 import functools
 import json
@@ -138,6 +139,9 @@ def test_prediction_within_tolerance(layout, profile):
     hlo = {k: v for k, v in hlo.items() if v}
     comm = _comm_errors(pred.comm_by_kind_and_axis(), hlo)
     assert all(abs(e) <= COMM_TOL for e in comm.values()), comm
+    # every all-gather pays its latency: the plan counts each one the step executes
+    gathers = sum(c.ops for c in pred.collectives if c.kind == "all-gather")
+    assert gathers == got["comm_ops_by_kind"].get("all-gather", 0), (gathers, got["comm_ops_by_kind"])
     mem = pred.memory_bytes / got["memory_peak_bytes"] - 1
     step_s = step_time(runner)
     print(f"PLANROW d={d} f={f} t={t} dcn={dcn} mem {pred.memory_bytes:.0f}/{got['memory_peak_bytes']} "

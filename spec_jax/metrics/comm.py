@@ -104,6 +104,13 @@ class CommVolume:
             out[c.kind] += c.bytes_per_step
         return dict(out)
 
+    def ops_by_kind(self) -> dict[str, float]:
+        """Collective operations executed per step, by kind (loops multiplied)."""
+        out: dict[str, float] = defaultdict(float)
+        for c in self.collectives:
+            out[c.kind] += c.count
+        return dict(out)
+
     def by_axis(self) -> dict[str, float]:
         """Keyed by the mesh axes a collective spans, joined with '+' ("data", "data+fsdp")."""
         out: dict[str, float] = defaultdict(float)

@@ -1,8 +1,9 @@
 """The planner against what runs here: compile and time one layout, calibrate the CPU profile.
 
 `compile_layout` compiles the reference job's step for a spec on the first n devices and
-reports what the planner predicts: per-device memory (`compiled.memory_analysis()`) and HLO
-communication bytes by kind and mesh axis (spec_jax.metrics.comm); `step_time` times it.
+reports what the planner predicts: per-device memory (`compiled.memory_analysis()`), and the
+HLO's communication bytes by kind and mesh axis and operations by kind (spec_jax.metrics.comm);
+`step_time` times it.
 `calibrate_cpu` measures this machine's matmul peak and collective alpha-beta and fits the
 activation overheads, `calibrate_time` the step-time parameters, so that `trainspec plan
 --hardware cpu` predicts this machine. tests/test_plan.py and bench/plan_step_time.py use them.
@@ -117,9 +118,11 @@ def compile_layout(spec: Spec, n_devices: int) -> tuple[Runner, dict]:
     compiled = step.compile(state, batch)
     runner = Runner(step, state, batch)
     runner.once()  # one-off work (allocations, thread start-up) stays out of the timings
+    volume = comm.analyze_compiled(compiled, mesh)
     return runner, {
         "memory_peak_bytes": memory.compiled_memory(compiled)["memory_peak_bytes"],
-        "comm_bytes_by_kind_and_axis": comm.analyze_compiled(compiled, mesh).by_kind_and_axis(),
+        "comm_bytes_by_kind_and_axis": volume.by_kind_and_axis(),
+        "comm_ops_by_kind": volume.ops_by_kind(),
     }
 
 

@@ -17,6 +17,10 @@ class Param:
     path: str
     shape: tuple[int, ...]
     logical: tuple[str, ...]
+    # All-gathers of it per step when fsdp splits it: the model gathers its kernels and the
+    # embedding once, explicitly (spec_jax.layout.gathered_for_use); it leaves the norm
+    # scales to XLA, which gathers them once for the forward and again for the backward.
+    gathers: int = 1
 
     @property
     def size(self) -> int:
@@ -33,15 +37,15 @@ def parameters(m: ModelSpec) -> list[Param]:
     for i in range(m.n_layers):
         b = f"block_{i}"
         params += [
-            Param(f"{b}/attn_norm/scale", (d,), ("embed",)),
+            Param(f"{b}/attn_norm/scale", (d,), ("embed",), gathers=2),
             *(Param(f"{b}/{n}/kernel", (d, h, dh), ("embed", "heads", "kv"))
               for n in ("query", "key", "value")),
             Param(f"{b}/out/kernel", (h, dh, d), ("heads", "kv", "embed")),
-            Param(f"{b}/mlp_norm/scale", (d,), ("embed",)),
+            Param(f"{b}/mlp_norm/scale", (d,), ("embed",), gathers=2),
             Param(f"{b}/mlp_in/kernel", (d, f), ("embed", "mlp")),
             Param(f"{b}/mlp_out/kernel", (f, d), ("mlp", "embed")),
         ]
-    params += [Param("final_norm/scale", (d,), ("embed",)),
+    params += [Param("final_norm/scale", (d,), ("embed",), gathers=2),
                Param("head/kernel", (d, v), ("embed", "vocab"))]
     return params
 
