@@ -99,16 +99,16 @@ class CommVolume:
         return sum(c.bus_bytes_per_step for c in self.collectives)
 
     def by_kind(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for c in self.collectives:
-            out[c.kind] += c.bytes_per_step
-        return dict(out)
+        return self._sum_by_kind(lambda c: c.bytes_per_step)
 
     def ops_by_kind(self) -> dict[str, float]:
         """Collective operations executed per step, by kind (loops multiplied)."""
+        return self._sum_by_kind(lambda c: c.count)
+
+    def _sum_by_kind(self, value) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
         for c in self.collectives:
-            out[c.kind] += c.count
+            out[c.kind] += value(c)
         return dict(out)
 
     def by_axis(self) -> dict[str, float]:

@@ -8,8 +8,9 @@ runs here.
 The communication follows how the train step (spec_jax.step) computes, per step with K
 micro-batches, R rows per device and micro-batch, T tokens per row, L layers, width d:
 - fsdp > 1: the parameters are all-gathered over fsdp once per step (XLA hoists the gather
-  out of the micro-batch loop), the norm scales twice (`Param.gathers`), and each micro-batch's gradient is reduce-scattered over fsdp
-  (XLA:CPU emits an all-reduce of the same S: `reduce_scatter_as_all_reduce`);
+  out of the micro-batch loop), the norm scales twice (`Param.gathers`), and each
+  micro-batch's gradient is reduce-scattered over fsdp (XLA:CPU emits an all-reduce of the
+  same S: `reduce_scatter_as_all_reduce`);
 - data > 1: one all-reduce of the packed local gradient shard per step (the explicit replica
   reduction of step.py when K > 1 or the backend is not xla);
 - tensor > 1: per micro-batch, all-reduces of (2 + 6 L) activations of R x T x d elements
@@ -256,8 +257,8 @@ def collectives(spec: Spec, layout: Layout) -> list[Collective]:
         gathered = [(p, n) for (p, n, _), (_, _, used) in
                     zip(_local_elements(spec, layout, rules, skip=fsdp),
                         _local_elements(spec, layout, rules)) if used & set(fsdp)]
-        add("all-gather", fsdp, full * pb + sum((p.gathers - 1) * n for p, n in gathered) * pb,
-            1, sum(p.gathers for p, _ in gathered))
+        regathered = sum((p.gathers - 1) * n for p, n in gathered)
+        add("all-gather", fsdp, (full + regathered) * pb, 1, sum(p.gathers for p, _ in gathered))
         add("reduce-scatter", fsdp, full * gb, k)  # kind renamed by the profile if need be
     if data:
         local = sum(n for _, n, _ in _local_elements(spec, layout, rules))
