@@ -17,7 +17,7 @@ Families (each a row of the table `trainspec conformance --impl NAME` prints):
   masks (where the mean of micro-batch means would not);
 - `layout invariance`: one step under data, fsdp and tensor layouts equals the data layout's;
 - `metric records`: a short `trainspec train` writes records that validate against
-  docs/metrics.schema.json.
+  spec_jax/core/metrics.schema.json.
 Framework-free: it calls only the interface (spec_jax/adapters/base.py).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from spec_jax.cli.main import main
-from spec_jax.core.records import read_jsonl
+from spec_jax.core.records import json_schema, read_jsonl
 from spec_jax.core.spec import load_spec
 from spec_jax.core.spec_source import to_toml
 from spec_jax.run_files import AlreadyTrained
@@ -19,7 +19,7 @@ from run_dirs import snapshot
 from tiny import TINY, tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = json.loads((ROOT / "docs" / "metrics.schema.json").read_text())
+SCHEMA = json_schema()
 STEPS = 4
 SETS = ["checkpoint.interval=3", "checkpoint.async_save=false"]  # TINY records every 2 steps
 

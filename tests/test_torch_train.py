@@ -1,6 +1,6 @@
 """`trainspec train --framework torch`: learns, writes records that validate against
-docs/metrics.schema.json, resumes after kill -9 bit for bit, resumes on another world size, and
-refuses what it cannot do with one line and exit 2."""
+spec_jax/core/metrics.schema.json, resumes after kill -9 bit for bit, resumes on another world
+size, and refuses what it cannot do with one line and exit 2."""
 import json
 import os
 import shutil
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from run_dirs import snapshot
+from spec_jax.core.records import json_schema
 from tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def test_learns_and_summarises(reference):
 
 
 def test_records_validate_against_the_schema(reference):
-    schema = json.loads((ROOT / "docs" / "metrics.schema.json").read_text())
+    schema = json_schema()
     for record in _records(reference):
         jsonschema.validate(record, schema)
 

@@ -115,7 +115,7 @@ class Adapter(abc.ABC):
     # -- metrics -----------------------------------------------------------------------------
     def open_metrics(self, path, append: bool = False):
         """The core JSONL writer on the writing process, None elsewhere: every implementation
-        writes records of the same schema (docs/metrics.schema.json) the same way."""
+        writes records of the same schema (spec_jax/core/metrics.schema.json) the same way."""
         from spec_jax.core.records import JsonlWriter
 
         return JsonlWriter(path, append) if self.is_writer() else None

@@ -1,7 +1,7 @@
 """`trainspec train --framework torch`: the default job's loop on the torch implementation.
 
 The same spec, data order (ByteBatches, rows by batch shard), checkpoint cadence, metrics
-records (docs/metrics.schema.json), progress bar and summary keys as the JAX loop
+records (spec_jax/core/metrics.schema.json), progress bar and summary keys as the JAX loop
 (spec_jax/train.py); one rank per device, rank 0 writes the job's files. PyTorch runs eagerly,
 so the loop knows each step's loss when the step returns: the non-finite guard (the core's
 state machine) is applied per step, and nothing is compiled (`compile_time_s` is null).

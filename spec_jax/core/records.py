@@ -1,9 +1,10 @@
 """The metrics record format (versioned), its JSON Schema, and the JSONL writer and reader.
 
-The schema is committed as docs/metrics.schema.json (`python -m spec_jax.core.schema metrics`).
-One record per metrics interval, one JSON object per line. `schema` names the format and its
-version; a reader MUST check it. Fields whose value is unknown on a backend are null, never
-absent, so that every record of a version has the same keys.
+The schema is data, shipped with the package as spec_jax/core/metrics.schema.json: the one
+definition of every field (units are in the names; docs/metrics.md has the formulas). One record
+per metrics interval, one JSON object per line. `schema` names the format and its version; a
+reader MUST check it. Fields whose value is unknown on a backend are null, never absent, so that
+every record of a version has the same keys.
 """
 from __future__ import annotations
 
@@ -16,97 +17,25 @@ from typing import Any
 
 from spec_jax.core.errors import UserInputError
 
-SCHEMA_ID = "trainspec.metrics/1"
+SCHEMA_PATH = Path(__file__).with_name("metrics.schema.json")
+_SCHEMA = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 
-_num = {"type": "number"}
-_num_or_null = {"type": ["number", "null"]}
-_int_or_null = {"type": ["integer", "null"]}
-_bytes_map = {"type": "object", "additionalProperties": {"type": "number", "minimum": 0}}
-
-# field -> (JSON Schema, description). Units are in the names (docs/metrics.md has formulas).
-FIELDS: dict[str, tuple[dict, str]] = {
-    "schema": ({"const": SCHEMA_ID}, "Record format and version."),
-    "step": ({"type": "integer", "minimum": 1}, "Optimizer step this record ends at."),
-    "steps_in_interval": ({"type": "integer", "minimum": 1}, "Steps since the previous record."),
-    "time": (_num, "Unix time of the record (s)."),
-    "loss": (_num_or_null, "Loss of `step` (null if not finite)."),
-    "grad_norm": (_num_or_null, "Global gradient norm of `step`, when the step reports it."),
-    "learning_rate": (_num_or_null, "The schedule's learning rate for the update of `step` "
-                      "(null when the trainer does not know the step's schedule)."),
-    "step_time_s": (_num_or_null, "Mean wall time per step over the interval (s)."),
-    "tokens_per_s": (_num_or_null, "Valid (unmasked) tokens per second over the interval."),
-    "padded_tokens_per_s": (_num_or_null, "Token positions (padding included) per second."),
-    "model_flops_per_step": (_num_or_null, "Analytic model FLOPs of one step (`flops_convention`)."),
-    "flops_convention": ({"enum": ["no_causal_discount", "causal_discount", None]},
-                         "Attention counting of `model_flops_per_step`."),
-    "hardware_flops_per_step": (_num_or_null, "FLOPs the implementation executes (analytic: "
-                                "embedding matmul, remat recomputation, no causal discount)."),
-    "xla_flops_per_step": (_num_or_null, "XLA cost analysis of the step before partitioning."),
-    "mfu": (_num_or_null, "model_flops_per_step / (step_time_s x n_devices x peak)."),
-    "hfu": (_num_or_null, "hardware_flops_per_step / (step_time_s x n_devices x peak)."),
-    "peak_flops_per_device": (_num_or_null, "Peak FLOP/s of one device used by mfu/hfu."),
-    "peak_flops_source": ({"type": "string"}, "Where the peak came from."),
-    "n_devices": ({"type": "integer", "minimum": 1}, "Devices the step runs on."),
-    "memory_peak_bytes": (_int_or_null, "Per device: arguments + outputs - aliased + temporaries."),
-    "memory_argument_bytes": (_int_or_null, "Per device: input buffers of the step."),
-    "memory_output_bytes": (_int_or_null, "Per device: output buffers of the step."),
-    "memory_alias_bytes": (_int_or_null, "Per device: outputs aliasing donated inputs."),
-    "memory_temp_bytes": (_int_or_null, "Per device: temporaries of the step."),
-    "memory_generated_code_bytes": (_int_or_null, "Per device: generated code."),
-    "memory_xla_peak_bytes": (_int_or_null, "XLA's own peak estimate, as reported."),
-    "memory_live_bytes": (_int_or_null, "Largest bytes in use on a local device now (allocator)."),
-    "comm_bytes_per_step": (_num_or_null, "Per device: sum of collective payloads S per step."),
-    "comm_bus_bytes_per_step": (_num_or_null, "Per device: S x nccl-tests bus factor, summed."),
-    "comm_bytes_by_kind": (_bytes_map, "comm_bytes_per_step by collective kind."),
-    "comm_bytes_by_axis": (_bytes_map, "comm_bytes_per_step by mesh axes spanned ('a+b')."),
-    "data_wait_s": (_num, "Host time waiting for input over the interval (s)."),
-    "data_wait_fraction": (_num, "data_wait_s / wall time of the interval."),
-    "compile_time_s": (_num_or_null, "Lowering + compilation of the step (s)."),
-    "elapsed_s": (_num, "Time since the run started (s)."),
-    "goodput": (_num_or_null, "Productive step time / elapsed_s, so far."),
-    "badput_s": ({"type": "object", "additionalProperties": {"type": "number"}},
-                 "Non-productive seconds by category, so far."),
-    "batch_tokens": ({"type": "integer", "minimum": 1},
-                     "Token positions per optimizer step (global_batch x seq_len)."),
-    "gns_source": ({"enum": ["replicas", "micro_batches", None]},
-                   "Small batch of the noise-scale estimate; null = not measured (metrics.gns)."),
-    "gns_grad_sq": (_num_or_null, "|G|^2 estimate, bias-corrected EMA over all steps so far "
-                    "(gradient of the mean per-token loss; docs/advice.md)."),
-    "gns_trace": (_num_or_null, "tr(Sigma) estimate (per token), bias-corrected EMA so far."),
-    "gns": (_num_or_null, "Gradient noise scale B_simple = gns_trace / gns_grad_sq, in tokens "
-            "(null until gns_grad_sq > 0)."),
-}
-
-REQUIRED = tuple(FIELDS)
-
+SCHEMA_ID: str = _SCHEMA["$id"]
+REQUIRED: tuple[str, ...] = tuple(_SCHEMA["required"])
+# field -> its JSON Schema (with its description), in the schema's order.
+FIELDS: dict[str, dict] = {name: _SCHEMA["properties"][name] for name in REQUIRED}
 # Present only in the records they mark (absent, not null, elsewhere): a report draws the
 # events of a run from them.
-MARKS: dict[str, tuple[dict, str]] = {
-    "resumed_from_step": ({"type": "integer", "minimum": 0},
-                          "On the first record after a resume: the checkpoint's step."),
-    "resumed_from_mesh": ({"type": "string"}, "On the first record after a resume: the mesh "
-                          "the checkpoint was written on ('data=8 x fsdp=1 x tensor=1')."),
-    "checkpoint_saved": ({"const": True}, "On the record of a step after which a checkpoint "
-                         "of that step was saved."),
-}
+MARKS: dict[str, dict] = {name: field for name, field in _SCHEMA["properties"].items()
+                          if name not in FIELDS}
 
 
 def json_schema() -> dict[str, Any]:
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": SCHEMA_ID,
-        "title": "trainspec metrics record, version 1",
-        "description": "One JSON object per line of a metrics JSONL file (docs/metrics.md).",
-        "type": "object",
-        "properties": {name: {**schema, "description": desc}
-                       for name, (schema, desc) in {**FIELDS, **MARKS}.items()},
-        "required": list(REQUIRED),
-        "additionalProperties": True,  # later minor additions do not break version-1 readers
-    }
+    return json.loads(schema_text())  # a fresh copy: callers may change it
 
 
 def schema_text() -> str:
-    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+    return SCHEMA_PATH.read_text(encoding="utf-8")
 
 
 def finite_or_none(value):

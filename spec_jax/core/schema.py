@@ -1,7 +1,8 @@
 """`python -m spec_jax.core.schema [spec|metrics]`: print a JSON Schema of the spec.
 
-`spec` (the default) is the spec file's schema, committed as docs/spec.schema.json; `metrics`
-is the metrics record's, committed as docs/metrics.schema.json.
+`spec` (the default) is the spec file's schema, generated from spec_jax/core/spec.py and
+committed as docs/spec.schema.json; `metrics` is the metrics record's, the file the package
+ships (spec_jax/core/metrics.schema.json).
 """
 import sys
 
