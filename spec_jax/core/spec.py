@@ -45,6 +45,8 @@ class _Section(BaseModel):
 
 
 class MeshAxis(_Section):
+    """One named axis of the device mesh."""
+
     role: Literal["data", "fsdp", "tensor"] | None = Field(
         None, description="What the axis does. Defaults to the axis name when that names a role."
     )
@@ -71,6 +73,8 @@ def _default_axes() -> dict[str, MeshAxis]:
 
 
 class MeshSpec(_Section):
+    """The device mesh: its axes, their sizes and roles, and devices left out."""
+
     axes: dict[str, MeshAxis] = Field(
         default_factory=_default_axes,
         description="Mesh axes in order (major to minor), keyed by axis name.",
@@ -101,6 +105,8 @@ class MeshSpec(_Section):
 
 
 class LayoutSpec(_Section):
+    """How parameters and optimizer state are split over the mesh axes."""
+
     rules: dict[str, list[str]] = Field(
         default_factory=dict,
         description="Logical axis name -> mesh axis names it is sharded over ([] = replicated). "
@@ -114,6 +120,8 @@ class LayoutSpec(_Section):
 
 
 class PrecisionSpec(_Section):
+    """Dtypes of storage, arithmetic and gradient reduction."""
+
     param: DTYPES = Field("float32", description="Storage dtype of parameters.")
     compute: DTYPES = Field("float32", description="Dtype of forward and backward arithmetic.")
     grad_reduce: DTYPES = Field(
@@ -122,6 +130,8 @@ class PrecisionSpec(_Section):
 
 
 class BatchSpec(_Section):
+    """The global batch, its micro-batches (accumulation) and its sequence length."""
+
     global_batch: int = Field(32, ge=1, le=MAX_SEQUENCES,
                               description="Sequences per optimizer step, all replicas.")
     micro_batch: int | None = Field(
@@ -149,12 +159,16 @@ class BatchSpec(_Section):
 
 
 class RematSpec(_Section):
+    """What the backward pass recomputes instead of keeping."""
+
     policy: Literal[REMAT_POLICIES] = Field(
         "none", description="Activation rematerialisation per model block."
     )
 
 
 class CollectivesSpec(_Section):
+    """Which implementation moves the gradients, and what it sends."""
+
     backend: Literal["xla", "ext", "hierarchical"] = Field(
         "xla", description="Implementation of the collectives: `xla` (native), `ext` (the "
         "xla_ext custom calls; the gradient reduction over the data axes goes through it) or "
@@ -204,6 +218,8 @@ class SemiSyncSpec(_Section):
 
 
 class MetricsSpec(_Section):
+    """What is measured, how often, and where the records go (docs/metrics.md)."""
+
     sink: Literal["jsonl"] = Field("jsonl", description="Where metric records go.")
     path: str = Field("metrics.jsonl", description="Sink file, relative to the run directory.")
     interval: int = Field(10, ge=1, description="Steps between metric records (host syncs).")
@@ -230,10 +246,10 @@ class ModelSpec(_Section):
     """The reference decoder-only transformer that `trainspec train` builds."""
 
     vocab_size: int = Field(256, ge=2, le=MAX_WIDTH, description="Byte-level by default.")
-    d_model: int = Field(128, ge=1, le=MAX_WIDTH)
-    n_layers: int = Field(2, ge=1, le=2**12)
-    n_heads: int = Field(4, ge=1, le=2**12)
-    d_ff: int = Field(512, ge=1, le=MAX_WIDTH)
+    d_model: int = Field(128, ge=1, le=MAX_WIDTH, description="Width of the residual stream.")
+    n_layers: int = Field(2, ge=1, le=2**12, description="Transformer blocks.")
+    n_heads: int = Field(4, ge=1, le=2**12, description="Attention heads; must divide d_model.")
+    d_ff: int = Field(512, ge=1, le=MAX_WIDTH, description="Hidden width of the MLP.")
 
     @model_validator(mode="after")
     def _heads(self):
@@ -243,19 +259,27 @@ class ModelSpec(_Section):
 
 
 class OptimizerSpec(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
+    """The reference job's optax optimizer and its schedule."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="The optax optimizer.")
     learning_rate: float = Field(3e-3, gt=0, le=10.0,
                                  description="Peak learning rate (above 10 is a typo).")
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip_norm: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(10, ge=0, description="Steps of linear warm-up from 0 to "
+                              "learning_rate; cosine decay to a tenth of it follows.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw only).")
+    grad_clip_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient "
+                                         "norm to this; null = no clipping.")
 
 
 class TrainSpec(_Section):
+    """How long the reference job trains."""
+
     steps: int = Field(60, ge=1, description="Optimizer steps of `trainspec train`.")
 
 
 class CheckpointSpec(_Section):
+    """When and where the train state is saved (docs/reliability.md)."""
+
     interval: int = Field(
         20, ge=0, description="Steps between checkpoints (0 = none). The last step and a halt "
         "are always checkpointed when this is > 0."
@@ -268,6 +292,8 @@ class CheckpointSpec(_Section):
 
 
 class NanSpec(_Section):
+    """What a non-finite loss, gradient or state does to the run (docs/reliability.md)."""
+
     policy: Literal["skip", "halt"] = Field(
         "skip", description="On a non-finite loss or gradient: `skip` drops the update, "
         "`halt` stops with the last good state checkpointed."
@@ -278,6 +304,8 @@ class NanSpec(_Section):
 
 
 class FingerprintSpec(_Section):
+    """Replica fingerprints: copies that should be identical, checked for silent corruption."""
+
     interval: int = Field(
         100, ge=0, description="Steps between replica fingerprint checks (0 = off); state is "
         "also checked before every checkpoint."
@@ -289,6 +317,8 @@ class FingerprintSpec(_Section):
 
 
 class StragglerSpec(_Section):
+    """The rule that names a participant whose steps are outliers."""
+
     window: int = Field(20, ge=3, description="Steps of timings the outlier rule looks at.")
     k: float = Field(5.0, gt=0, description="Outlier: time > median + k * MAD.")
     min_excess: float = Field(
@@ -297,6 +327,8 @@ class StragglerSpec(_Section):
 
 
 class HealthSpec(_Section):
+    """The guards that keep a long run alive (docs/reliability.md)."""
+
     preflight: bool = Field(
         False, description="Run `trainspec doctor`'s per-device numerics checks at start-up and "
         "exclude the devices that fail (as `--exclude-devices`); the time counts as "
@@ -317,6 +349,8 @@ class FieldError(ValueError):
 
 
 class Spec(_Section):
+    """How a training job sits on the hardware (docs/spec.md)."""
+
     spec_version: Literal[1] = Field(SPEC_VERSION, description="Version of this format.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of parameter init and data order.")
     mesh: MeshSpec = MeshSpec()
