@@ -127,8 +127,8 @@ class _Odd(nn.Module):
 
 @pytest.mark.parametrize("layout", ["data", "fsdp2", "tensor"])
 def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
-    """Each device checks only a slice of its block of each leaf. One NaN element of the new
-    state, first, inside or last of its leaf (the last slices overlap a neighbour), in a leaf
+    """Each device checks only a slice of its block of each leaf. One NaN or infinite element
+    of the new state, first, inside or last of its leaf (the last slices overlap a neighbour), in a leaf
     split by the layout or replicated, drops the step: params, optimizer moments and step
     count stay exactly as they were."""
     spec = tiny_spec(layout=layout)
@@ -155,12 +155,17 @@ def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
         state = wrapped.init(init, jax.random.key(0))
         clean = {"x": x, "at": np.zeros(rows, np.int32), "nan": np.zeros(rows, np.float32)}
         state, _ = wrapped(state, clean)
-        for at in (0, 13, -1):
+        for at, bad in ((0, np.nan), (13, np.inf), (-1, -np.inf), (13, np.nan)):
             before = [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
             poison = {**clean, "at": np.full(rows, at, np.int32),
-                      "nan": np.full(rows, np.nan, np.float32)}
+                      "nan": np.full(rows, bad, np.float32)}
             state, metrics = wrapped(state, poison)
             assert int(metrics["nonfinite"]) == 1
             for a, b in zip(before, jax.tree.leaves(state)):
                 np.testing.assert_array_equal(a, np.asarray(b))
         assert int(state.step) == 1
+        # A huge but finite element is kept: the check must not overflow on it.
+        huge = {**clean, "at": np.full(rows, -1, np.int32),
+                "nan": np.full(rows, 3e38, np.float32)}
+        state, metrics = wrapped(state, huge)
+        assert int(metrics["nonfinite"]) == 0 and int(state.step) == 2
