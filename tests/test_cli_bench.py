@@ -119,3 +119,12 @@ def test_collectives_bench_names_the_load_and_warns_above_the_cores():
 
     assert machine_load_line(1.0, 2) == "# load average 1.00 (1 min) on 2 cores"
     assert "WARNING: load exceeds the core count" in machine_load_line(3.5, 2)
+
+
+def test_collectives_bench_names_the_allocator_settings_it_ran_under():
+    from spec_jax.tools.collectives_report import allocator_line
+
+    assert allocator_line({"PATH": "/bin"}) == "# glibc malloc: defaults"
+    assert allocator_line({"MALLOC_ARENA_MAX": "1", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=9",
+                           "HOME": "/root"}) == (
+        "# glibc malloc: GLIBC_TUNABLES=glibc.malloc.trim_threshold=9 MALLOC_ARENA_MAX=1")

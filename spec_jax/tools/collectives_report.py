@@ -30,6 +30,15 @@ def machine_load_line(load_1min: float | None = None, cores: int | None = None) 
     return line
 
 
+def allocator_line(environ=None) -> str:
+    """glibc's malloc settings taken from the environment: with large outputs they move both
+    backends' times by up to 3x (docs/collectives.md, "Quiet and loaded side by side")."""
+    environ = os.environ if environ is None else environ
+    settings = sorted(f"{k}={v}" for k, v in environ.items()
+                      if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
+    return "# glibc malloc: " + (" ".join(settings) if settings else "defaults")
+
+
 class Table:
     """Streams one line per (op, dtype, redop, size) once every backend has reported it."""
 
@@ -44,7 +53,7 @@ class Table:
         text = (f"# trainspec bench collectives: {jax.device_count()} {jax.devices()[0].platform} "
                 f"devices, jax {jax.__version__}; size = bytes per device (nccl-tests); "
                 f"time = median (us); algbw, busbw in GB/s (1e9 B)")
-        text += "\n" + machine_load_line()
+        text += "\n" + machine_load_line() + "\n" + allocator_line()
         if jax.process_count() > 1:
             text += (f"\n# {jax.process_count()} processes x {jax.local_device_count()} devices: "
                      f"ext within each process (group of {jax.local_device_count()}), the others "
