@@ -128,9 +128,9 @@ class _Odd(nn.Module):
 @pytest.mark.parametrize("layout", ["data", "fsdp2", "tensor"])
 def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
     """Each device checks only a slice of its block of each leaf. One NaN or infinite element
-    of the new state, first, inside or last of its leaf (the last slices overlap a neighbour), in a leaf
-    split by the layout or replicated, drops the step: params, optimizer moments and step
-    count stay exactly as they were."""
+    of the new state, first, inside or last of its leaf (the last slices overlap a neighbour),
+    in a leaf split by the layout or replicated, drops the step: params, optimizer moments and
+    step count stay exactly as they were."""
     spec = tiny_spec(layout=layout)
     model, optimizer = _Odd(), optax.adam(1e-2)
 
@@ -138,12 +138,12 @@ def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
         params = model.init(key, jnp.zeros((1, 16)))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
 
-    def step(state, batch):  # batch["nan"][0] lands on element batch["at"][0] of a leaf
+    def step(state, batch):  # batch["bad"][0] lands on element batch["at"][0] of a leaf
         grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, batch["x"]) ** 2))(
             state.params)
         new = state.apply_gradients(grads=grads)
-        at, nan = batch["at"][0], batch["nan"][0]
-        poisoned = {name: (leaf.ravel().at[at % leaf.size].add(nan).reshape(leaf.shape)
+        at, value = batch["at"][0], batch["bad"][0]
+        poisoned = {name: (leaf.ravel().at[at % leaf.size].add(value).reshape(leaf.shape)
                            if name == batch_leaf else leaf)
                     for name, leaf in new.params.items()}
         return new.replace(params=poisoned), {"loss": jnp.float32(0)}
@@ -153,12 +153,12 @@ def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
     for batch_leaf in ("kernel", "odd"):
         wrapped = spec_jax.wrap(step, spec)
         state = wrapped.init(init, jax.random.key(0))
-        clean = {"x": x, "at": np.zeros(rows, np.int32), "nan": np.zeros(rows, np.float32)}
+        clean = {"x": x, "at": np.zeros(rows, np.int32), "bad": np.zeros(rows, np.float32)}
         state, _ = wrapped(state, clean)
         for at, bad in ((0, np.nan), (13, np.inf), (-1, -np.inf), (13, np.nan)):
             before = [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
             poison = {**clean, "at": np.full(rows, at, np.int32),
-                      "nan": np.full(rows, bad, np.float32)}
+                      "bad": np.full(rows, bad, np.float32)}
             state, metrics = wrapped(state, poison)
             assert int(metrics["nonfinite"]) == 1
             for a, b in zip(before, jax.tree.leaves(state)):
@@ -166,6 +166,6 @@ def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
         assert int(state.step) == 1
         # A huge but finite element is kept: the check must not overflow on it.
         huge = {**clean, "at": np.full(rows, -1, np.int32),
-                "nan": np.full(rows, 3e38, np.float32)}
+                "bad": np.full(rows, 3e38, np.float32)}
         state, metrics = wrapped(state, huge)
         assert int(metrics["nonfinite"]) == 0 and int(state.step) == 2
