@@ -36,3 +36,9 @@ assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
 def pytest_sessionfinish(session):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items):
+    # The slow files first, in their collection order: with --no-loadscope-reorder xdist hands
+    # files to the workers in this order, so the last files to start are short ones.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -24,6 +24,8 @@ import pytest
 from spec_jax import xla_ext
 from spec_jax.fingerprint import fingerprint_reference
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _LOAD_AND_RUN = textwrap.dedent("""

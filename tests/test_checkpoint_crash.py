@@ -13,6 +13,8 @@ import pytest
 
 from tiny import TINY
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL = 24, 4
 JOB = [*TINY, "metrics.interval=1", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=2"]

@@ -17,6 +17,8 @@ from spec_jax.metrics.comm import analyze_compiled
 from spec_jax.train import build_job
 from tiny import tiny_spec
 
+pytestmark = pytest.mark.slow
+
 CASES = [(size, block, scale) for size, block in [(1000, 4), (1000, 32), (777, 256)]
          for scale in (1e-6, 1.0, 3e4)]
 

@@ -10,6 +10,8 @@ import pytest
 from spec_jax.tools.communication import CompiledOption, margin_from_seeds
 from tiny import tiny_spec
 
+pytestmark = pytest.mark.slow
+
 STEPS, LAST = 40, 10  # final loss: the mean of the last 10 steps (one batch is noisy)
 SEEDS = (0, 1, 2)
 

@@ -15,6 +15,8 @@ import pytest
 from test_checkpoint_crash import ROOT, _complete_steps, _env, _losses
 from tiny import TINY
 
+pytestmark = pytest.mark.slow
+
 STEPS, INTERVAL = 12, 4
 
 

@@ -17,6 +17,8 @@ from spec_jax.train import build_job, run
 
 from tiny import tiny_spec
 
+pytestmark = pytest.mark.slow
+
 
 def _poison(batch):
     """NaN in a float input: the mask multiplies the per-token loss, so loss and grads go NaN."""

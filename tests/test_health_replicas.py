@@ -9,6 +9,8 @@ from spec_jax.train import build_job, run
 
 from tiny import tiny_spec
 
+pytestmark = pytest.mark.slow
+
 FSDP2 = "mesh.axes.fsdp.size=2"  # data=4 x fsdp=2: 4 copies of each fsdp shard
 
 

@@ -6,6 +6,8 @@ from metrics_jobs import METRICS_MODEL, compiled_layout, param_bytes
 from tiny import tiny_spec
 from spec_jax.metrics.comm import analyze_hlo, axes_of_groups, parse_replica_groups
 
+pytestmark = pytest.mark.slow
+
 K = tiny_spec(*METRICS_MODEL).batch.accumulation_steps  # micro-batches per step: 2
 SCALARS = 64  # loss sum, token count and the like reduced with the gradients: a few f32
 

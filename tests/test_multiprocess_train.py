@@ -23,6 +23,8 @@ from spec_jax.core.spec import load_spec
 from spec_jax.feed import local_rows
 from spec_jax.train import run
 
+pytestmark = pytest.mark.slow
+
 # A multi-host layout: the cross-process part of data parallelism is an axis of its own
 # (`replica`, dcn = 2: one per process), listed first so each process holds one contiguous
 # block of the batch. In one process the same spec lays both axes out in-process.

@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 # Per notebook: text its outputs must contain, and whether it draws a plot.
 EXPECTED = {

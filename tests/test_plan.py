@@ -26,6 +26,8 @@ from spec_jax.core.spec import load_spec
 from spec_jax.tools.plan_check import (calibrate_cpu, calibrate_time, compile_layout, predict_for,
                                        step_time, validation_layouts, validation_spec as spec_for)
 
+pytestmark = pytest.mark.slow
+
 MEMORY_TOL, COMM_TOL = 0.10, 0.02
 CALIBRATION = ((1, 1, 1), (1, 1, 2), (1, 1, 4))  # (data, fsdp, tensor) fitted, not validated
 # Step times are printed (PLANROW), not asserted: speed is judged by a benchmark

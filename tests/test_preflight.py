@@ -5,10 +5,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tiny import tiny_spec
 
 from spec_jax.health.faults import Faults
 from spec_jax.train import run
+
+pytestmark = pytest.mark.slow
 
 
 def test_planted_fault_on_one_device_is_excluded_and_training_goes_on(tmp_path, capsys):

@@ -18,7 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tiny import TINY
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # where `trainspec` is installed, for the tour and its ranks

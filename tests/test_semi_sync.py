@@ -22,6 +22,8 @@ from spec_jax.train import build_job
 from test_checkpoint_crash import ROOT, _complete_steps, _env, _losses
 from tiny import TINY, tiny_spec
 
+pytestmark = pytest.mark.slow
+
 # The inner program moves nothing over the data axes: not even the step's metrics or the
 # non-finite guard's flag, which stay per group until the host reads them (before they did,
 # 45-69 bytes of scalars per step).

@@ -13,6 +13,8 @@ from spec_jax.core.errors import UserInputError
 from spec_jax.models.transformer import Transformer, next_token_loss
 from spec_jax.core.spec import ModelSpec, load_spec
 
+pytestmark = pytest.mark.slow
+
 MODEL = ModelSpec(vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 SEQ, BATCH = 16, 16
 

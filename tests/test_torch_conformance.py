@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute",
             "special values", "illegal calls", "guarantee levels", "accumulation",

@@ -17,6 +17,8 @@ from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
 from spec_jax.train import build_job
 from tiny import TINY
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 STEPS, RTOL = 20, 1e-4
 # layout -> (JAX spec overrides on 8 devices, torch spec overrides on 4 ranks)

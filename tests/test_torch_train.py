@@ -18,6 +18,8 @@ from run_dirs import snapshot
 from spec_jax.core.records import json_schema
 from tiny import TINY
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=2"]

@@ -27,6 +27,8 @@ from spec_jax.core.conformance import (
     expected as _expected,
 )
 
+pytestmark = pytest.mark.slow
+
 # ---- backends, layouts, dtypes ----------------------------------------------------------------
 
 _EXT_PRESENT = importlib.util.find_spec("spec_jax.collectives.ext") is not None

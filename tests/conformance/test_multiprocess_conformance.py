@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
