@@ -29,9 +29,12 @@ def test_planted_dropped_tail_is_caught_on_that_device_only():
 
 def test_doctor_cli_fails_naming_the_check(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRAINSPEC_FAULTS", json.dumps({"faulty_reduction": [2, 128]}))
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
     out = tmp_path / "doctor.json"
     assert main(["doctor", "--quick", "--json", str(out)]) == 1
     rows = json.loads(out.read_text())
+    assert {"check": "malloc", "status": "info", "detail": "glibc MALLOC_ARENA_MAX=1",
+            "device": None} in rows
     failed = [r for r in rows if r["status"] == "fail"]
     assert failed and all(r["device"] == 2 and r["check"].startswith("numerics ") for r in failed)
     assert "jnp.sum float32 shape=(129,)" in capsys.readouterr().err

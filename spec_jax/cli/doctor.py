@@ -43,6 +43,8 @@ def platform_rows() -> list[dict]:
     import jax
     import jaxlib
 
+    from spec_jax.core.topology import allocator_settings
+
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
     return [
@@ -52,6 +54,7 @@ def platform_rows() -> list[dict]:
              f"{len(devices)} x {devices[0].platform} ({', '.join(kinds)}), "
              f"{jax.process_count()} process(es)"),
         _row("xla flags", "info", os.environ.get("XLA_FLAGS", "(none)")),
+        _row("malloc", "info", f"glibc {allocator_settings(os.environ)}"),
     ]
 
 

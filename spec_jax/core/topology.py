@@ -4,9 +4,12 @@ NUMA nodes and their CPUs (/sys/devices/system/node/node*/cpulist), each network
 NUMA node (/sys/class/net/*/device/numa_node; -1 or absent = none reported), and the binding
 policy of `trainspec launch --bind`: `numa` gives rank r the CPUs of node r mod nodes, `cores`
 splits the allowed CPUs into equal contiguous blocks, one per local rank, `none` leaves them.
+Also the glibc malloc settings a process runs under, which move the times of collectives with
+large outputs (docs/collectives.md).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 SYS = Path("/sys")
@@ -66,3 +69,15 @@ def bind_cpus(policy: str, local_rank: int, local_ranks: int, nodes: dict[int, l
 
 def default_policy(nodes: dict[int, list[int]]) -> str:
     return "numa" if len(nodes) > 1 else "none"
+
+
+def allocator_settings(environ: Mapping[str, str]) -> str:
+    """glibc's malloc settings in `environ` (`MALLOC_*`, `GLIBC_TUNABLES`), or "defaults".
+
+    With glibc's per-thread arenas (the default) freed heaps go back to the kernel and large
+    outputs land on fresh pages, which the kernel must zero: on a 2-core VM that moved the
+    all_reduce times of both backends by up to 3x (docs/collectives.md).
+    """
+    settings = sorted(f"{k}={v}" for k, v in environ.items()
+                      if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
+    return " ".join(settings) if settings else "defaults"

@@ -6,6 +6,7 @@ import os
 
 import jax
 
+from spec_jax.core.topology import allocator_settings
 from spec_jax.metrics import plots
 from spec_jax.tools.collectives_bench import Row
 
@@ -33,10 +34,7 @@ def machine_load_line(load_1min: float | None = None, cores: int | None = None) 
 def allocator_line(environ=None) -> str:
     """glibc's malloc settings taken from the environment: with large outputs they move both
     backends' times by up to 3x (docs/collectives.md, "Quiet and loaded side by side")."""
-    environ = os.environ if environ is None else environ
-    settings = sorted(f"{k}={v}" for k, v in environ.items()
-                      if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
-    return "# glibc malloc: " + (" ".join(settings) if settings else "defaults")
+    return "# glibc malloc: " + allocator_settings(os.environ if environ is None else environ)
 
 
 class Table:
