@@ -3,10 +3,21 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compile without most of XLA's backend optimisation (jax's switch: LLVM at -O0, no expensive
+# passes); every subprocess and notebook kernel inherits it. On 2 cores the suite's time is mostly
+# XLA compiling small programs, not running them: tests/test_step.py took 99 s of CPU at the
+# default and 62 s with this. The generated code runs slower and may round differently in the
+# last bit (LLVM's default level can fuse a multiply and an add into one FMA), so every process
+# of a test run compiles the same way and bitwise comparisons still compare like with like.
+# Outside the suite nothing sets it: the README's commands and the benchmarks, as a user runs
+# them, compile at XLA's default. Files marked `optimised` (below) compile at the default too.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # MFU on a CPU divides by the table's peak rather than this machine's measured one: no
 # measurement (about a second, and load-dependent) in every test process and subprocess.
 # tests/test_cpu_peak.py measures and caches with its own cache directory.
@@ -42,3 +53,17 @@ def pytest_collection_modifyitems(items):
     # The slow files first, in their collection order: with --no-loadscope-reorder xdist hands
     # files to the workers in this order, so the last files to start are short ones.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _optimised_compiles(request):
+    # A file marked `optimised` runs its programs long enough (the default model, hundreds of
+    # steps in all) that XLA's default optimisation repays its compile time: it compiles at the
+    # default (tests/test_diloco_convergence.py alone: 106 s, against 167 s without).
+    if request.node.get_closest_marker("optimised") is None:
+        yield
+        return
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

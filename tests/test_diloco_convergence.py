@@ -16,7 +16,7 @@ from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
 from spec_jax.tools.communication import CompiledOption, margin_from_seeds
 from tiny import LAYOUTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.optimised]
 
 STEPS, LAST = 60, 10  # the default job; final loss: the mean of the last 10 steps
 SEEDS = (0, 1, 2)
