@@ -66,7 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--out", type=Path, default=None, help="run dirs (default: a temp dir)")
     args = parser.parse_args(argv)
-    args.out = args.out or Path(tempfile.mkdtemp(prefix="bench_comm_"))
+    if args.out is None:  # run dirs only this run reads: removed when it ends
+        work = tempfile.TemporaryDirectory(prefix="bench_comm_")
+        args.out = Path(work.name)
     options = {k: v for k, v in OPTIONS.items() if args.only is None or k in args.only}
     print(f"# load average before: {load()} on {os.cpu_count()} cores; "
           f"overrides: {args.set or 'none'}", flush=True)

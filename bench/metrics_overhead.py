@@ -26,7 +26,8 @@ def main(rounds: int = 5, round_steps: int = 10) -> None:
     spec = load_spec(default_spec(), ["metrics.interval=1"])
     total = 2 * rounds * round_steps + 2
     job = build_job(spec, total_steps=total)
-    run_dir = Path(tempfile.mkdtemp())
+    work = tempfile.TemporaryDirectory()  # the metrics file is not the result: removed at the end
+    run_dir = Path(work.name)
     logger = MetricsLogger.for_run(spec, job.step, job.state, job.data.batch(0), run_dir, total,
                                    for_spec(spec))
     state, step = job.state, 0
@@ -56,6 +57,7 @@ def main(rounds: int = 5, round_steps: int = 10) -> None:
     print(f"record every step: {every * 1e3:8.2f} ms/step  (rounds: {[round(t * 1e3, 1) for t in times[True]]})")
     print(f"ratio: {every / none:.4f}x (target <= 1.03x)")
     logger.close()
+    work.cleanup()
 
 
 if __name__ == "__main__":
