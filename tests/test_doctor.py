@@ -35,6 +35,8 @@ def test_doctor_cli_fails_naming_the_check(tmp_path, monkeypatch, capsys):
     rows = json.loads(out.read_text())
     assert {"check": "malloc", "status": "info", "detail": "glibc MALLOC_ARENA_MAX=1",
             "device": None} in rows
+    compiler = next(r["detail"] for r in rows if r["check"] == "compiler")
+    assert compiler.startswith("most optimisations disabled")  # as tests/conftest.py sets it
     failed = [r for r in rows if r["status"] == "fail"]
     assert failed and all(r["device"] == 2 and r["check"].startswith("numerics ") for r in failed)
     assert "jnp.sum float32 shape=(129,)" in capsys.readouterr().err

@@ -54,6 +54,10 @@ def platform_rows() -> list[dict]:
              f"{len(devices)} x {devices[0].platform} ({', '.join(kinds)}), "
              f"{jax.process_count()} process(es)"),
         _row("xla flags", "info", os.environ.get("XLA_FLAGS", "(none)")),
+        # jax's switch (JAX_DISABLE_MOST_OPTIMIZATIONS; the test suite sets it) compiles steps
+        # that run slower: times and MFU measured under it are not the machine's.
+        _row("compiler", "info", "most optimisations disabled (jax_disable_most_optimizations)"
+             if jax.config.read("jax_disable_most_optimizations") else "XLA's default optimisation"),
         _row("malloc", "info", f"glibc {allocator_settings(os.environ)}"),
     ]
 
