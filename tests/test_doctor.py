@@ -1,6 +1,7 @@
 """trainspec doctor: passes here; a planted faulty reduction is caught and named; bad input."""
 import json
 
+import jax
 import pytest
 
 from spec_jax.cli.main import main
@@ -35,11 +36,23 @@ def test_doctor_cli_fails_naming_the_check(tmp_path, monkeypatch, capsys):
     rows = json.loads(out.read_text())
     assert {"check": "malloc", "status": "info", "detail": "glibc MALLOC_ARENA_MAX=1",
             "device": None} in rows
-    compiler = next(r["detail"] for r in rows if r["check"] == "compiler")
-    assert compiler.startswith("most optimisations disabled")  # as tests/conftest.py sets it
     failed = [r for r in rows if r["status"] == "fail"]
     assert failed and all(r["device"] == 2 and r["check"].startswith("numerics ") for r in failed)
     assert "jnp.sum float32 shape=(129,)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("disabled, says", [(True, "most optimisations disabled"),
+                                             (False, "XLA's default optimisation")])
+def test_compiler_row_says_whether_most_optimisations_are_disabled(disabled, says):
+    from spec_jax.cli.doctor import platform_rows
+
+    was = jax.config.read("jax_disable_most_optimizations")  # tests/conftest.py sets it
+    jax.config.update("jax_disable_most_optimizations", disabled)
+    try:
+        row = next(r for r in platform_rows() if r["check"] == "compiler")
+    finally:
+        jax.config.update("jax_disable_most_optimizations", was)
+    assert row["status"] == "info" and row["detail"].startswith(says), row
 
 
 @pytest.mark.parametrize("argv, says", [(["--hardware", "nope"], "unknown hardware"),
