@@ -221,6 +221,48 @@ def test_all_reduce_float16_and_float64(dtype):
             np.testing.assert_array_equal(got["sum"][m], acc)
 
 
+# ---- in place -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_in_place_all_reduce_equals_the_out_of_place_one_bit_for_bit(dtype_name):
+    """In place, the result overwrites the input buffer while the other members still read
+    theirs: every op gives the same bits as out of place (the same kernel, the same order)."""
+    members = _members(DTYPES[dtype_name])
+    ops = ("sum", "max", "min") + (("mean",) if dtype_name != "i32" else ())
+    x = _place(members, MESH_1D)
+    out = _shard_map(lambda v: {op: ext.all_reduce(v, "d", op) for op in ops}, MESH_1D)(x)
+    inplace = _shard_map(lambda v: {op: ext.all_reduce(v + 0, "d", op, in_place=True)
+                                    for op in ops}, MESH_1D)(x)
+    for op in ops:
+        np.testing.assert_array_equal(np.asarray(inplace[op]).view(np.uint8),
+                                      np.asarray(out[op]).view(np.uint8), err_msg=op)
+
+
+def test_in_place_all_reduce_takes_a_donated_input_buffer_and_leaves_a_live_one_intact():
+    spec = P("d")
+    x = _place(_members(np.float32), MESH_1D)
+    want = _rank_order_sum(list(_members(np.float32)))
+    reduce = jax.shard_map(lambda v: ext.all_reduce(v, "d", in_place=True), mesh=MESH_1D,
+                           in_specs=spec, out_specs=spec, check_vma=False)
+    donated = jax.jit(reduce, donate_argnums=0)
+    hlo = donated.lower(x).compile().as_text()
+    assert "input_output_alias={ {}: (0, {}, may-alias) }" in hlo and " copy(" not in hlo, hlo
+    mine = x + 0
+    pointers = [s.data.unsafe_buffer_pointer() for s in mine.addressable_shards]
+    got = donated(mine)
+    assert [s.data.unsafe_buffer_pointer() for s in got.addressable_shards] == pointers
+    for m in range(8):
+        np.testing.assert_array_equal(np.asarray(got)[m], want)
+    # Used again after the call, the input is copied first and keeps its values.
+    both = jax.jit(jax.shard_map(lambda v: (ext.all_reduce(v, "d", in_place=True), v * 1),
+                                 mesh=MESH_1D, in_specs=spec, out_specs=(spec, spec),
+                                 check_vma=False))
+    summed, again = both(x)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(summed), np.asarray(got))
+
+
 # ---- determinism --------------------------------------------------------------------------------
 
 

@@ -136,10 +136,18 @@ def _checked(name: str, x, axis_name, backend, kwargs: dict):
 # ---- the op set -------------------------------------------------------------------------------
 
 
-def all_reduce(x, axis_name, op="sum", *, timeout_s=None, backend=None):
-    """Every member gets the reduction (sum, mean, max or min) of all members' `x`."""
+def all_reduce(x, axis_name, op="sum", *, in_place=False, timeout_s=None, backend=None):
+    """Every member gets the reduction (sum, mean, max or min) of all members' `x`.
+
+    `in_place=True` lets the result take `x`'s buffer, as nccl-tests' in-place form
+    (recvbuff == sendbuff): ext's custom call then writes over its input, so a reduction of a
+    buffer that dies with the call (a fused gradient) needs no second one; where `x` is used
+    again, XLA copies it first. On xla and hierarchical, XLA places the buffers as it would
+    anyway (its CPU all-reduce writes a new buffer, then copies it into a donated input)."""
+    if not isinstance(in_place, bool):
+        raise ValueError(f"all_reduce: in_place must be True or False, got {in_place!r}")
     impl, x, kw = _checked("all_reduce", x, axis_name, backend, {"op": op, "timeout_s": timeout_s})
-    return impl.all_reduce(x, axis_name, kw["op"], timeout_s=timeout_s)
+    return impl.all_reduce(x, axis_name, kw["op"], timeout_s=timeout_s, in_place=in_place)
 
 
 def reduce_scatter(x, axis_name, *, scatter_dimension=0, op="sum", timeout_s=None, backend=None):

@@ -69,10 +69,15 @@ def _timeout_ms(timeout_s) -> np.int64:
     return np.int64(max(1, round(t * 1000)))
 
 
-def _custom_call(op: str, x, out_shape, axis_name, timeout_s, **attrs):
+def _custom_call(op: str, x, out_shape, axis_name, timeout_s, in_place=False, **attrs):
     n, rank, group = _group(axis_name)
+    # In place, the output takes the input's buffer (operand 0): the handler's units read every
+    # member's elements of a range before writing that range anywhere, so reading and writing
+    # one buffer is safe (xla_ext/collective_policies.h). Where `x` is used again, XLA's copy
+    # insertion gives the call a copy.
     call = jax.ffi.ffi_call(
-        _TARGETS[op], jax.ShapeDtypeStruct(out_shape, x.dtype), vmap_method="sequential"
+        _TARGETS[op], jax.ShapeDtypeStruct(out_shape, x.dtype), vmap_method="sequential",
+        input_output_aliases={0: 0} if in_place else None,
     )
     # The HLO keeps the group size (an attribute) but not which mesh axes form the group: the
     # name scope carries them into the call's metadata for spec_jax.metrics.comm to read.
@@ -85,25 +90,26 @@ def _custom_call(op: str, x, out_shape, axis_name, timeout_s, **attrs):
 # ---- all_reduce -------------------------------------------------------------------------------
 
 
-def all_reduce(x, axis_name, op="sum", *, timeout_s=None):
-    """Like lax.psum / pmean / pmax / pmin (op "sum", "mean", "max", "min")."""
-    return _all_reduce(x, axis_name, op, timeout_s)
+def all_reduce(x, axis_name, op="sum", *, timeout_s=None, in_place=False):
+    """Like lax.psum / pmean / pmax / pmin (op "sum", "mean", "max", "min"); `in_place`: the
+    result is written over `x`'s buffer (its gradient's too)."""
+    return _all_reduce(x, axis_name, op, timeout_s, in_place)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_reduce(x, axis_name, op, timeout_s):
-    return _custom_call("all_reduce", x, x.shape, axis_name, timeout_s,
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _all_reduce(x, axis_name, op, timeout_s, in_place):
+    return _custom_call("all_reduce", x, x.shape, axis_name, timeout_s, in_place,
                         reduce_op=np.int64(_REDUCE_OPS[op]))
 
 
-def _all_reduce_fwd(x, axis_name, op, timeout_s):
-    return _all_reduce(x, axis_name, op, timeout_s), None
+def _all_reduce_fwd(x, axis_name, op, timeout_s, in_place):
+    return _all_reduce(x, axis_name, op, timeout_s, in_place), None
 
 
-def _all_reduce_bwd(axis_name, op, timeout_s, _, ct):
+def _all_reduce_bwd(axis_name, op, timeout_s, in_place, _, ct):
     if op in ("max", "min"):
         raise ValueError(f"all_reduce with op={op!r} is not differentiable (nor is lax.p{op})")
-    return (_all_reduce(ct, axis_name, op, timeout_s),)
+    return (_all_reduce(ct, axis_name, op, timeout_s, in_place),)
 
 
 _all_reduce.defvjp(_all_reduce_fwd, _all_reduce_bwd)
@@ -208,7 +214,7 @@ def _broadcast_fwd(x, axis_name, root, timeout_s):
 
 def _broadcast_bwd(axis_name, root, timeout_s, _, ct):
     # Every member's output came from root's x: root's gradient is the sum of all cotangents.
-    total = _all_reduce(ct, axis_name, "sum", timeout_s)
+    total = _all_reduce(ct, axis_name, "sum", timeout_s, False)
     rank = _group(axis_name)[1]
     return (jnp.where(rank == root, total, jnp.zeros_like(total)),)
 

@@ -95,10 +95,10 @@ def _permute_blocks(x, dim: int, sizes, order):
     return y.transpose(perm).reshape(x.shape)
 
 
-def all_reduce(x, axis_name, op="sum", *, timeout_s=None):
+def all_reduce(x, axis_name, op="sum", *, timeout_s=None, in_place=False):
     names, inner, outer = split(axis_name)
     if not outer:
-        return ext.all_reduce(x, inner, op, timeout_s=timeout_s)
+        return ext.all_reduce(x, inner, op, timeout_s=timeout_s, in_place=in_place)
     if not inner:
         return xla.all_reduce(x, outer, op)
     if op in ("max", "min"):  # exact in any order: no need to scatter

@@ -40,7 +40,8 @@ def _nan_propagating(reduce, x, axis_name):
     return jnp.where(any_nan > 0, jnp.asarray(jnp.nan, x.dtype), out)
 
 
-def all_reduce(x, axis_name, op="sum", *, timeout_s=None):
+def all_reduce(x, axis_name, op="sum", *, timeout_s=None, in_place=False):
+    del in_place  # XLA's buffer assignment places the result (api.all_reduce)
     if op in ("max", "min"):  # exact in any dtype
         return _nan_propagating(_ALL_REDUCE[op], x, axis_name)
     return _in_f32(_ALL_REDUCE[op], x, axis_name)

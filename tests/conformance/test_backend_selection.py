@@ -25,7 +25,7 @@ def calls(monkeypatch):
         def __init__(self, name):
             self.name = name
 
-        def all_reduce(self, x, axis_name, op="sum", *, timeout_s=None):
+        def all_reduce(self, x, axis_name, op="sum", *, timeout_s=None, in_place=False):
             seen.append(self.name)
             return x
 

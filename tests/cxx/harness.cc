@@ -250,21 +250,24 @@ bool AllOk(const std::vector<Outcome>& outcomes, const std::string& what) {
 void TestOps(int n, size_t len) {
   const std::string size = " n=" + std::to_string(n) + " len=" + std::to_string(len);
   const int64_t L = static_cast<int64_t>(len);
-  {  // all_reduce, sum
+  for (bool in_place : {false, true}) {  // all_reduce, sum; in place: output = input buffer
     Buffers b = MakeBuffers(n, len, len);
+    const Buffers before = b;
+    auto& out = in_place ? b.in : b.out;
+    const std::string what = std::string("all_reduce") + (in_place ? " in place" : "") + size;
     const int64_t run = next_run++;
     if (AllOk(RunThreads(Collective::kAllReduce, n, [&](int r) {
-          return Call(run, 0, r, n, {L}, {L}, b.in[r].data(), b.out[r].data(), {kSum});
-        }), "all_reduce" + size)) {
+          return Call(run, 0, r, n, {L}, {L}, b.in[r].data(), out[r].data(), {kSum});
+        }), what)) {
       bool ok = true;
       for (int r = 0; r < n; ++r) {
         for (size_t i = 0; i < len; ++i) {
           float want = 0;
-          for (int s = 0; s < n; ++s) want += b.in[s][i];
-          ok &= b.out[r][i] == want;
+          for (int s = 0; s < n; ++s) want += before.in[s][i];
+          ok &= out[r][i] == want;
         }
       }
-      Check(ok, "all_reduce values" + size);
+      Check(ok, what + " values");
     }
   }
   {  // reduce_scatter along dimension 0 of (n, len / n)
