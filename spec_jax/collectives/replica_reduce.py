@@ -42,9 +42,9 @@ def reduce_over_replicas(spec: Spec, mesh: Mesh, data: tuple[str, ...], param_ps
             flat[a:b].reshape(*lead, *x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)
         ])
         packed = jnp.concatenate([x.ravel() for x in leaves])
-        if not compressed:
+        if not compressed:  # in place: the fused buffer dies with the call (ext needs no second)
             return unpack(collectives.all_reduce(
-                packed, group, "sum",
+                packed, group, "sum", in_place=True,
                 timeout_s=spec.collectives.timeout_s, backend=spec.collectives.backend))
         owed = None if r is None else jnp.concatenate([x.ravel() for x in jax.tree.leaves(r)])
         flat, new_residual = compressed_sum(
