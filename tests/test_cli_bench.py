@@ -83,6 +83,24 @@ def test_wrong_results_are_counted(monkeypatch, op, wrong_call):
     assert row.wrong > 0
 
 
+@pytest.mark.skipif(not HAS_EXT, reason="the ext backend is not built")
+def test_in_place_rows_sit_beside_the_out_of_place_ones_and_are_exact():
+    from spec_jax.tools.collectives_report import Table, as_dict
+
+    rows = bench.measure("all_reduce", "float32", "sum", 4096, ["xla", "ext"], iters=2,
+                         warmup=1, in_place=True)
+    assert [r.variant for r in rows] == ["xla", "xla in-place", "ext", "ext in-place"]
+    assert [r.wrong for r in rows] == [0, 0, 0, 0]
+    assert [as_dict(r).get("in_place") for r in rows] == [None, True, None, True]
+    table = Table(["xla", "ext"], in_place=True)
+    lines = [line for r in rows for line in table.add(r)]
+    header, line = lines[-2:]
+    assert header.split("|")[-2:] == ["  ext/xla ", " ext-ip/xla-ip"]
+    ratios = [float(v) for v in line.split("|")[-2:]]
+    assert ratios == pytest.approx([rows[2].time_us / rows[0].time_us,
+                                    rows[3].time_us / rows[1].time_us], abs=0.006)
+
+
 def _exit_code(argv) -> int:
     """main's return value, or the code argparse exits with (its own errors raise SystemExit)."""
     try:
@@ -101,6 +119,7 @@ def _exit_code(argv) -> int:
     (["-o", "prod"], "-o/--redop"),
     (["-n", "0"], "-n/--iters"),
     (["-f", "1"], "-f/--step-factor"),
+    (["--in-place", "--ops", "all_reduce,all_gather"], "--in-place"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, names):
     assert _exit_code(["bench", "collectives", *args]) == 2

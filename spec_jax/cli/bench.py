@@ -40,6 +40,9 @@ def _register_collectives(kinds) -> None:
                         "(sum, mean; others fall back to sum); default sum")
     p.add_argument("-n", "--iters", type=at_least(1), default=20, help="timed calls per size (default 20)")
     p.add_argument("-w", "--warmup", type=at_least(0), default=5, help="untimed calls first (default 5)")
+    p.add_argument("--in-place", action="store_true",
+                   help="all_reduce only: also measure each backend in place, as nccl-tests' "
+                        "in-place column (the result takes the input's buffer)")
     add_host_devices(p, minimum=2)
     add_outputs(p, json="write the rows as a JSON list to this file",
                 plot="write a PNG of busbw against size to this file")
@@ -77,13 +80,17 @@ def run_collectives(args) -> int:
         raise UserInputError(f"-o/--redop: unknown {args.redop!r}; choose from sum, mean, max, min")
     for backend in backends:
         api.get_backend(backend)  # an unavailable backend fails now, not after an hour of xla
+    if args.in_place and ops != ["all_reduce"]:
+        raise UserInputError(f"--in-place: only all_reduce has an in-place form; got --ops "
+                             f"{','.join(ops)}")
 
     writer = is_writer()  # every process measures (the ops are collective); process 0 reports
-    table = report.Table(backends)
+    table = report.Table(backends, args.in_place)
     if writer:
         print(table.preamble(), flush=True)
     rows = bench.sweep(ops, dtypes, backends, sizes, args.redop, args.iters, args.warmup,
-                       progress=lambda row: _print(table.add(row)) if writer else None)
+                       progress=lambda row: _print(table.add(row)) if writer else None,
+                       in_place=args.in_place)
     wrong = sum(r.wrong for r in rows)  # the same in every process (results fetched whole)
     if writer:
         if args.json:

@@ -17,6 +17,10 @@ Definitions (nccl-tests doc/PERFORMANCE.md):
              integers ((i + 3 r) mod 13 - 6 for element i on rank r), so every sum of them is
              exact in every dtype and the tolerance is 0 ULP, except mean, which allows 1 ULP
              (division by a group size that is not a power of two rounds).
+  in place   (`in_place=True`, all_reduce only) nccl-tests' in-place form, recvbuff == sendbuff:
+             before each call, untimed, the input is copied into a fresh buffer, which the call
+             is given (donated) and which holds the result after it (api.all_reduce's in_place;
+             XLA's own all-reduce writes a new buffer and copies it back into the donated one).
 The group is a 1-D mesh over all devices; permute is the cyclic shift r -> r+1 (nccl-tests'
 sendrecv); broadcast uses root 0. Under `trainspec launch` (several processes) the mesh is
 (process, device): xla and hierarchical are measured over all devices of all processes, ext,
@@ -87,10 +91,20 @@ class Row:
     busbw_gbps: float
     wrong: int
     group_size: int | None = None  # set across processes, where ext's group is one process
+    in_place: bool = False
 
     @property
     def root(self) -> int:
         return 0 if self.op == "broadcast" else -1
+
+    @property
+    def variant(self) -> str:
+        """The backend as the table names it: "ext", or "ext in-place"."""
+        return variant_name(self.backend, self.in_place)
+
+
+def variant_name(backend: str, in_place: bool) -> str:
+    return f"{backend} in-place" if in_place else backend
 
 
 def _value(i, rank, dtype):
@@ -98,9 +112,11 @@ def _value(i, rank, dtype):
     return ((i + 3 * rank) % 13 - 6).astype(dtype)
 
 
-def _call(op: str, redop: str, backend: str, n: int, group=AXIS):
+def _call(op: str, redop: str, backend: str, n: int, group=AXIS, in_place=False):
     """The op under test on a member's 1-D operand."""
     kwargs = {"backend": backend}
+    if in_place:
+        kwargs["in_place"] = True
     if op in REDOPS:
         kwargs["op"] = redop
     if op == "permute":
@@ -167,11 +183,15 @@ def _host(result) -> np.ndarray:
 
 
 def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
-            iters: int = 20, warmup: int = 5) -> list[Row]:
+            iters: int = 20, warmup: int = 5, in_place: bool = False) -> list[Row]:
     """Benchmark one (op, dtype, redop, size) on all devices for each backend; see the module
     doc. The backends' timed calls alternate (xla, ext, xla, ext, ...) so that load from other
-    processes on a shared machine falls on both alike and their ratio stays fair."""
+    processes on a shared machine falls on both alike and their ratio stays fair. With
+    `in_place` (all_reduce only) each backend is then measured in place, alternating again."""
     backends = [backends] if isinstance(backends, str) else list(backends)
+    if in_place and op != "all_reduce":
+        raise UserInputError(f"--in-place: only all_reduce has an in-place form, not {op}")
+    variants = [(b, p) for b in backends for p in ((False, True) if in_place else (False,))]
     mesh = _mesh()
     spec = P(tuple(mesh.axis_names))  # one device per member, row-major over the mesh
     groups = {b: group_of(b, mesh) for b in backends}
@@ -179,8 +199,8 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
     itemsize = jnp.dtype(dtype).itemsize
     n_max = max(sizes.values())  # a multiple of every group size (groups nest)
     count = max(n_max, size_bytes // itemsize // n_max * n_max)
-    shard = lambda f: jax.jit(jax.shard_map(  # noqa: E731
-        f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    shard = lambda f, donate=(): jax.jit(jax.shard_map(  # noqa: E731
+        f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False), donate_argnums=donate)
 
     with contextlib.ExitStack() as scope:
         if dtype == "float64":
@@ -192,38 +212,51 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
         xs = {b: shard(lambda r, n=sizes[b]: _value(
             jnp.arange(count // n if op == "all_gather" else count), r[0], dtype))(ranks[b])
             for b in backends}
-        runs = {b: shard(_call(op, redop, b, sizes[b], groups[b])) for b in backends}
-        outs = {}
-        for b, run in runs.items():
-            for _ in range(warmup):
-                outs[b] = run(xs[b]).block_until_ready()
-        times = {b: [] for b in backends}
-        for _ in range(iters):
-            for b, run in runs.items():
-                start = time.perf_counter()
-                outs[b] = run(xs[b]).block_until_ready()
-                times[b].append(time.perf_counter() - start)
+        runs = {(b, p): shard(_call(op, redop, b, sizes[b], groups[b], p), (0,) if p else ())
+                for b, p in variants}
+        fresh = jax.jit(jnp.copy)  # an in-place call's own input buffer, made before the clock
+
+        def call(v):
+            x = fresh(xs[v[0]]).block_until_ready() if v[1] else xs[v[0]]
+            start = time.perf_counter()
+            out = runs[v](x).block_until_ready()
+            return out, time.perf_counter() - start
+
+        # Out of place, then in place, each placement's backends alternating: alternated with
+        # in-place calls (a fresh copy each), out-of-place calls of 64 MiB took up to 9x longer
+        # on the AMD VM, faulting their outputs in 4 KiB pages (docs/collectives.md).
+        outs, times = {}, {v: [] for v in variants}
+        for placed in dict.fromkeys(p for _, p in variants):
+            alike = [v for v in variants if v[1] == placed]
+            for v in alike:
+                for _ in range(warmup):
+                    outs[v] = call(v)[0]
+            for _ in range(iters):
+                for v in alike:
+                    outs[v], seconds = call(v)
+                    times[v].append(seconds)
         wrong = {}
-        for b, out in outs.items():
+        for (b, p), out in outs.items():
             check = shard(lambda o, r, n=sizes[b]: _mismatches(
                 o, _expected(op, redop, count, r[0], n, dtype), redop)[None])
-            wrong[b] = int(np.sum(_host(check(out, ranks[b]))))
+            wrong[b, p] = int(np.sum(_host(check(out, ranks[b]))))
 
     size = count * itemsize
     rows = []
-    for b in backends:
-        seconds = statistics.median(times[b])
+    for b, p in variants:
+        seconds = statistics.median(times[b, p])
         algbw = size / seconds / 1e9
         rows.append(Row(op, dtype, redop if op in REDOPS else "none", size, count, b,
-                        seconds * 1e6, algbw, algbw * bus_factor(op, sizes[b]), wrong[b],
-                        sizes[b] if jax.process_count() > 1 else None))
+                        seconds * 1e6, algbw, algbw * bus_factor(op, sizes[b]), wrong[b, p],
+                        sizes[b] if jax.process_count() > 1 else None, p))
     return rows
 
 
-def sweep(ops, dtypes, backends, sizes, redop="sum", iters=20, warmup=5, progress=None):
-    """Rows for every (op, dtype, size) x backend, the backends measured side by side.
-    An op without `redop` (reduce_scatter has no max/min) is measured with sum; mean of int32,
-    which the API rejects, is left out."""
+def sweep(ops, dtypes, backends, sizes, redop="sum", iters=20, warmup=5, progress=None,
+          in_place=False):
+    """Rows for every (op, dtype, size) x backend, the backends measured side by side (and,
+    with `in_place`, each in place too). An op without `redop` (reduce_scatter has no
+    max/min) is measured with sum; mean of int32, which the API rejects, is left out."""
     rows = []
     for op in ops:
         op_redop = redop if redop in REDOPS.get(op, ()) else "sum"
@@ -231,7 +264,8 @@ def sweep(ops, dtypes, backends, sizes, redop="sum", iters=20, warmup=5, progres
             if op_redop == "mean" and dtype == "int32":
                 continue  # the API rejects the mean of integers
             for size in sizes:
-                for row in measure(op, dtype, op_redop, size, backends, iters, warmup):
+                for row in measure(op, dtype, op_redop, size, backends, iters, warmup,
+                                   in_place):
                     rows.append(row)
                     if progress:
                         progress(row)

@@ -8,7 +8,7 @@ import jax
 
 from spec_jax.core.topology import allocator_settings
 from spec_jax.metrics import plots
-from spec_jax.tools.collectives_bench import Row
+from spec_jax.tools.collectives_bench import Row, variant_name
 
 JSON_KEYS = ("op", "dtype", "redop", "size_bytes", "count", "backend", "time_us", "algbw_gbps",
              "busbw_gbps", "wrong")
@@ -17,6 +17,7 @@ JSON_KEYS = ("op", "dtype", "redop", "size_bytes", "count", "backend", "time_us"
 def as_dict(row: Row) -> dict:
     d = dataclasses.asdict(row)
     extra = ("group_size",) if row.group_size is not None else ()  # only across processes
+    extra += ("in_place",) if row.in_place else ()  # only in place: older readers see no change
     return {k: d[k] for k in JSON_KEYS + extra}
 
 
@@ -40,10 +41,14 @@ def allocator_line(environ=None) -> str:
 class Table:
     """Streams one line per (op, dtype, redop, size) once every backend has reported it."""
 
-    def __init__(self, backends):
-        self.backends = list(backends)
-        # Each other backend's time over xla's, measured side by side.
-        self.ratios = [b for b in self.backends if b != "xla"] if "xla" in self.backends else []
+    def __init__(self, backends, in_place=False):
+        # One column per backend, and with `in_place` per backend in place ("ext in-place").
+        self.backends = [variant_name(b, p) for b in backends
+                         for p in ((False, True) if in_place else (False,))]
+        # Each other column's time over xla's placed alike (in place over in place), measured
+        # side by side.
+        self.ratios = {c: variant_name("xla", c.endswith(" in-place")) for c in self.backends}
+        self.ratios = {c: x for c, x in self.ratios.items() if c != x and x in self.backends}
         self._pending: dict[tuple, dict[str, Row]] = {}
         self._op = None
 
@@ -62,21 +67,30 @@ class Table:
         """nccl-tests' closing line, per backend: the mean busbw over every row measured."""
         lines = []
         for backend in self.backends:
-            bws = [r.busbw_gbps for r in rows if r.backend == backend]
+            bws = [r.busbw_gbps for r in rows if r.variant == backend]
             if bws:
                 lines.append(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.3f} GB/s ({backend})")
         return lines
 
     def header(self) -> list[str]:
         left = f"#{'size':>11} {'count':>10} {'type':>9} {'redop':>6} {'root':>5}"
-        per = "".join(f" |{b + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+        per = "".join(f" |{b + ' time':>{self._width(b)}} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
                       for b in self.backends)
-        return [left + per + "".join(f" | {b[:4] + '/xla':>8}" for b in self.ratios)]
+        return [left + per + "".join(f" | {self._ratio_label(c):>8}" for c in self.ratios)]
+
+    @staticmethod
+    def _width(column: str) -> int:  # of the time column
+        return max(12, len(column) + 5)
+
+    @staticmethod
+    def _ratio_label(column: str) -> str:  # "ext/xla", "ext-ip/xla-ip"
+        tag = "-ip" if column.endswith(" in-place") else ""
+        return f"{column[:4].strip()}{tag}/xla{tag}"
 
     def add(self, row: Row) -> list[str]:
         key = (row.op, row.dtype, row.redop, row.size_bytes)
         done = self._pending.setdefault(key, {})
-        done[row.backend] = row
+        done[row.variant] = row
         if len(done) < len(self.backends):
             return []
         del self._pending[key]
@@ -92,9 +106,11 @@ class Table:
         text = f" {r.size_bytes:>11} {r.count:>10} {r.dtype:>9} {r.redop:>6} {r.root:>5}"
         for b in self.backends:
             x = by_backend[b]
-            text += f" |{x.time_us:>12.1f} {x.algbw_gbps:>7.3f} {x.busbw_gbps:>7.3f} {x.wrong:>6}"
-        for b in self.ratios:
-            text += f" | {by_backend[b].time_us / by_backend['xla'].time_us:>8.2f}"
+            text += (f" |{x.time_us:>{self._width(b)}.1f} {x.algbw_gbps:>7.3f} "
+                     f"{x.busbw_gbps:>7.3f} {x.wrong:>6}")
+        for c, base in self.ratios.items():
+            ratio = by_backend[c].time_us / by_backend[base].time_us
+            text += f" | {ratio:>{max(8, len(self._ratio_label(c)))}.2f}"
         return text
 
 
@@ -116,10 +132,10 @@ def figure(rows: list[Row]):
     for ax in axes.flat[len(ops):]:
         ax.set_visible(False)
     for ax, op in zip(axes.flat, ops):
-        lines = dict.fromkeys((r.backend, r.dtype, r.redop) for r in rows if r.op == op)
+        lines = dict.fromkeys((r.variant, r.dtype, r.redop) for r in rows if r.op == op)
         for backend, dtype, redop in lines:
             pts = sorted((r.size_bytes, r.busbw_gbps) for r in rows
-                         if (r.op, r.backend, r.dtype, r.redop) == (op, backend, dtype, redop))
+                         if (r.op, r.variant, r.dtype, r.redop) == (op, backend, dtype, redop))
             ax.plot(*zip(*pts), marker="o", label=f"{backend} {dtype}")
         sizes = sorted({r.size_bytes for r in rows if r.op == op})
         ax.set_xscale("log", base=2)
