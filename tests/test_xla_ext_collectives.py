@@ -350,6 +350,9 @@ def test_independent_collectives_and_scan_do_not_deadlock():
 GRAD_OPS = {
     "all_reduce_sum": (lambda v: ext.all_reduce(v, "d"), lambda v: lax.psum(v, "d")),
     "all_reduce_mean": (lambda v: ext.all_reduce(v, "d", "mean"), lambda v: lax.pmean(v, "d")),
+    # in place, the cotangent is reduced in place too
+    "all_reduce_in_place": (lambda v: ext.all_reduce(v * 1, "d", in_place=True),
+                            lambda v: lax.psum(v, "d")),
     "reduce_scatter": (lambda v: ext.reduce_scatter(v, "d", scatter_dimension=1),
                        lambda v: lax.psum_scatter(v, "d", scatter_dimension=1, tiled=True)),
     "reduce_scatter_mean": (
