@@ -46,6 +46,9 @@ struct WholeCopy : PolicyBase<kCollective> {
 // Unit u reduces elements [u * unit, (u + 1) * unit) of all inputs (rank order) and writes
 // them into every member's output: reduce-scatter and all-gather in one pass, reading each
 // input once and writing each output once, with no staging buffer.
+// It is safe in place (each member's output its own input: api.all_reduce's in_place): a unit
+// loads every input's elements of a 128-byte step before storing that step anywhere, units
+// cover disjoint ranges, and no member returns before every unit is done.
 struct AllReduce : Reduction<Collective::kAllReduce> {
   Status Prepare(const CollectiveCall& c);
   void Unit(const Peers& p, size_t u) const;
