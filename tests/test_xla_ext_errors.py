@@ -168,6 +168,7 @@ F32, I32, U8 = np.float32, np.int32, np.uint8
     (_api("all_reduce", "d"), U8, "not supported by the ext backend"),
     (_api("all_reduce", "nope"), F32, "not a manual axis"),
     (_api("all_reduce", "d", timeout_s=0), F32, "timeout_s must be a positive number"),
+    (_api("all_reduce", "d", in_place=1), F32, "in_place must be True or False, got 1"),
 ])
 def test_bad_arguments_raise_value_error_at_trace_time(call, dtype, message):
     f = jax.jit(jax.shard_map(lambda b: call(b[0])[None], mesh=MESH, in_specs=P("d"),
