@@ -107,6 +107,12 @@ def variant_name(backend: str, in_place: bool) -> str:
     return f"{backend} in-place" if in_place else backend
 
 
+def variants(backends, in_place: bool) -> list[tuple[str, bool]]:
+    """(backend, in place) of every measured form: each backend out of place, and with
+    `in_place` in place too."""
+    return [(b, p) for b in backends for p in ((False, True) if in_place else (False,))]
+
+
 def _value(i, rank, dtype):
     """Input element i of `rank`: small integers, so sums are exact in every dtype."""
     return ((i + 3 * rank) % 13 - 6).astype(dtype)
@@ -191,7 +197,7 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
     backends = [backends] if isinstance(backends, str) else list(backends)
     if in_place and op != "all_reduce":
         raise UserInputError(f"--in-place: only all_reduce has an in-place form, not {op}")
-    variants = [(b, p) for b in backends for p in ((False, True) if in_place else (False,))]
+    forms = variants(backends, in_place)
     mesh = _mesh()
     spec = P(tuple(mesh.axis_names))  # one device per member, row-major over the mesh
     groups = {b: group_of(b, mesh) for b in backends}
@@ -213,21 +219,22 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
             jnp.arange(count // n if op == "all_gather" else count), r[0], dtype))(ranks[b])
             for b in backends}
         runs = {(b, p): shard(_call(op, redop, b, sizes[b], groups[b], p), (0,) if p else ())
-                for b, p in variants}
+                for b, p in forms}
         fresh = jax.jit(jnp.copy)  # an in-place call's own input buffer, made before the clock
 
-        def call(v):
-            x = fresh(xs[v[0]]).block_until_ready() if v[1] else xs[v[0]]
+        def call(form):
+            backend, placed = form
+            x = fresh(xs[backend]).block_until_ready() if placed else xs[backend]
             start = time.perf_counter()
-            out = runs[v](x).block_until_ready()
+            out = runs[form](x).block_until_ready()
             return out, time.perf_counter() - start
 
         # Out of place, then in place, each placement's backends alternating: alternated with
         # in-place calls (a fresh copy each), out-of-place calls of 64 MiB took up to 9x longer
         # on the AMD VM, faulting their outputs in 4 KiB pages (docs/collectives.md).
-        outs, times = {}, {v: [] for v in variants}
-        for placed in dict.fromkeys(p for _, p in variants):
-            alike = [v for v in variants if v[1] == placed]
+        outs, times = {}, {form: [] for form in forms}
+        for placed in dict.fromkeys(p for _, p in forms):
+            alike = [form for form in forms if form[1] == placed]
             for v in alike:
                 for _ in range(warmup):
                     outs[v] = call(v)[0]
@@ -243,7 +250,7 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
 
     size = count * itemsize
     rows = []
-    for b, p in variants:
+    for b, p in forms:
         seconds = statistics.median(times[b, p])
         algbw = size / seconds / 1e9
         rows.append(Row(op, dtype, redop if op in REDOPS else "none", size, count, b,

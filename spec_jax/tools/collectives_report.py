@@ -8,7 +8,7 @@ import jax
 
 from spec_jax.core.topology import allocator_settings
 from spec_jax.metrics import plots
-from spec_jax.tools.collectives_bench import Row, variant_name
+from spec_jax.tools.collectives_bench import Row, variant_name, variants
 
 JSON_KEYS = ("op", "dtype", "redop", "size_bytes", "count", "backend", "time_us", "algbw_gbps",
              "busbw_gbps", "wrong")
@@ -43,12 +43,13 @@ class Table:
 
     def __init__(self, backends, in_place=False):
         # One column per backend, and with `in_place` per backend in place ("ext in-place").
-        self.backends = [variant_name(b, p) for b in backends
-                         for p in ((False, True) if in_place else (False,))]
+        forms = variants(backends, in_place)
+        self.backends = [variant_name(*form) for form in forms]
         # Each other column's time over xla's placed alike (in place over in place), measured
-        # side by side.
-        self.ratios = {c: variant_name("xla", c.endswith(" in-place")) for c in self.backends}
-        self.ratios = {c: x for c, x in self.ratios.items() if c != x and x in self.backends}
+        # side by side: column -> (its ratio's label, the xla column it is divided by).
+        self.ratios = {variant_name(b, p): (f"{b[:4]}{'-ip' * p}/xla{'-ip' * p}",
+                                            variant_name("xla", p))
+                       for b, p in forms if b != "xla" and ("xla", p) in forms}
         self._pending: dict[tuple, dict[str, Row]] = {}
         self._op = None
 
@@ -76,16 +77,11 @@ class Table:
         left = f"#{'size':>11} {'count':>10} {'type':>9} {'redop':>6} {'root':>5}"
         per = "".join(f" |{b + ' time':>{self._width(b)}} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
                       for b in self.backends)
-        return [left + per + "".join(f" | {self._ratio_label(c):>8}" for c in self.ratios)]
+        return [left + per + "".join(f" | {label:>8}" for label, _ in self.ratios.values())]
 
     @staticmethod
     def _width(column: str) -> int:  # of the time column
         return max(12, len(column) + 5)
-
-    @staticmethod
-    def _ratio_label(column: str) -> str:  # "ext/xla", "ext-ip/xla-ip"
-        tag = "-ip" if column.endswith(" in-place") else ""
-        return f"{column[:4].strip()}{tag}/xla{tag}"
 
     def add(self, row: Row) -> list[str]:
         key = (row.op, row.dtype, row.redop, row.size_bytes)
@@ -108,9 +104,9 @@ class Table:
             x = by_backend[b]
             text += (f" |{x.time_us:>{self._width(b)}.1f} {x.algbw_gbps:>7.3f} "
                      f"{x.busbw_gbps:>7.3f} {x.wrong:>6}")
-        for c, base in self.ratios.items():
+        for c, (label, base) in self.ratios.items():
             ratio = by_backend[c].time_us / by_backend[base].time_us
-            text += f" | {ratio:>{max(8, len(self._ratio_label(c)))}.2f}"
+            text += f" | {ratio:>{max(8, len(label))}.2f}"
         return text
 
 
