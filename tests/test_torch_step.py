@@ -29,11 +29,11 @@ def test_learning_rate_is_the_jax_optimizers(warmup, total):
     -lr(n) * trace(n) with trace(n) = sum of 0.9^i, so its learning rate can be read back."""
     spec = tiny_spec(f"optimizer.warmup_steps={warmup}", "optimizer.name=sgd")
     tx = make_optimizer(spec, total)
-    params = {"w": np.zeros(())}
+    params = {"w": np.zeros((), np.float32)}
     state = tx.init(params)
     trace = 0.0
     for count in range(total + 3):
-        updates, state = tx.update({"w": np.ones(())}, state, params)
+        updates, state = tx.update({"w": np.ones((), np.float32)}, state, params)
         trace = 1.0 + 0.9 * trace
         jax_lr = -float(updates["w"]) / trace
         assert math.isclose(learning_rate(spec.optimizer, total, count), jax_lr,
