@@ -96,6 +96,8 @@ def _permute_blocks(x, dim: int, sizes, order):
 
 
 def all_reduce(x, axis_name, op="sum", *, timeout_s=None, in_place=False):
+    # `in_place` reaches only the all-ext case: across processes the stages change the shape
+    # (scatter, gather) or are XLA's, whose buffer assignment places the result.
     names, inner, outer = split(axis_name)
     if not outer:
         return ext.all_reduce(x, inner, op, timeout_s=timeout_s, in_place=in_place)
