@@ -1,6 +1,6 @@
-"""bench/device_check.sh runs only where a GPU is lent, which may be months apart: its model flags,
-its `plan` command and its `train` command line are checked here so the script does not rot in
-between, and the plan's H200 prediction that docs/plan.md quotes is the planner's."""
+"""bench/device_check.sh runs only where a GPU is lent: its model flags, its `plan` command and
+its `train` command line are checked here so the script does not rot between lendings, and the
+plan's H200 prediction that docs/plan.md quotes is the planner's."""
 import json
 import re
 import shlex
