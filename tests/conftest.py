@@ -5,8 +5,10 @@ import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from xla_env import speed_flags
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), *speed_flags(), "--xla_force_host_platform_device_count=8"]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compile without most of XLA's backend optimisation (jax's switch: LLVM at -O0, no expensive

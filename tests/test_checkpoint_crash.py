@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tiny import TINY
+from xla_env import without_device_count
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def _cmd(run_dir):
 
 
 def _env():
-    return {**os.environ, "XLA_FLAGS": "", "TRAINSPEC_FAULTS": "{}"}
+    return {**without_device_count(), "TRAINSPEC_FAULTS": "{}"}
 
 
 def _losses(run_dir):

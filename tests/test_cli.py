@@ -1,6 +1,5 @@
 """`trainspec train` and `trainspec validate`: the default job learns; bad input is one line."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from spec_jax.cli.main import main
+from xla_env import without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ def _cli(*args, **env):
     return subprocess.run(
         [sys.executable, "-m", "spec_jax.cli.main", *args],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "XLA_FLAGS": "", **env},
+        env={**without_device_count(), **env},
     )
 
 

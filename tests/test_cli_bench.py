@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from spec_jax.cli.main import main
 from spec_jax.tools import collectives_bench as bench
+from xla_env import without_device_count
 
 HAS_EXT = importlib.util.find_spec("spec_jax.collectives.ext") is not None
 BACKENDS = "xla,ext" if HAS_EXT else "xla"
@@ -18,7 +18,7 @@ BACKENDS = "xla,ext" if HAS_EXT else "xla"
 
 def _cli(*args):
     # A fresh process without a device count in XLA_FLAGS: the CLI must set up 8 devices itself.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = without_device_count() | {"JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "spec_jax.cli.main", "bench", "collectives",
                            *args], capture_output=True, text=True, env=env, timeout=300)
 

@@ -1,6 +1,10 @@
 """collectives.compression on the ext backend: the xla_ext packed-buffer handlers
 (xla_ext/compression.cc) against the byte layout's NumPy definition (spec_jax.core.packed), bit
 for bit against the xla path's jnp kernels, in a training step, and how they fail."""
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spec_jax.collectives import compression as jc
 from spec_jax.collectives import compression_ext as ce
 from spec_jax.core import packed
-from spec_jax.train import build_job
-from tiny import tiny_spec
+from xla_env import without_device_count
 
 FORMATS = [("bf16", 0), ("int8", 4), ("int8", 32), ("int8", 256)]
 
@@ -83,23 +86,45 @@ def test_ext_compressed_sum_is_bitwise_the_jnp_one(compression, block):
     assert np.isnan(t_ext[0]).any() and np.isfinite(t_ext[0]).sum() > size // 2  # cases ran
 
 
+_TRAINING_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax
+import numpy as np
+from spec_jax.train import build_job
+from test_compression_ext import _bitwise_equal
+from tiny import tiny_spec
+
+out = {}
+for backend in ("xla", "ext"):
+    job = build_job(tiny_spec('collectives.compression="int8"', f'collectives.backend="{backend}"',
+                              "collectives.compression_block=32", layout="data"))
+    state = job.state
+    for i in range(2):
+        state, _ = job.step(state, job.step.shard_batch(job.data.batch(i)))
+    out[backend] = jax.device_get((state.params, state.ef_residual))
+paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(out["ext"])]
+differ = [p for p, a, b in zip(paths, jax.tree.leaves(out["ext"]), jax.tree.leaves(out["xla"]))
+          if not _bitwise_equal(a, b)]
+assert not differ, f"not bitwise equal: {differ}"
+assert any(np.abs(r).max() > 0 for r in jax.tree.leaves(out["ext"][1]))  # feedback ran
+"""
+
+
 def test_training_steps_on_ext_equal_the_xla_path_bitwise():
     """int8 on 8 replicas, two steps (the second with a non-zero residual): parameters and
     residuals equal bit for bit. (From the second step on, the optimizer's own state can
     differ by an ulp between the two programs: XLA:CPU fuses, and contracts into FMAs, the
-    update differently around the custom calls; the reduction is what is compared.)"""
-    out = {}
-    for backend in ("xla", "ext"):
-        job = build_job(tiny_spec('collectives.compression="int8"',
-                                  f'collectives.backend="{backend}"',
-                                  "collectives.compression_block=32", layout="data"))
-        state = job.state
-        for i in range(2):
-            state, _ = job.step(state, job.step.shard_batch(job.data.batch(i)))
-        out[backend] = jax.device_get((state.params, state.ef_residual))
-    for a, b in zip(jax.tree.leaves(out["ext"]), jax.tree.leaves(out["xla"])):
-        assert _bitwise_equal(a, b)
-    assert any(np.abs(r).max() > 0 for r in jax.tree.leaves(out["ext"][1]))  # feedback ran
+    update differently around the custom calls; the reduction is what is compared.)
+
+    Run in a process of its own with XLA's default emitters: the suite's faster-compiling
+    ones (tests/xla_env.py) compile the two programs' backward passes differently, so the
+    gradients, and with them the residuals, differ by an ulp before any compression runs."""
+    env = without_device_count()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    done = subprocess.run([sys.executable, "-c", _TRAINING_CHILD, str(Path(__file__).parent)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # -- how the handlers fail: INVALID_ARGUMENT naming the argument, never a crash -------------------

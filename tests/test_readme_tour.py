@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tiny import TINY
+from xla_env import without_device_count
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def test_the_readme_tour_runs_top_to_bottom(tmp_path):
     commands = tour_commands()
     assert all(c[0] == "trainspec" for c in commands), commands
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "TRAINSPEC_"))}
+    env = {k: v for k, v in without_device_count().items() if not k.startswith("TRAINSPEC_")}
     env.update(PATH=f"{BIN}{os.pathsep}{env['PATH']}", TRAINSPEC_CPU_PEAK="table")
     trained = set()  # run dirs a tour command trained: a later one resumes
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; wall s, CPU s:")

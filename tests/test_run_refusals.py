@@ -16,6 +16,7 @@ from spec_jax.health.memory import GIB, check_host_batch, check_step
 from spec_jax.train import run
 
 from tiny import TINY, tiny_spec
+from xla_env import without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 30  # issue 10: a failed save ends the run within 30 s
@@ -28,7 +29,7 @@ def _train(run_dir, *sets, steps=4):
 
 
 def _env():
-    return {**os.environ, "XLA_FLAGS": "", "TRAINSPEC_FAULTS": "{}"}
+    return {**without_device_count(), "TRAINSPEC_FAULTS": "{}"}
 
 
 def test_checkpoint_dir_that_is_a_file_is_one_line(tmp_path):

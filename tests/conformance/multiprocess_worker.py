@@ -14,7 +14,11 @@ import sys
 import time
 import traceback
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# 4 devices per process; the suite's other XLA flags (tests/xla_env.py) are kept.
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split()
+     if not f.startswith("--xla_force_host_platform_device_count")]
+    + ["--xla_force_host_platform_device_count=4"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
