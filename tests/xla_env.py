@@ -19,10 +19,10 @@ def speed_flags() -> list[str]:
     return ["--xla_cpu_use_fusion_emitters=false"] if major_minor < (0, 11) else []
 
 
-def without_device_count(env=None) -> dict:
-    """`env` (default: this process's) with the device count taken out of XLA_FLAGS, the
-    speed flags kept."""
-    env = dict(os.environ if env is None else env)
+def without_device_count() -> dict:
+    """This process's environment with the device count taken out of XLA_FLAGS, the speed
+    flags kept."""
+    env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG))
     return env
