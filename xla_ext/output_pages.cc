@@ -14,17 +14,22 @@
 namespace trainspec {
 namespace {
 
-// Outputs at least this large have their missing pages mapped in one go (PrefaultOutput).
+// Outputs at least this large are advised huge pages and, below kHugePageBytes, have their
+// missing pages mapped in one go (PrefaultOutput).
 constexpr size_t kPrefaultBytes = 1 << 20;
 
-// Huge pages cut first-touch faults 512-fold. Only the 2 MiB-aligned interior is advised;
-// failure is harmless.
+// Huge pages cut first-touch faults 512-fold. The advice covers the 2 MiB-aligned range that
+// encloses the output, not only its interior: an output seldom starts on a 2 MiB boundary, and
+// the edges of a 4 MiB one (half of it, on average) would still fault page by page. Advice only
+// marks the mapping; nothing is written, and the kernel places a huge page only where its whole
+// 2 MiB range is still unmapped, so neighbours that hold data keep their pages. Failure is
+// harmless.
 void AdviseHugePages(void* out, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = 2 << 20;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(out) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(out) + bytes) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(out) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(out) + bytes + kHuge - 1) & ~(kHuge - 1);
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
 #else
   (void)out;
   (void)bytes;
@@ -71,13 +76,11 @@ void PrefaultOutput(void* out, size_t bytes) {
 }  // namespace
 
 void PrepareOutputPages(void* out, size_t bytes) {
-  // Huge-page outputs fault faster by touch (5.5 GB/s against 3.9 GB/s through
-  // MADV_POPULATE_WRITE, 8 threads on the measured VM), so they are advised, not populated.
-  if (bytes >= kHugePageBytes) {
-    AdviseHugePages(out, bytes);
-  } else if (bytes >= kPrefaultBytes) {
-    PrefaultOutput(out, bytes);
-  }
+  if (bytes < kPrefaultBytes) return;
+  AdviseHugePages(out, bytes);
+  // Huge-page outputs this large fault faster by touch (5.5 GB/s against 3.9 GB/s through
+  // MADV_POPULATE_WRITE, 8 threads on the measured VM); smaller ones are mapped in one go.
+  if (bytes < kHugePageBytes) PrefaultOutput(out, bytes);
 }
 
 }  // namespace trainspec

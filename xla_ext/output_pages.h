@@ -11,11 +11,12 @@
 namespace trainspec {
 
 // Outputs at least this large are fresh mmap()ed memory (glibc's mmap threshold is at most
-// 32 MiB) and are backed by transparent huge pages instead of being prefaulted.
+// 32 MiB): their huge pages fault in on first touch instead of being prefaulted.
 constexpr size_t kHugePageBytes = 32 << 20;
 
-// Asks for huge pages (outputs >= kHugePageBytes) or maps the missing 4 KiB pages in one go
-// (outputs of 1 MiB up to kHugePageBytes). Call before any member writes to `out`.
+// Outputs of 1 MiB and more: asks for transparent huge pages over the output's 2 MiB-aligned
+// range, and below kHugePageBytes maps its missing pages in one go. Call before any member
+// writes to `out`.
 void PrepareOutputPages(void* out, size_t bytes);
 
 }  // namespace trainspec
