@@ -140,10 +140,17 @@ def test_collectives_bench_names_the_load_and_warns_above_the_cores():
     assert "WARNING: load exceeds the core count" in machine_load_line(3.5, 2)
 
 
-def test_collectives_bench_names_the_allocator_settings_it_ran_under():
+def test_collectives_bench_names_the_allocator_settings_it_ran_under(tmp_path):
+    from spec_jax.core.topology import transparent_huge_pages
     from spec_jax.tools.collectives_report import allocator_line
 
-    assert allocator_line({"PATH": "/bin"}) == "# glibc malloc: defaults"
+    assert allocator_line({"PATH": "/bin"}, "madvise") == (
+        "# glibc malloc: defaults; transparent huge pages: madvise")
     assert allocator_line({"MALLOC_ARENA_MAX": "1", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=9",
-                           "HOME": "/root"}) == (
-        "# glibc malloc: GLIBC_TUNABLES=glibc.malloc.trim_threshold=9 MALLOC_ARENA_MAX=1")
+                           "HOME": "/root"}, "never") == (
+        "# glibc malloc: GLIBC_TUNABLES=glibc.malloc.trim_threshold=9 MALLOC_ARENA_MAX=1; "
+        "transparent huge pages: never")
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    assert transparent_huge_pages(str(mode)) == "madvise"
+    assert transparent_huge_pages(str(tmp_path / "absent")) == "unknown"

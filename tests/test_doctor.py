@@ -5,6 +5,7 @@ import jax
 import pytest
 
 from spec_jax.cli.main import main
+from spec_jax.core.topology import transparent_huge_pages
 from spec_jax.health import doctor
 
 
@@ -34,8 +35,9 @@ def test_doctor_cli_fails_naming_the_check(tmp_path, monkeypatch, capsys):
     out = tmp_path / "doctor.json"
     assert main(["doctor", "--quick", "--json", str(out)]) == 1
     rows = json.loads(out.read_text())
-    assert {"check": "malloc", "status": "info", "detail": "glibc MALLOC_ARENA_MAX=1",
-            "device": None} in rows
+    assert {"check": "malloc", "status": "info", "device": None,
+            "detail": f"glibc MALLOC_ARENA_MAX=1; transparent huge pages {transparent_huge_pages()}"
+            } in rows
     failed = [r for r in rows if r["status"] == "fail"]
     assert failed and all(r["device"] == 2 and r["check"].startswith("numerics ") for r in failed)
     assert "jnp.sum float32 shape=(129,)" in capsys.readouterr().err

@@ -43,7 +43,7 @@ def platform_rows() -> list[dict]:
     import jax
     import jaxlib
 
-    from spec_jax.core.topology import allocator_settings
+    from spec_jax.core.topology import allocator_settings, transparent_huge_pages
 
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
@@ -58,7 +58,8 @@ def platform_rows() -> list[dict]:
         # that run slower: times and MFU measured under it are not the machine's.
         _row("compiler", "info", "most optimisations disabled (jax_disable_most_optimizations)"
              if jax.config.read("jax_disable_most_optimizations") else "XLA's default optimisation"),
-        _row("malloc", "info", f"glibc {allocator_settings(os.environ)}"),
+        _row("malloc", "info", f"glibc {allocator_settings(os.environ)}; transparent huge pages "
+             f"{transparent_huge_pages()}"),
     ]
 
 

@@ -81,3 +81,20 @@ def allocator_settings(environ: Mapping[str, str]) -> str:
     settings = sorted(f"{k}={v}" for k, v in environ.items()
                       if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
     return " ".join(settings) if settings else "defaults"
+
+
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def transparent_huge_pages(path: str = THP_MODE) -> str:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"), or "unknown".
+
+    ext's collectives advise huge pages for outputs of 1 MiB and more, which cuts their
+    first-touch faults; under "never" that advice does nothing (docs/xla_ext.md)."""
+    try:
+        with open(path) as f:
+            modes = f.read().split()
+    except OSError:
+        return "unknown"
+    chosen = [m[1:-1] for m in modes if m.startswith("[") and m.endswith("]")]
+    return chosen[0] if chosen else "unknown"

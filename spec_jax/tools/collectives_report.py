@@ -6,7 +6,7 @@ import os
 
 import jax
 
-from spec_jax.core.topology import allocator_settings
+from spec_jax.core.topology import allocator_settings, transparent_huge_pages
 from spec_jax.metrics import plots
 from spec_jax.tools.collectives_bench import Row, variant_name, variants
 
@@ -32,10 +32,13 @@ def machine_load_line(load_1min: float | None = None, cores: int | None = None) 
     return line
 
 
-def allocator_line(environ=None) -> str:
-    """glibc's malloc settings taken from the environment: with large outputs they move both
-    backends' times by up to 3x (docs/collectives.md, "Quiet and loaded side by side")."""
-    return "# glibc malloc: " + allocator_settings(os.environ if environ is None else environ)
+def allocator_line(environ=None, huge_pages: str | None = None) -> str:
+    """glibc's malloc settings taken from the environment and the kernel's huge page mode: with
+    large outputs they move both backends' times by up to 3x (docs/collectives.md, "Quiet and
+    loaded side by side")."""
+    settings = allocator_settings(os.environ if environ is None else environ)
+    huge_pages = transparent_huge_pages() if huge_pages is None else huge_pages
+    return f"# glibc malloc: {settings}; transparent huge pages: {huge_pages}"
 
 
 class Table:
