@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax.collectives import ext
+from spec_jax.core.topology import transparent_huge_pages
 
 DEVICES = np.array(jax.devices())
 MESH_1D = Mesh(DEVICES, ("d",))
@@ -405,3 +406,33 @@ def test_vmap_runs_one_collective_per_batch_element():
                                   MESH_1D)(x), MESH_1D)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
+
+
+def _mapping_flags(address: int, nbytes: int) -> list[set[str]]:
+    """The kernel's VmFlags of each mapping of this process that overlaps [address, +nbytes)."""
+    flags, overlaps = [], False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if first == "VmFlags:":
+                if overlaps:
+                    flags.append(set(line.split()[1:]))
+            elif "-" in first and not first.endswith(":"):  # a mapping's header: lo-hi perms ...
+                lo, hi = (int(h, 16) for h in first.split("-"))
+                overlaps = lo < address + nbytes and address < hi
+    return flags
+
+
+@pytest.mark.skipif(transparent_huge_pages() == "unknown",
+                    reason="the kernel has no transparent huge pages")
+def test_large_outputs_are_advised_huge_pages_to_their_edges():
+    """An output of 1 MiB or more is advised huge pages over the 2 MiB-aligned range enclosing
+    it, before anyone writes (docs/xla_ext.md, "Fresh output pages"): every mapping under a
+    4 MiB result carries the kernel's `hg` flag (MADV_HUGEPAGE), its unaligned edges too,
+    whatever the kernel's mode (the flag is set even where huge pages are off)."""
+    fn = _shard_map(lambda block: {"sum": ext.all_reduce(block, "d")}, MESH_1D)
+    out = fn(_place(np.ones((8, 1 << 20), np.float32), MESH_1D))["sum"]  # 4 MiB a member
+    for shard in out.addressable_shards:
+        assert np.all(np.asarray(shard.data) == 8.0)
+        flags = _mapping_flags(shard.data.unsafe_buffer_pointer(), shard.data.nbytes)
+        assert flags and all("hg" in f for f in flags), (shard.device, flags)
