@@ -21,8 +21,8 @@ constexpr size_t kPrefaultBytes = 1 << 20;
 // Huge pages cut first-touch faults 512-fold. The advice covers the 2 MiB-aligned range that
 // encloses the output, not only its interior: an output seldom starts on a 2 MiB boundary, and
 // the edges of a 4 MiB one (half of it, on average) would still fault page by page. Advice only
-// marks the mapping; nothing is written, and the kernel places a huge page only where its whole
-// 2 MiB range is still unmapped, so neighbours that hold data keep their pages. Failure is
+// marks the mapping; nothing is written, and the kernel places a huge page only where no page
+// of its 2 MiB range is mapped yet, so neighbours that hold data keep their pages. Failure is
 // harmless.
 void AdviseHugePages(void* out, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
