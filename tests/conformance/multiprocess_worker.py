@@ -14,13 +14,14 @@ import sys
 import time
 import traceback
 
-# 4 devices per process; the suite's other XLA flags (tests/xla_env.py) are kept.
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if not f.startswith("--xla_force_host_platform_device_count")]
-    + ["--xla_force_host_platform_device_count=4"])
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the suite's checks, and tests/xla_env.py
+
+from xla_env import DEVICE_COUNT_FLAG, without_device_count  # noqa: E402
+
+# 4 devices per process; the suite's other XLA flags are kept.
+os.environ["XLA_FLAGS"] = f"{without_device_count()['XLA_FLAGS']} {DEVICE_COUNT_FLAG}=4".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 
