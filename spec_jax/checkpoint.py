@@ -139,7 +139,8 @@ def _fold_residual(state, target):
 
 
 class Checkpointer:
-    """Checkpoints of one run directory (`checkpoint.dir` inside it), per the spec."""
+    """Checkpoints of one run directory (`checkpoint.dir` inside it), per the spec. A context
+    manager: leaving it closes orbax's manager (its background threads and open files)."""
 
     def __init__(self, spec: Spec, run_dir: Path):
         self.spec = spec
@@ -208,7 +209,21 @@ class Checkpointer:
             ) from None
 
     def close(self) -> None:
-        self.manager.close()
+        """Finish the background save, if any, and release orbax's manager."""
+        with self._failing_saves_end_the_run():
+            self.manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Leaving on an error: that error is the one to report (a failed save would raise
+        # again from close), so closing is best effort here.
+        with contextlib.suppress(Exception):
+            self.manager.close()
 
     # -- restore ------------------------------------------------------------------------------
     def good_steps(self) -> list[int]:

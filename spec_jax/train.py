@@ -140,11 +140,10 @@ class _Session:
     and trains from step 0. `announce` is told, in one line, where a resume starts.
     """
 
-    def __init__(self, spec: Spec, run_dir: Path, steps: int, faults: Faults | None,
-                 progress: bool, restart: bool = False, announce=None):
+    def __init__(self, spec: Spec, run_dir: Path, ckpt: Checkpointer, steps: int,
+                 faults: Faults | None, progress: bool, restart: bool = False, announce=None):
         self.steps, self.faults, self.announce = steps, faults or Faults(), announce
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt = Checkpointer(spec, run_dir)
+        self.ckpt = ckpt
         if restart:
             for moved in self.ckpt.set_aside():
                 log.warning("--restart: checkpoint moved to %s", moved)
@@ -351,12 +350,14 @@ def run(
     Raises HealthHalt when a guard stops the run, Preempted after SIGTERM/SIGINT (with the
     checkpoint written), UserInputError when the checkpoints are all bad or a save fails,
     AlreadyTrained (having changed nothing) when the run is already at or past `steps`."""
-    session = _Session(spec, run_dir, steps or spec.train.steps, faults, progress, restart,
-                       announce)
-    if is_writer():
-        save_spec(spec, run_dir)
-    session.train()
-    summary = session.summary(spec_label)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with Checkpointer(spec, run_dir) as ckpt:  # closed however the run ends
+        session = _Session(spec, run_dir, ckpt, steps or spec.train.steps, faults, progress,
+                           restart, announce)
+        if is_writer():
+            save_spec(spec, run_dir)
+        session.train()
+        summary = session.summary(spec_label)
     if summary_json is not None and is_writer():
         write_json_atomically(Path(summary_json), summary)
     return summary

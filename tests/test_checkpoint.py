@@ -4,6 +4,7 @@ import shutil
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from spec_jax.checkpoint import Checkpointer
@@ -121,9 +122,23 @@ def test_resume_with_other_model_is_one_line_naming_the_field(tmp_path):
         Checkpointer(other, tmp_path).restore_latest(build_job(other, init=False).abstract_state)
 
 
+def _count_manager_closes(monkeypatch) -> list:
+    """Each orbax manager closed from now on, by its directory."""
+    closed, close = [], ocp.CheckpointManager.close
+
+    def counted(manager):
+        closed.append(manager.directory)
+        close(manager)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "close", counted)
+    return closed
+
+
 def test_rerun_of_a_finished_run_restores_its_end_and_trains_nothing(tmp_path, monkeypatch):
     spec = tiny_spec("checkpoint.interval=2", "checkpoint.async_save=false")
+    closed = _count_manager_closes(monkeypatch)
     run(spec, tmp_path, steps=4, progress=False)
+    assert len(closed) == 1  # the run closes the manager it opened (threads, open files)
 
     def no_fresh_state(job):
         raise AssertionError("a resume restores into the planned state; it initialises none")
@@ -131,3 +146,18 @@ def test_rerun_of_a_finished_run_restores_its_end_and_trains_nothing(tmp_path, m
     monkeypatch.setattr(Job, "init_state", no_fresh_state)
     with pytest.raises(AlreadyTrained, match="already at step 4 .*asked to train to step 4"):
         run(spec, tmp_path, steps=4, progress=False)
+    assert len(closed) == 2  # and so does a run that ends in an error
+
+
+def test_closing_never_hides_the_error_that_ended_a_run(tmp_path, monkeypatch):
+    def failing_close(manager):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "close", failing_close)
+    with pytest.raises(UserInputError, match="^data: the error in flight$"):
+        with Checkpointer(tiny_spec(), tmp_path):
+            raise UserInputError("data: the error in flight")
+    # With no error in flight, a close that fails is the run's one-line error.
+    with pytest.raises(UserInputError, match=r"^checkpoint\.dir: .* failed: OSError: disk gone$"):
+        with Checkpointer(tiny_spec(), tmp_path):
+            pass

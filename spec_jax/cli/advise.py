@@ -26,10 +26,10 @@ def run_spec(run: Path, spec_path: Path | None):
     if Path(run).is_dir() and (Path(run) / spec.checkpoint.dir).is_dir():
         from spec_jax.checkpoint import Checkpointer
 
-        ckpt = Checkpointer(spec, run)
-        steps = ckpt.good_steps()
-        if steps:
-            return load_spec(ckpt.read_meta(steps[0])["spec"])
+        with Checkpointer(spec, run) as ckpt:
+            steps = ckpt.good_steps()
+            if steps:
+                return load_spec(ckpt.read_meta(steps[0])["spec"])
     return spec
 
 

@@ -43,7 +43,8 @@ def grid_spec(base: Spec, width: int, depth: int, tokens: int) -> tuple[Spec, in
 def held_out_loss(spec: Spec, run_dir: Path, batches: int) -> float:
     """Mean per-token loss of the run's last checkpoint on `batches` held-out batches."""
     job = build_job(spec, init=False)
-    state, _ = Checkpointer(spec, run_dir).restore_latest(job.abstract_state)
+    with Checkpointer(spec, run_dir) as ckpt:
+        state, _ = ckpt.restore_latest(job.abstract_state)
     if state is None:
         raise UserInputError(f"{run_dir}: no checkpoint to evaluate")
     data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, HELD_OUT_SEED)
