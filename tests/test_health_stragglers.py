@@ -3,7 +3,7 @@ import numpy as np
 
 from spec_jax.health.faults import Faults
 from spec_jax.core.health import StragglerDetector
-from spec_jax.core.spec import StragglerSpec
+from spec_jax.core.spec_health import StragglerSpec
 from spec_jax.train import run
 
 from tiny import tiny_spec

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spec_jax.core.spec import NanSpec, StragglerSpec
+from spec_jax.core.spec_health import NanSpec, StragglerSpec
 
 
 class HealthHalt(RuntimeError):

@@ -1,4 +1,5 @@
-"""The trainspec schema: fields, defaults and validation in one place.
+"""The trainspec schema: fields, defaults and validation in one place (with its `[health]`
+sections in spec_health.py and the sections' common base in spec_section.py).
 
 One pydantic definition gives both the validation (with the path of the offending field in every
 message) and the JSON Schema committed as docs/spec.schema.json. docs/spec.md states the same
@@ -14,11 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from spec_jax.core.compression import BLOCK_ALIGN
 from spec_jax.core.errors import UserInputError
+from spec_jax.core.spec_health import HealthSpec
 from spec_jax.core.spec_messages import validation_message
+from spec_jax.core.spec_section import Section
 from spec_jax.core.spec_source import apply_overrides, read_source
 
 SPEC_VERSION = 1
@@ -35,16 +38,7 @@ MAX_SEQUENCES = 2**24
 MAX_WIDTH = 2**20
 
 
-class _Section(BaseModel):
-    # allow_inf_nan=False: inf and nan are refused in every float field (a learning rate of
-    # inf validated, then made every parameter NaN after one step).
-    # strict=True: a TOML string or boolean is never coerced to a number (global_batch = "32"
-    # validated as 32, and global_batch = true as 1).
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
-                              allow_inf_nan=False, strict=True)
-
-
-class MeshAxis(_Section):
+class MeshAxis(Section):
     """One named axis of the device mesh."""
 
     role: Literal["data", "fsdp", "tensor"] | None = Field(
@@ -72,7 +66,7 @@ def _default_axes() -> dict[str, MeshAxis]:
     return {"data": MeshAxis(size=-1), "fsdp": MeshAxis(size=1), "tensor": MeshAxis(size=1)}
 
 
-class MeshSpec(_Section):
+class MeshSpec(Section):
     """The device mesh: its axes, their sizes and roles, and devices left out."""
 
     axes: dict[str, MeshAxis] = Field(
@@ -104,7 +98,7 @@ class MeshSpec(_Section):
         return tuple(name for name in self.axes if self.role_of(name) == role)
 
 
-class LayoutSpec(_Section):
+class LayoutSpec(Section):
     """How parameters and optimizer state are split over the mesh axes."""
 
     rules: dict[str, list[str]] = Field(
@@ -119,7 +113,7 @@ class LayoutSpec(_Section):
     )
 
 
-class PrecisionSpec(_Section):
+class PrecisionSpec(Section):
     """Dtypes of storage, arithmetic and gradient reduction."""
 
     param: DTYPES = Field("float32", description="Storage dtype of parameters.")
@@ -129,7 +123,7 @@ class PrecisionSpec(_Section):
     )
 
 
-class BatchSpec(_Section):
+class BatchSpec(Section):
     """The global batch, its micro-batches (accumulation) and its sequence length."""
 
     global_batch: int = Field(32, ge=1, le=MAX_SEQUENCES,
@@ -158,7 +152,7 @@ class BatchSpec(_Section):
         return self.global_batch // self.micro
 
 
-class RematSpec(_Section):
+class RematSpec(Section):
     """What the backward pass recomputes instead of keeping."""
 
     policy: Literal[REMAT_POLICIES] = Field(
@@ -166,7 +160,7 @@ class RematSpec(_Section):
     )
 
 
-class CollectivesSpec(_Section):
+class CollectivesSpec(Section):
     """Which implementation moves the gradients, and what it sends."""
 
     backend: Literal["xla", "ext", "hierarchical"] = Field(
@@ -202,7 +196,7 @@ class CollectivesSpec(_Section):
         return block
 
 
-class SemiSyncSpec(_Section):
+class SemiSyncSpec(Section):
     """Semi-synchronous training (DiLoCo, Douillard et al. 2023; docs/communication.md)."""
 
     inner_steps: int = Field(
@@ -217,7 +211,7 @@ class SemiSyncSpec(_Section):
     outer_momentum: float = Field(0.9, ge=0, lt=1.0, description="Outer Nesterov momentum.")
 
 
-class MetricsSpec(_Section):
+class MetricsSpec(Section):
     """What is measured, how often, and where the records go (docs/metrics.md)."""
 
     sink: Literal["jsonl"] = Field("jsonl", description="Where metric records go.")
@@ -242,7 +236,7 @@ class MetricsSpec(_Section):
     )
 
 
-class ModelSpec(_Section):
+class ModelSpec(Section):
     """The reference decoder-only transformer that `trainspec train` builds."""
 
     vocab_size: int = Field(256, ge=2, le=MAX_WIDTH, description="Byte-level by default.")
@@ -258,7 +252,7 @@ class ModelSpec(_Section):
         return self
 
 
-class OptimizerSpec(_Section):
+class OptimizerSpec(Section):
     """The reference job's optax optimizer and its schedule."""
 
     name: Literal["adamw", "sgd"] = Field("adamw", description="The optax optimizer.")
@@ -271,13 +265,13 @@ class OptimizerSpec(_Section):
                                          "norm to this; null = no clipping.")
 
 
-class TrainSpec(_Section):
+class TrainSpec(Section):
     """How long the reference job trains."""
 
     steps: int = Field(60, ge=1, description="Optimizer steps of `trainspec train`.")
 
 
-class CheckpointSpec(_Section):
+class CheckpointSpec(Section):
     """When and where the train state is saved (docs/reliability.md)."""
 
     interval: int = Field(
@@ -291,54 +285,6 @@ class CheckpointSpec(_Section):
     dir: str = Field("checkpoints", description="Checkpoint directory, relative to the run directory.")
 
 
-class NanSpec(_Section):
-    """What a non-finite loss, gradient or state does to the run (docs/reliability.md)."""
-
-    policy: Literal["skip", "halt"] = Field(
-        "skip", description="On a non-finite loss or gradient: `skip` drops the update, "
-        "`halt` stops with the last good state checkpointed."
-    )
-    max_consecutive_skips: int = Field(
-        5, ge=1, description="Under `skip`, one more consecutive non-finite step halts."
-    )
-
-
-class FingerprintSpec(_Section):
-    """Replica fingerprints: copies that should be identical, checked for silent corruption."""
-
-    interval: int = Field(
-        100, ge=0, description="Steps between replica fingerprint checks (0 = off); state is "
-        "also checked before every checkpoint."
-    )
-    policy: Literal["halt", "rollback"] = Field(
-        "rollback", description="On a mismatch: `halt`, or exclude the diverged devices and "
-        "resume from the last checkpoint."
-    )
-
-
-class StragglerSpec(_Section):
-    """The rule that names a participant whose steps are outliers."""
-
-    window: int = Field(20, ge=3, description="Steps of timings the outlier rule looks at.")
-    k: float = Field(5.0, gt=0, description="Outlier: time > median + k * MAD.")
-    min_excess: float = Field(
-        0.1, ge=0, description="...and more than this fraction above the median (MAD can be ~0)."
-    )
-
-
-class HealthSpec(_Section):
-    """The guards that keep a long run alive (docs/reliability.md)."""
-
-    preflight: bool = Field(
-        False, description="Run `trainspec doctor`'s per-device numerics checks at start-up and "
-        "exclude the devices that fail (as `--exclude-devices`); the time counts as "
-        "initialisation badput."
-    )
-    nan: NanSpec = NanSpec()
-    fingerprints: FingerprintSpec = FingerprintSpec()
-    stragglers: StragglerSpec = StragglerSpec()
-
-
 class FieldError(ValueError):
     """A check across sections, naming the field it is about: pydantic locates an error raised
     by a whole-spec check nowhere."""
@@ -348,7 +294,7 @@ class FieldError(ValueError):
         self.field = field
 
 
-class Spec(_Section):
+class Spec(Section):
     """How a training job sits on the hardware (docs/spec.md)."""
 
     spec_version: Literal[1] = Field(SPEC_VERSION, description="Version of this format.")

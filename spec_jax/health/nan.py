@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from spec_jax.core.health import check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step
-from spec_jax.core.spec import NanSpec
+from spec_jax.core.spec_health import NanSpec
 
 
 # The guard record travels as one int32 vector in this order: the step takes and donates one
