@@ -6,7 +6,13 @@ that takes `value_and_grad` of the cross-entropy, applies the gradients and retu
 `(state, metrics)`. Both sides get the same host (NumPy) batches, so both pay the transfer:
 - plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
 - wrapped: `spec_jax.wrap(train_step, spec)` (placement, donation, non-finite guard, metrics);
-- unguarded: the same with `nan_guard=False`, to show what the guard's on-device check costs.
+- unguarded: the same with `nan_guard=False`, to show what the guard's on-device check costs;
+- the guard's two costs apart, as plain jit of the step followed by one of them alone:
+  `meeting`, one all-reduce of one scalar that depends on every floating leaf of the new state
+  (the end-of-step meeting of the devices that any verdict on the new state needs, with no
+  check and no copy), and `copy`, a `lax.cond` keeping the new state or the old one on the loss
+  alone (a value the step has already all-reduced, so no new meeting): the copy of the state
+  into the donated buffer that keeping the old state until a verdict costs.
 Rounds alternate (and swap order) so that machine drift hits both; each round times
 `--steps` steps ended by one `block_until_ready`, in wall time and in this process's CPU time
 (all its threads: host dispatch and XLA's compute alike; on a loaded machine the CPU time is the
@@ -72,16 +78,37 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
 
     mesh = jax.make_mesh((n_devices,), ("data",))
     on_data = NamedSharding(mesh, P("data"))
-    plain_step = jax.jit(train_step, donate_argnums=0)
+
+    def meeting_step(state, batch):
+        new_state, metrics = train_step(state, batch)
+        leaves = [x for x in jax.tree.leaves(new_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        meet = jax.shard_map(lambda xs: jax.lax.psum(sum(x.ravel()[0] for x in xs), "data"),
+                             mesh=mesh, in_specs=([P()] * len(leaves),), out_specs=P(),
+                             check_vma=False)
+        return new_state, {**metrics, "meeting": meet(leaves)}
+
+    def copy_step(state, batch):
+        new_state, metrics = train_step(state, batch)
+        keep = jnp.isfinite(metrics["loss"])
+        return jax.lax.cond(keep, lambda: new_state, lambda: state), metrics
+
+    def plain_jit(step_fn):
+        jitted = jax.jit(step_fn, donate_argnums=0)
+        return lambda state, batch: jitted(state, jax.device_put(batch, on_data))
+
     spec = spec_jax.load_spec({"batch": {"global_batch": BATCH}})
     calls = {
-        "plain": lambda state, batch: plain_step(state, jax.device_put(batch, on_data)),
+        "plain": plain_jit(train_step),
         "wrapped": spec_jax.wrap(train_step, spec),
         "unguarded": spec_jax.wrap(train_step, spec, nan_guard=False),
+        "meeting": plain_jit(meeting_step),
+        "copy": plain_jit(copy_step),
     }
+    raw = ("plain", "meeting", "copy")
     states = {name: call.init(create_state, jax.random.key(0))
-              for name, call in calls.items() if name != "plain"}
-    states["plain"] = jax.device_put(create_state(jax.random.key(0)), NamedSharding(mesh, P()))
+              for name, call in calls.items() if name not in raw}
+    states.update({name: jax.device_put(create_state(jax.random.key(0)),
+                                        NamedSharding(mesh, P())) for name in raw})
 
     def timed_round(name: str) -> tuple[float, float]:
         """(wall, CPU) seconds per step."""
@@ -106,7 +133,7 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     for i, clock in enumerate(("wall", "CPU")):
         plain = statistics.median(t[i] for t in times["plain"]) * 1e3
         print(f"  {clock:4s} plain jit {plain:8.2f} ms/step")
-        for name in ("wrapped", "unguarded"):
+        for name in [n for n in calls if n != "plain"]:
             ms = statistics.median(t[i] for t in times[name]) * 1e3
             ratios = [w[i] / p[i] for w, p in zip(times[name], times["plain"])]
             print(f"       {name:9s} {ms:8.2f} ms/step  /plain: median of rounds "
