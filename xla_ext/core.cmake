@@ -2,6 +2,7 @@
 # into the nanobind module (CMakeLists.txt here) and into the C++ harness (tests/cxx/).
 set(XLA_EXT_CORE_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/rendezvous.cc
+  ${CMAKE_CURRENT_LIST_DIR}/thread_wait.cc
   ${CMAKE_CURRENT_LIST_DIR}/reduce_kernels.cc
   ${CMAKE_CURRENT_LIST_DIR}/output_pages.cc
   ${CMAKE_CURRENT_LIST_DIR}/collective_policies.cc

@@ -6,12 +6,12 @@
 // both win. Waiters spin briefly, yield, then sleep on the word with a futex: on this kind of
 // machine (8 device threads, 2 cores) a long spin would steal the core that the member we wait
 // for needs, while going straight to sleep costs a wake-up per member even when the peer is a
-// few microseconds away.
+// few microseconds away. The waiting primitives are in thread_wait.h.
 #include "rendezvous.h"
+#include "thread_wait.h"
 
 #include <atomic>
 #include <chrono>
-#include <climits>
 #include <deque>
 #include <map>
 #include <memory>
@@ -19,18 +19,6 @@
 #include <sstream>
 #include <thread>
 #include <unordered_map>
-
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sched.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-#endif
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace trainspec {
 namespace {
@@ -46,45 +34,6 @@ constexpr int kYields = 4;
 // Runs whose collectives failed are remembered so late members fail fast; bounded so that the
 // registry does not grow with the number of failures.
 constexpr size_t kMaxFailedRuns = 256;
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) &&
-                  std::atomic<uint32_t>::is_always_lock_free,
-              "the futex word must be a plain 32-bit integer");
-
-// Sleeps while *word == expected, at most `max_wait`; spurious returns are fine (callers loop).
-void SleepWhileEqual(std::atomic<uint32_t>* word, uint32_t expected,
-                     std::chrono::nanoseconds max_wait) {
-#if defined(__linux__)
-  timespec ts;
-  ts.tv_sec = static_cast<time_t>(max_wait.count() / 1000000000);
-  ts.tv_nsec = static_cast<long>(max_wait.count() % 1000000000);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, &ts,
-          nullptr, 0);
-#else
-  // No futex: poll with short sleeps (correct, slower to wake).
-  if (word->load(std::memory_order_acquire) == expected) {
-    std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(
-        max_wait, std::chrono::microseconds(50)));
-  }
-#endif
-}
-
-void WakeAll(std::atomic<uint32_t>* word) {
-#if defined(__linux__)
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
-          nullptr, 0);
-#else
-  (void)word;
-#endif
-}
 
 struct Instance {
   explicit Instance(int n) : ins(n, nullptr), outs(n, nullptr), arrived(n, 0) {}
