@@ -12,173 +12,25 @@
 //                rank, a group-size mismatch, disagreeing attributes or shapes, a bad rank
 //                (invalid argument, at once), and no rendezvous state left afterwards;
 //   packed       the compression kernels against their scalar reference (packed_kernels_test.cc).
+// The kernels' part is in reduce_kernels_test.cc, the packed part in packed_kernels_test.cc.
 // Exit status 0 when every check passed; each failed check prints one line.
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <functional>
-#include <random>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "collective_ops.h"
+#include "harness.h"
 
 namespace trainspec {
 namespace {
 
-int failed_checks = 0;
-int checks = 0;
-
-void Check(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok) {
-    ++failed_checks;
-    std::printf("FAILED: %s\n", what.c_str());
-  }
-}
-
-// ---- kernels ------------------------------------------------------------------------------
-
-template <typename T>
-T Combine(RedOp op, T a, T b) {
-  switch (op) {
-    case RedOp::kSum:
-    case RedOp::kMean:
-      if constexpr (std::is_integral<T>::value) {
-        return static_cast<T>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
-      } else {
-        return a + b;
-      }
-    case RedOp::kMax: return (a > b || a != a) ? a : b;
-    case RedOp::kMin: return (a < b || a != a) ? a : b;
-  }
-  return a;
-}
-
-// The documented semantics, one element at a time: combine sources 0..n-1 in rank order.
-template <typename T>
-T Reference(RedOp op, const std::vector<const T*>& srcs, size_t offset, size_t i) {
-  T acc = srcs[0][offset + i];
-  for (size_t s = 1; s < srcs.size(); ++s) acc = Combine(op, acc, srcs[s][offset + i]);
-  if (op == RedOp::kMean) acc = acc / static_cast<T>(srcs.size());
-  return acc;
-}
-
-// Replaces every NaN by one canonical NaN: which NaN's payload and sign a sum of NaNs keeps is
-// left open by IEEE 754 and differs between the vector widths (docs/xla_ext.md).
-void CanonicalNans(ElemType type, std::vector<uint8_t>& bytes) {
-  const size_t elem = ElemBytes(type);
-  for (size_t i = 0; i + elem <= bytes.size(); i += elem) {
-    uint64_t v = 0;
-    std::memcpy(&v, &bytes[i], elem);
-    uint64_t exp_mask = 0, mant_mask = 0;
-    switch (type) {
-      case ElemType::kF32: exp_mask = 0x7F800000u; mant_mask = 0x7FFFFFu; break;
-      case ElemType::kF64: exp_mask = 0x7FF0000000000000ull; mant_mask = 0xFFFFFFFFFFFFFull; break;
-      case ElemType::kBF16: exp_mask = 0x7F80u; mant_mask = 0x7Fu; break;
-      case ElemType::kF16: exp_mask = 0x7C00u; mant_mask = 0x3FFu; break;
-      case ElemType::kS32: return;
-    }
-    if ((v & exp_mask) == exp_mask && (v & mant_mask) != 0) {
-      v = exp_mask | (mant_mask & ~(mant_mask >> 1));  // positive quiet NaN
-      std::memcpy(&bytes[i], &v, elem);
-    }
-  }
-}
-
-uint64_t Fnv(uint64_t h, const void* data, size_t bytes) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001B3ull;
-  return h;
-}
-
-// Random bytes with a good share of special values: NaN, inf, zero, subnormal, huge.
-std::vector<uint8_t> RandomBytes(std::mt19937_64& rng, size_t bytes, size_t elem) {
-  std::vector<uint8_t> b(bytes);
-  for (auto& v : b) v = static_cast<uint8_t>(rng());
-  for (size_t i = 0; i + elem <= bytes; i += elem) {
-    if (rng() % 8 == 0) std::memset(&b[i + elem - 1], rng() % 2 ? 0x7F : 0xFF, 1);  // exp ~max
-    if (rng() % 16 == 0) std::memset(&b[i], 0, elem);
-  }
-  return b;
-}
-
-// Bit for bit, except that any NaN matches any NaN: IEEE 754 leaves open which operand's
-// payload a sum of two NaNs keeps, and the compiler may commute the scalar reference's add.
-template <typename T>
-void CheckAgainstReference(RedOp op, const std::vector<const void*>& untyped, size_t so,
-                           const void* got, size_t count, const std::string& what) {
-  std::vector<const T*> srcs;
-  for (const void* p : untyped) srcs.push_back(static_cast<const T*>(p));
-  const T* dst = static_cast<const T*>(got);
-  for (size_t i = 0; i < count; ++i) {
-    const T want = Reference(op, srcs, so, i);
-    const bool both_nan = want != want && dst[i] != dst[i];
-    if (!both_nan && std::memcmp(&want, &dst[i], sizeof(T)) != 0) {
-      Check(false, what + " element " + std::to_string(i));
-      return;
-    }
-  }
-  Check(true, what);
-}
-
-uint64_t TestKernels() {
-  std::mt19937_64 rng(20261130);
-  uint64_t digest = 0xCBF29CE484222325ull;
-  const ElemType types[] = {ElemType::kF32, ElemType::kF64, ElemType::kS32, ElemType::kBF16,
-                            ElemType::kF16};
-  const RedOp ops[] = {RedOp::kSum, RedOp::kMean, RedOp::kMax, RedOp::kMin};
-  const size_t counts[] = {0, 1, 31, 33, 64, 257, 4099};
-  for (ElemType type : types) {
-    const size_t elem = ElemBytes(type);
-    for (RedOp op : ops) {
-      if (op == RedOp::kMean && type == ElemType::kS32) continue;
-      for (size_t count : counts) {
-        for (int n : {1, 3, 8}) {
-          for (int m : {1, 3}) {
-            for (size_t misalign : {size_t{0}, size_t{1}}) {  // elements, so unaligned bytes
-              std::vector<std::vector<uint8_t>> in;
-              std::vector<const void*> srcs;
-              for (int s = 0; s < n; ++s) {
-                in.push_back(RandomBytes(rng, (count + misalign) * elem, elem));
-                srcs.push_back(in.back().data());
-              }
-              std::vector<std::vector<uint8_t>> out(m, std::vector<uint8_t>((count + 1) * elem));
-              std::vector<void*> dsts;
-              for (auto& o : out) dsts.push_back(o.data());
-              ReduceInto(type, op, srcs.data(), misalign, n, dsts.data(), 1, m, count,
-                         count % 2 == 1);
-              const std::string what = "kernel type " + std::to_string(static_cast<int>(type)) +
-                                       " op " + std::to_string(static_cast<int>(op)) +
-                                       " count " + std::to_string(count) + " n " +
-                                       std::to_string(n) + " m " + std::to_string(m);
-              for (int d = 1; d < m; ++d) {
-                Check(std::memcmp(out[d].data(), out[0].data(), out[0].size()) == 0,
-                      what + ": destinations differ");
-              }
-              const void* got = out[0].data() + elem;
-              if (type == ElemType::kF32) {
-                CheckAgainstReference<float>(op, srcs, misalign, got, count, what);
-              } else if (type == ElemType::kF64) {
-                CheckAgainstReference<double>(op, srcs, misalign, got, count, what);
-              } else if (type == ElemType::kS32) {
-                CheckAgainstReference<int32_t>(op, srcs, misalign, got, count, what);
-              }
-              CanonicalNans(type, out[0]);
-              digest = Fnv(digest, out[0].data(), out[0].size());
-            }
-          }
-        }
-      }
-    }
-  }
-  return digest;
-}
+Tally tally;
 
 // ---- collectives --------------------------------------------------------------------------
 
@@ -238,7 +90,7 @@ bool AllOk(const std::vector<Outcome>& outcomes, const std::string& what) {
   bool ok = true;
   for (const Outcome& o : outcomes) {
     if (!o.status.ok()) {
-      Check(false, what + ": " + o.status.message);
+      tally.Check(false, what + ": " + o.status.message);
       ok = false;
     }
   }
@@ -267,7 +119,7 @@ void TestOps(int n, size_t len) {
           ok &= out[r][i] == want;
         }
       }
-      Check(ok, what + " values");
+      tally.Check(ok, what + " values");
     }
   }
   {  // reduce_scatter along dimension 0 of (n, len / n)
@@ -285,7 +137,7 @@ void TestOps(int n, size_t len) {
           ok &= b.out[r][i] == want;
         }
       }
-      Check(ok, "reduce_scatter values" + size);
+      tally.Check(ok, "reduce_scatter values" + size);
     }
   }
   {  // all_gather along axis 0
@@ -298,7 +150,7 @@ void TestOps(int n, size_t len) {
       for (int r = 0; r < n; ++r) {
         for (size_t i = 0; i < len; ++i) ok &= b.out[r][i] == b.in[i / (len / n)][i % (len / n)];
       }
-      Check(ok, "all_gather values" + size);
+      tally.Check(ok, "all_gather values" + size);
     }
   }
   {  // all_to_all of (2, len / 2): split axis 1, concat axis 0 -> (2n, len / 2n)
@@ -319,7 +171,7 @@ void TestOps(int n, size_t len) {
           }
         }
       }
-      Check(ok, "all_to_all values" + size);
+      tally.Check(ok, "all_to_all values" + size);
     }
   }
   {  // broadcast from the last rank, and permute: rank r receives from r - 1, rank 0 zeros
@@ -339,7 +191,7 @@ void TestOps(int n, size_t len) {
         ok &= b.out[r] == b.in[n - 1];
         ok &= r == 0 ? p.out[r] == std::vector<float>(len, 0.0f) : p.out[r] == p.in[r - 1];
       }
-      Check(ok, "broadcast and permute values" + size);
+      tally.Check(ok, "broadcast and permute values" + size);
     }
   }
 }
@@ -374,7 +226,8 @@ void TestGroupsAndRepeats() {
     });
   }
   for (auto& th : pool) th.join();
-  Check(wrong == 0, "two groups x 30 invocations: " + std::to_string(wrong.load()) + " wrong");
+  tally.Check(wrong == 0,
+              "two groups x 30 invocations: " + std::to_string(wrong.load()) + " wrong");
 }
 
 // ---- failures -----------------------------------------------------------------------------
@@ -384,11 +237,11 @@ void ExpectAllFail(const std::vector<Outcome>& outcomes, Code code, const std::s
                    double under_s, const std::string& what) {
   for (size_t t = 0; t < outcomes.size(); ++t) {
     const Outcome& o = outcomes[t];
-    Check(o.status.code == code && o.status.message.find(needle) != std::string::npos,
+    tally.Check(o.status.code == code && o.status.message.find(needle) != std::string::npos,
           what + " member " + std::to_string(t) + ": code " +
               std::to_string(static_cast<int>(o.status.code)) + " \"" + o.status.message +
               "\"");
-    Check(o.seconds < under_s, what + " member " + std::to_string(t) + " took " +
+    tally.Check(o.seconds < under_s, what + " member " + std::to_string(t) + " took " +
                                    std::to_string(o.seconds) + " s");
   }
 }
@@ -454,24 +307,18 @@ void TestFailures() {
 }  // namespace
 }  // namespace trainspec
 
-namespace trainspec {
-std::pair<int, int> TestPackedKernels();  // packed_kernels_test.cc
-}  // namespace trainspec
-
 int main() {
   using namespace trainspec;
-  const uint64_t digest = TestKernels();
+  const uint64_t digest = TestReduceKernels(tally);
   TestOps(8, 64);            // everything below 256 KiB: the last arriver does all units
   TestOps(8, 1 << 16);       // 256 KiB per member: members share the units
   TestOps(8, 5 * 8 * 1024);  // a length that does not fill the last unit
   TestGroupsAndRepeats();
   TestFailures();
-  const auto [packed_checks, packed_failed] = TestPackedKernels();
-  checks += packed_checks;
-  failed_checks += packed_failed;
-  Check(LiveRendezvousCount() == 0, "rendezvous state left: " +
+  TestPackedKernels(tally);
+  tally.Check(LiveRendezvousCount() == 0, "rendezvous state left: " +
                                         std::to_string(LiveRendezvousCount()) + " slots");
   std::printf("isa %s\nkernel digest %016llx\n%d checks, %d failed\n", IsaName(ActiveIsa()),
-              static_cast<unsigned long long>(digest), checks, failed_checks);
-  return failed_checks == 0 ? 0 : 1;
+              static_cast<unsigned long long>(digest), tally.checks, tally.failed);
+  return tally.failed == 0 ? 0 : 1;
 }

@@ -6,16 +6,15 @@
 // kernels share no state: ThreadSanitizer watches). Part of the harness (harness.cc).
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
 #include <thread>
-#include <utility>
 #include <vector>
 
+#include "harness.h"
 #include "packed_kernels.h"
 
 namespace trainspec {
@@ -111,17 +110,6 @@ std::vector<float> Values(size_t n, std::mt19937& rng) {
   return x;
 }
 
-struct Tally {
-  int checks = 0, failed = 0;
-  void Check(bool ok, const std::string& what) {
-    ++checks;
-    if (!ok) {
-      ++failed;
-      std::printf("FAILED: %s\n", what.c_str());
-    }
-  }
-};
-
 void CheckOneFormat(const PackedFormat& f, std::mt19937& rng, Tally& t) {
   const std::string what = "packed code " + std::to_string(f.code) + " block " +
                            std::to_string(f.block) + " n " + std::to_string(f.n);
@@ -176,9 +164,7 @@ void CheckThreads(Tally& t) {
 
 }  // namespace
 
-// (checks, failed checks) of the packed-buffer kernels.
-std::pair<int, int> TestPackedKernels() {
-  Tally t;
+void TestPackedKernels(Tally& t) {
   std::mt19937 rng(2026);
   for (size_t n : {size_t{0}, size_t{1}, size_t{3}, size_t{255}, size_t{256}, size_t{1030}}) {
     CheckOneFormat(PackedFormat{kFormatBf16, 0, n}, rng, t);
@@ -187,7 +173,6 @@ std::pair<int, int> TestPackedKernels() {
     }
   }
   CheckThreads(t);
-  return {t.checks, t.failed};
 }
 
 }  // namespace trainspec
