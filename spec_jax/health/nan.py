@@ -12,7 +12,7 @@ The state check reads each element once over the mesh, not once per device: a de
 leaves' blocks replicated over the mesh axes that do not split them (with data parallelism, all
 of it on every device), so each device checks 1/r of each block (r: the devices holding that
 block) and one all-reduce of one integer counts the non-finite slices. On 8 simulated devices
-checking every copy was most of the guard's cost (docs/wrapping.md).
+checking every copy cost more (docs/wrapping.md, "Guard designs measured and not kept").
 """
 from __future__ import annotations
 
