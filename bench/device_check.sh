@@ -2,8 +2,9 @@
 # Prepared GPU check (docs/plan.md, "GPU check"): on a machine with jax[cuda] preinstalled and no
 # network, install this checkout, run `trainspec doctor`, `trainspec plan` for one GPU, and
 # `trainspec train` of a ~127M-parameter reference model in bfloat16 on one GPU; print the
-# measured MFU next to the plan's prediction. Budget: 8 minutes in all: the stage timeouts
-# (install 90 s, doctor 120 s, plan 30 s, train 210 s) add up to 7.5 minutes.
+# measured MFU next to the plan's prediction; then time wrap() and the non-finite guard's two
+# parts against plain jax.jit on the GPU (bench/wrap_overhead.py). Budget: 8 minutes in all: the
+# stage timeouts (install 90 s, doctor 120 s, plan 30 s, train 180 s, wrap 60 s) add up to 8.
 #   bash bench/device_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ if ! timeout 90 "$PY" -m pip install --no-build-isolation --no-deps --no-index -
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" - <<'PY' || { echo "missing run-time dependencies (above)"; exit 3; }
-import importlib, sys
+import importlib.util, sys
 missing = [m for m in ("jax", "flax", "optax", "orbax.checkpoint", "pydantic", "tqdm", "matplotlib")
            if importlib.util.find_spec(m.split(".")[0]) is None]
 import jax
@@ -51,7 +52,7 @@ stage "plan"
 timeout 30 $TS plan --devices 1 --hardware "$HW" "${MODEL[@]}" --json "$OUT/plan.json" | tee "$OUT/plan.txt"
 
 stage "train"
-timeout 210 $TS train "${MODEL[@]}" --steps 60 --quiet --run-dir "$OUT/run" \
+timeout 180 $TS train "${MODEL[@]}" --steps 60 --quiet --run-dir "$OUT/run" \
   --summary-json "$OUT/summary.json" | tee "$OUT/train.txt"
 
 stage "compare"
@@ -64,4 +65,7 @@ print(f"step time: measured {run['step_time_s'] * 1e3:.1f} ms, planned {plan['st
 print(f"MFU:       measured {100 * (run['mfu'] or 0):.1f} %, planned {100 * plan['mfu']:.1f} %")
 print(f"memory:    compiled {run['memory_peak_bytes'] / 1e9:.2f} GB, planned {plan['memory']['total'] / 1e9:.2f} GB")
 PY
+stage "wrap"
+timeout 60 "$PY" bench/wrap_overhead.py --devices 1 --rounds 15 --steps 20 | tee "$OUT/wrap.txt"
+
 stage "done"

@@ -140,13 +140,17 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
                   f"{statistics.median(ratios):.3f}x [{min(ratios):.3f} .. {max(ratios):.3f}]")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.one:  # a child: XLA_FLAGS must be set before jax is imported
         _measure(args.devices[0], args.rounds, args.steps)
         return

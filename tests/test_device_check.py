@@ -1,6 +1,7 @@
-"""bench/device_check.sh runs only where a GPU is lent: its model flags, its `plan` command and
-its `train` command line are checked here so the script does not rot between lendings, and the
-plan's H200 prediction that docs/plan.md quotes is the planner's."""
+"""bench/device_check.sh runs only where a GPU is lent: its model flags, its `plan` command, its
+`train` command line and its wrap bench line are checked here so the script does not rot
+between lendings, and the plan's H200 prediction that docs/plan.md quotes is the planner's."""
+import importlib.util
 import json
 import re
 import shlex
@@ -59,3 +60,15 @@ def test_the_plan_command_runs_and_predicts_what_the_docs_quote(tmp_path, monkey
     assert predicted["memory"]["total"] / 1e9 == pytest.approx(gb, abs=0.005)
     assert predicted["step_time_s"] * 1e3 == pytest.approx(ms, abs=0.05)
     assert predicted["mfu"] * 100 == pytest.approx(mfu, abs=0.05)
+
+
+def test_the_wrap_bench_command_line_parses():
+    line = next(l for l in SCRIPT.splitlines()
+                if l.startswith("timeout") and "bench/wrap_overhead.py" in l)
+    words = shlex.split(line.split("bench/wrap_overhead.py", 1)[1].split("|")[0])
+    spec = importlib.util.spec_from_file_location("wrap_overhead",
+                                                  ROOT / "bench" / "wrap_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.build_parser().parse_args(words)
+    assert (args.devices, args.rounds, args.steps) == ([1], 15, 20)
