@@ -97,16 +97,11 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
         return lambda state, batch: jitted(state, jax.device_put(batch, on_data))
 
     spec = spec_jax.load_spec({"batch": {"global_batch": BATCH}})
-    calls = {
-        "plain": plain_jit(train_step),
-        "wrapped": spec_jax.wrap(train_step, spec),
-        "unguarded": spec_jax.wrap(train_step, spec, nan_guard=False),
-        "meeting": plain_jit(meeting_step),
-        "copy": plain_jit(copy_step),
-    }
-    raw = ("plain", "meeting", "copy")
-    states = {name: call.init(create_state, jax.random.key(0))
-              for name, call in calls.items() if name not in raw}
+    wrapped = {"wrapped": spec_jax.wrap(train_step, spec),
+               "unguarded": spec_jax.wrap(train_step, spec, nan_guard=False)}
+    raw = {"plain": train_step, "meeting": meeting_step, "copy": copy_step}
+    calls = {**{name: plain_jit(fn) for name, fn in raw.items()}, **wrapped}
+    states = {name: step.init(create_state, jax.random.key(0)) for name, step in wrapped.items()}
     states.update({name: jax.device_put(create_state(jax.random.key(0)),
                                         NamedSharding(mesh, P())) for name in raw})
 
