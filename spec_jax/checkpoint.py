@@ -138,6 +138,26 @@ def _fold_residual(state, target):
     return state.replace(**{RESIDUAL: folded})
 
 
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+    """orbax's handler for the state, saving each replicated array from one replica in a job of
+    one process.
+
+    On CPU and TPU orbax splits a replicated array into one slice per replica by default
+    (replica-parallel), so that the hosts holding it write it together. In one process the same
+    process writes every slice, and each slice is one more small program to compile and run:
+    the tiny model's state on 8 CPU devices took 4.2 s to save the first time (no compilation
+    cache) and 0.23 s later with it, against 1.1 s and 0.11 s without (the Intel VM, 2 cores).
+    Over several processes it is kept.
+    The state's leaves are arrays: the registry holds orbax's array handler and nothing else,
+    so anything else is refused rather than written in some other way. That handler keeps no
+    per-process array metadata (`array_metadatas/`, in orbax's default registry), which restore
+    does not need: a checkpoint written with it restores as before.
+    """
+    arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
+    registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class Checkpointer:
     """Checkpoints of one run directory (`checkpoint.dir` inside it), per the spec. A context
     manager: leaving it closes orbax's manager (its background threads and open files)."""
@@ -154,7 +174,8 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
+            self.directory, options=options,
+            item_handlers={"state": _state_handler(), "meta": ocp.JsonCheckpointHandler()},
         )
         self.last_saved: int | None = None  # set by a verified restore or a completed save call
 
@@ -189,7 +210,7 @@ class Checkpointer:
         }
         with self._failing_saves_end_the_run():
             self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+                state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)))
         self.last_saved = step
 
     def wait(self) -> None:
@@ -252,8 +273,9 @@ class Checkpointer:
         read_as = _with_residual_replicas(target, saved_replicas) if fold else target
         check_replicas(meta.get("shapes", {}), read_as, step)  # residuals fold, the rest not
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_like(read_as))))
+            abstract = abstract_like(read_as)
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))
         except Exception as err:  # noqa: BLE001
             raise BadCheckpoint(f"its state does not read back ({_first_line(err)})") from None
         differs = first_mismatch(meta["checksums"], restored.state)
