@@ -274,8 +274,9 @@ class Checkpointer:
         check_replicas(meta.get("shapes", {}), read_as, step)  # residuals fold, the rest not
         try:
             abstract = abstract_like(read_as)
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))
+            state = ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=state))
         except Exception as err:  # noqa: BLE001
             raise BadCheckpoint(f"its state does not read back ({_first_line(err)})") from None
         differs = first_mismatch(meta["checksums"], restored.state)
