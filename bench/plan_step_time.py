@@ -26,9 +26,8 @@ import jax  # noqa: E402
 
 from spec_jax.core.plan.hardware import load_profile  # noqa: E402
 from spec_jax.tools.plan_check import (TIME_CALIBRATION, calibrate_cpu, calibrate_time,  # noqa: E402
-                                       compile_layout,
-                                       fit_time, interleaved_step_times, predict_for,
-                                       validation_layouts, validation_spec)
+                                       fit_time, interleaved_step_times, layout_runner,
+                                       predict_for, validation_layouts, validation_spec)
 
 
 def loadavg() -> float:
@@ -45,7 +44,7 @@ def main() -> int:
 
     @functools.lru_cache(maxsize=None)
     def runner(data, fsdp, tensor, dcn, rows):
-        return compile_layout(validation_spec(data, fsdp, tensor, dcn, rows), data * fsdp * tensor)[0]
+        return layout_runner(validation_spec(data, fsdp, tensor, dcn, rows), data * fsdp * tensor)
 
     measured_profile = calibrate_cpu(load_profile("cpu"))  # peak, links, memory bandwidth
     profile = calibrate_time(measured_profile, runner)

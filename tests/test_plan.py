@@ -138,7 +138,7 @@ def test_fit_time_recovers_the_step_time_parameters():
 
 @functools.lru_cache(maxsize=None)
 def compiled(layout):
-    """(runner, compiled memory and comm) of a (data, fsdp, tensor, dcn) layout, once."""
+    """The compiled memory and comm of a (data, fsdp, tensor, dcn) layout, once."""
     d, f, t, dcn = layout
     return compile_layout(spec_for(d, f, t, dcn), d * f * t)
 
@@ -148,7 +148,7 @@ def profile():
     """The CPU profile with the activation overheads fitted to the calibration layouts' compiled
     memory. Links, peak and bandwidth only set step time, which is the benchmark's: the
     shipped profile's figures stand in for their measurement."""
-    points = [(spec_for(*c), math.prod(c), compiled(c + (1,))[1]["memory_peak_bytes"])
+    points = [(spec_for(*c), math.prod(c), compiled(c + (1,))["memory_peak_bytes"])
               for c in CALIBRATION]
     return fit_activation_overheads([(s, layout_of(s, n), m) for s, n, m in points],
                                     load_profile("cpu"))
@@ -163,7 +163,7 @@ def _comm_errors(predicted: dict, hlo: dict) -> dict:
 def test_prediction_within_tolerance(layout, profile):
     d, f, t, dcn = layout
     spec = spec_for(d, f, t, dcn)
-    _, got = compiled(layout)
+    got = compiled(layout)
     pred = predict_for(spec, d * f * t, profile)
     assert pred.fits, pred.reasons
     # an all-reduce over no mesh axis (the NaN guard's count on one device) moves nothing

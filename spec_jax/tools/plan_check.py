@@ -3,7 +3,7 @@
 `compile_layout` compiles the reference job's step for a spec on the first n devices and
 reports what the planner predicts: per-device memory (`compiled.memory_analysis()`), and the
 HLO's communication bytes by kind and mesh axis and operations by kind (spec_jax.metrics.comm);
-`step_time` times it.
+`layout_runner` places its state so that `step_time` can time it.
 `calibrate_cpu` measures this machine's matmul peak and collective alpha-beta and fits the
 activation overheads, `calibrate_time` the step-time parameters, so that `trainspec plan
 --hardware cpu` predicts this machine. tests/test_plan.py and bench/plan_step_time.py use them.
@@ -108,22 +108,34 @@ class Runner:
         return time.perf_counter() - t0
 
 
-def compile_layout(spec: Spec, n_devices: int) -> tuple[Runner, dict]:
-    """Compile the step on the first n devices: (runner, compiled memory and HLO comm)."""
+def compile_layout(spec: Spec, n_devices: int) -> dict:
+    """Compile the step on the first n devices for its abstract state (no state is made, no
+    step runs): the compiled memory and HLO comm the planner predicts."""
     mesh = build_mesh(spec, jax.devices()[:n_devices])
-    step, _ = build_abstract_job(spec, mesh)
-    treedef = jax.tree.structure(step.state_shardings)
-    state = jax.device_put(jax.tree.unflatten(treedef, _host_state(spec)), step.state_shardings)
-    batch = step.shard_batch(ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batch(0))
-    compiled = step.compile(state, batch)
-    runner = Runner(step, state, batch)
-    runner.once()  # one-off work (allocations, thread start-up) stays out of the timings
+    step, abstract = build_abstract_job(spec, mesh)
+    compiled = step.compile(abstract, _first_batch(spec, step))
     volume = comm.analyze_compiled(compiled, mesh)
-    return runner, {
+    return {
         "memory_peak_bytes": memory.compiled_memory(compiled)["memory_peak_bytes"],
         "comm_bytes_by_kind_and_axis": volume.by_kind_and_axis(),
         "comm_ops_by_kind": volume.ops_by_kind(),
     }
+
+
+def layout_runner(spec: Spec, n_devices: int) -> Runner:
+    """The step on the first n devices with its initial state placed, run once."""
+    mesh = build_mesh(spec, jax.devices()[:n_devices])
+    step, _ = build_abstract_job(spec, mesh)
+    treedef = jax.tree.structure(step.state_shardings)
+    state = jax.device_put(jax.tree.unflatten(treedef, _host_state(spec)), step.state_shardings)
+    runner = Runner(step, state, _first_batch(spec, step))
+    runner.once()  # compiles; one-off work (allocations, threads) stays out of the timings
+    return runner
+
+
+def _first_batch(spec: Spec, step):
+    data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
+    return step.shard_batch(data.batch(0))
 
 
 def collective_rows(sizes=(16 << 10, 256 << 10, 1 << 20, 4 << 20)) -> list[dict]:
