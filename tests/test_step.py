@@ -99,14 +99,14 @@ def test_layouts_agree_with_one_device(name, single_device_reference):
 def _mean_of_micro_means_update(k):
     """What the wrong rule (average of per-micro-batch mean losses) would give, on one device."""
     batch = _batch(ragged=True)
-    params = _init_state(jax.random.key(0)).params
+    params = jax.jit(_init_state)(jax.random.key(0)).params
 
     def micro_mean(p, j):
         micro = jax.tree.map(lambda x: x[j::k], batch)  # the same interleaved split as wrap()
         loss_sum, tokens, _ = _loss_fn(p, micro)
         return loss_sum / tokens
 
-    return jax.grad(lambda p: sum(micro_mean(p, j) for j in range(k)) / k)(params)
+    return jax.jit(jax.grad(lambda p: sum(micro_mean(p, j) for j in range(k)) / k))(params)
 
 
 def test_accumulation_with_ragged_masks_matches_full_batch():
