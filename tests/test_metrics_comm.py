@@ -48,7 +48,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 def test_data_parallel_is_one_gradient_all_reduce_per_step():
     job, _, volume, _ = compiled_layout("data")
-    p = param_bytes(job.state.params)
+    p = param_bytes(job.abstract_state.params)
     # K > 1 micro-batches are accumulated per replica and reduced once (step.py), not per
     # micro-batch: one all-reduce of the fused gradient buffer, plus a few scalars.
     assert K > 1
@@ -59,7 +59,7 @@ def test_data_parallel_is_one_gradient_all_reduce_per_step():
 
 def test_fsdp_gathers_params_once_and_reduces_gradients_per_micro_batch():
     job, _, volume, _ = compiled_layout("fsdp8")
-    p = param_bytes(job.state.params)
+    p = param_bytes(job.abstract_state.params)
     kinds = volume.by_kind_and_axis()
     # Gathered weights are loop-invariant: XLA hoists the all-gather out of the micro-batch loop.
     assert p <= kinds["all-gather"]["fsdp"] <= 1.01 * p
@@ -80,7 +80,7 @@ def test_tensor_parallel_all_reduces_activations():
     expected = K * (2 + 6 * m.n_layers) * act
     kinds = volume.by_kind_and_axis()
     assert expected <= kinds["all-reduce"]["tensor"] <= expected * 1.05
-    local = param_bytes(job.state.params, per_device=True)
+    local = param_bytes(job.abstract_state.params, per_device=True)
     assert local <= kinds["all-reduce"]["data"] <= (local + SCALARS) * 1.01  # once per step
 
 
@@ -117,7 +117,7 @@ def test_ext_gradient_all_reduce_moves_the_same_bytes_as_xla():
     Both also carry the NaN guard's verdict: one int32 all-reduced after the update."""
     job, _, xla_volume, _ = compiled_layout("data")
     _, _, ext_volume, _ = compiled_layout("data", "collectives.backend=ext")
-    p = param_bytes(job.state.params)
+    p = param_bytes(job.abstract_state.params)
     # the custom call (the gradient), the scalars, the guard's verdict
     assert sorted(c.bytes for c in ext_volume.collectives)[0] == 4
     assert len(ext_volume.collectives) == 3
