@@ -10,6 +10,9 @@ from spec_jax.core.spec import Spec
 from spec_jax.core.spec_source import to_toml
 
 SPEC_FILE = "spec.toml"  # the spec a run dir was last trained under, --set overrides applied
+# A file that each implementation's finished checkpoint step holds and the other's never does
+# (orbax's step metadata; the torch implementation's meta), by `trainspec train --framework`.
+CHECKPOINT_MARKERS = {"jax": "_CHECKPOINT_METADATA", "torch": "meta.json"}
 
 
 class AlreadyTrained(Exception):
@@ -32,6 +35,20 @@ def resume_line(mark: dict, mesh: dict[str, int]) -> str:
     was, now = mark["resumed_from_mesh"], mesh_text(mesh)
     return (f"resumed from step {mark['resumed_from_step']} (mesh {was} → {now}"
             f"{', unchanged' if was == now else ''})")
+
+
+def foreign_checkpoint(checkpoint_dir: Path, framework: str) -> str | None:
+    """One line naming a checkpoint in `checkpoint_dir` that another framework's implementation
+    wrote, or None: it is neither good nor bad for this one, it is not its to read."""
+    steps = [p for p in Path(checkpoint_dir).iterdir() if p.name.isdigit()] \
+        if Path(checkpoint_dir).is_dir() else []
+    for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):  # the newest named
+        for other, marker in CHECKPOINT_MARKERS.items():
+            if other != framework and (step_dir / marker).exists():
+                return (f"checkpoint.dir: {step_dir} is a checkpoint of the {other} "
+                        f"implementation; resume it with --framework {other}, or give this run "
+                        f"another --run-dir")
+    return None
 
 
 def write_json_atomically(path: Path, payload: dict) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from run_dirs import snapshot
 from spec_jax.core.records import json_schema
-from tiny import TINY
+from tiny import TINY, tiny_spec
 
 pytestmark = pytest.mark.slow
 
@@ -143,6 +143,38 @@ def test_a_corrupted_replica_is_found_and_halts(tmp_path):
                             text=True, cwd=ROOT, timeout=600, env=env)
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert "replica fingerprints differ after step 2: embedding on ranks [1]" in result.stdout
+
+
+def test_a_run_dir_of_the_other_framework_is_refused_by_name(tmp_path, reference, capsys):
+    """Each framework refuses the other's checkpoints in one line naming it (not as bad
+    checkpoints, not with orbax's warnings), before anything in the run dir changes; `advise`
+    reads the spec either framework saved."""
+    from spec_jax.cli.main import main
+    from spec_jax.train import run
+
+    torch_dir = tmp_path / "torch_run"
+    shutil.copytree(reference, torch_dir)
+    before = snapshot(torch_dir)
+    assert main(["train", "--quiet", "--steps", str(STEPS + 2), "--run-dir", str(torch_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert all(line.startswith("trainspec: spec: ") for line in err[:-1]), err
+    assert err[-1] == (f"trainspec: error: checkpoint.dir: {torch_dir}/checkpoints/{STEPS} is a "
+                       "checkpoint of the torch implementation; resume it with --framework "
+                       "torch, or give this run another --run-dir")
+    assert snapshot(torch_dir) == before
+    assert main(["advise", str(torch_dir)]) == 2  # its spec read; torch measures no GNS
+    assert "no gns records" in capsys.readouterr().err
+
+    jax_dir = tmp_path / "jax_run"
+    run(tiny_spec("checkpoint.interval=2", "checkpoint.async_save=false"), jax_dir, steps=2,
+        progress=False)
+    before = snapshot(jax_dir)
+    result = _run(_cmd(jax_dir))
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "checkpoints/2 is a checkpoint of the jax implementation; resume it with --framework "
+        "jax, or give this run another --run-dir") and "[rank" not in result.stdout, result.stdout
+    assert snapshot(jax_dir) == before
 
 
 @pytest.mark.parametrize("extra,field", [

@@ -9,28 +9,22 @@ from spec_jax.cli.options import add_outputs
 def register(subparsers) -> None:
     p = subparsers.add_parser("advise", help="critical batch and batch-size advice from a run's GNS")
     p.add_argument("run", type=Path, help="run directory or its metrics JSONL")
-    p.add_argument("--spec", type=Path, help="the run's spec (default: the one saved with the "
-                   "run's newest checkpoint, else the built-in spec)")
+    p.add_argument("--spec", type=Path, help="the run's spec (default: the one the run directory "
+                   "was trained under, RUN_DIR/spec.toml, else the built-in spec)")
     add_outputs(p, json="write the advice as JSON",
                 plot="write a PNG: GNS over steps and the trade-off")
     p.set_defaults(func=run)
 
 
 def run_spec(run: Path, spec_path: Path | None):
-    """The spec a run was trained with: --spec, the newest checkpoint's, or the default."""
+    """The spec a run was trained with: --spec, the run directory's saved spec (either
+    framework writes it; a metrics file's directory is its run's), or the default."""
     from spec_jax.core.spec import default_spec, load_spec
+    from spec_jax.run_files import saved_spec
 
-    if spec_path is not None:
-        return load_spec(spec_path)
-    spec = default_spec()
-    if Path(run).is_dir() and (Path(run) / spec.checkpoint.dir).is_dir():
-        from spec_jax.checkpoint import Checkpointer
-
-        with Checkpointer(spec, run) as ckpt:
-            steps = ckpt.good_steps()
-            if steps:
-                return load_spec(ckpt.read_meta(steps[0])["spec"])
-    return spec
+    if spec_path is None:
+        spec_path = saved_spec(run if Path(run).is_dir() else Path(run).parent)
+    return default_spec() if spec_path is None else load_spec(spec_path)
 
 
 def run(args) -> int:

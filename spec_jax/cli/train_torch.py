@@ -60,9 +60,13 @@ def run(args) -> int:
 def _start_ranks(args, spec) -> int:
     from spec_jax.adapters.torch_support import check_spec
     from spec_jax.launch import run as launch
+    from spec_jax.run_files import foreign_checkpoint
 
     nprocs = args.nprocs or _default_ranks()
     check_spec(spec, nprocs)  # bad input: one line here, not one per rank
+    foreign = foreign_checkpoint(args.run_dir / spec.checkpoint.dir, "torch")
+    if foreign:  # the ranks would refuse it too, each in its own line
+        raise UserInputError(foreign)
     argv = list(args.argv)
     if "--nprocs" in argv:  # the ranks join; they do not start ranks of their own
         i = argv.index("--nprocs")
