@@ -86,6 +86,22 @@ def test_advise_prints_plots_and_writes_json(tmp_path, capsys):
     assert "note: B_crit is below one sequence per replica" in capsys.readouterr().out
 
 
+def test_advise_reads_the_spec_its_run_dir_was_trained_under(tmp_path, capsys):
+    """A run of 16 x 32 tokens per step: the default spec (32 x 128) does not describe it, the
+    spec.toml that `trainspec train` saves beside its metrics does."""
+    from spec_jax.core.spec import load_spec
+    from spec_jax.run_files import save_spec
+
+    records = tmp_path / "metrics.jsonl"
+    _records(records, [2000.0] * 4)
+    records.write_text(records.read_text().replace('"batch_tokens": 4096', '"batch_tokens": 512'))
+    assert "pass the run's spec" in _one_line_exit_2(capsys, ["advise", str(tmp_path)])
+    save_spec(load_spec(None, ["batch.global_batch=16", "batch.seq_len=32"]), tmp_path)
+    for run in (tmp_path, records):  # the run dir, or its metrics file
+        assert main(["advise", str(run)]) == 0
+        assert "B_crit = 2000 tokens" in capsys.readouterr().out
+
+
 def _one_line_exit_2(capsys, argv):
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -162,7 +162,8 @@ def test_a_run_dir_of_the_other_framework_is_refused_by_name(tmp_path, reference
                        "checkpoint of the torch implementation; resume it with --framework "
                        "torch, or give this run another --run-dir")
     assert snapshot(torch_dir) == before
-    assert main(["advise", str(torch_dir)]) == 2  # its spec read; torch measures no GNS
+    # advise reads no checkpoint: one line, about the records (torch measures no GNS)
+    assert main(["advise", str(torch_dir)]) == 2
     assert "no gns records" in capsys.readouterr().err
 
     jax_dir = tmp_path / "jax_run"
