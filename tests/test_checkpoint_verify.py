@@ -114,6 +114,14 @@ def test_a_fallback_retrains_and_replaces_the_bad_checkpoint(run_dir):
     assert again["resumed_from"] == 4 and not (run_dir / "checkpoints-quarantine" / "4.1").exists()
 
 
+def test_the_command_names_the_checkpoint_it_set_aside_in_its_own_lines(run_dir, capsys):
+    _flip_bit(run_dir / "checkpoints" / "4")
+    assert main(["train", "--quiet", "--steps", str(STEPS), "--run-dir", str(run_dir),
+                 *[a for s in TINY + SPEC for a in ("--set", s)]]) == 0
+    err = capsys.readouterr().err
+    assert "\ntrainspec: checkpoint 4 is bad (" in err and "WARNING" not in err, err
+
+
 def test_all_bad_stops_with_one_line_and_keeps_them(run_dir, capsys):
     for step in ("2", "4"):
         _garbage(run_dir / "checkpoints" / step)

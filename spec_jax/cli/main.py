@@ -6,8 +6,10 @@ and sets `func(args) -> int` as the parser default.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
+import logging
 import sys
 
 from spec_jax.core.errors import FfiVersionError, UserInputError
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to start ranks of the same command
     try:
-        return args.func(args) or 0
+        with _library_warnings_as_lines():
+            return args.func(args) or 0
     except UserInputError as err:
         print(f"trainspec: error: {err}", file=sys.stderr)
         return 2
@@ -60,6 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("trainspec: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _library_warnings_as_lines():
+    """The library's warnings (a bad checkpoint set aside, one moved by --restart, a device that
+    failed preflight) as `trainspec: ...` lines on stderr, like the command's own. Through the
+    root logger they would read `WARNING:spec_jax.checkpoint:...`: absl configures it with
+    logging's basic format the first time orbax logs."""
+    logger = logging.getLogger("spec_jax")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("trainspec: %(message)s"))
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _silence_stdout() -> None:

@@ -7,7 +7,6 @@ devices and the verdicts are gathered, so every process excludes the same device
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import jax
@@ -40,10 +39,8 @@ def preflight(spec: Spec, goodput, fault: doctor.Fault | None = None) -> tuple[S
     failing = doctor.failing_devices(doctor.quick_device_checks(local, fault))
     excluded = _gathered(failing)
     for device, checks in sorted(failing.items()):
-        message = (f"trainspec: preflight: device {device} failed {len(checks)} numerics "
-                   f"check(s) (first: {checks[0]}); excluded")
-        log.warning(message)
-        print(message, file=sys.stderr, flush=True)
+        log.warning("preflight: device %d failed %d numerics check(s) (first: %s); excluded",
+                    device, len(checks), checks[0])
     seconds = time.perf_counter() - t0
     goodput.add("initialization", seconds)
     report = {"seconds": seconds, "excluded": excluded, "checked": len(local),
