@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+from spec_jax.core.errors import UserInputError
 from spec_jax.core.mesh import mesh_text
 from spec_jax.core.spec import Spec
 from spec_jax.core.spec_source import to_toml
@@ -37,18 +38,17 @@ def resume_line(mark: dict, mesh: dict[str, int]) -> str:
             f"{', unchanged' if was == now else ''})")
 
 
-def foreign_checkpoint(checkpoint_dir: Path, framework: str) -> str | None:
-    """One line naming a checkpoint in `checkpoint_dir` that another framework's implementation
-    wrote, or None: it is neither good nor bad for this one, it is not its to read."""
+def refuse_foreign_checkpoints(checkpoint_dir: Path, framework: str) -> None:
+    """UserInputError, in one line, naming a checkpoint in `checkpoint_dir` that another
+    framework's implementation wrote: it is neither good nor bad for this one, not its to read."""
     steps = [p for p in Path(checkpoint_dir).iterdir() if p.name.isdigit()] \
         if Path(checkpoint_dir).is_dir() else []
     for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):  # the newest named
         for other, marker in CHECKPOINT_MARKERS.items():
             if other != framework and (step_dir / marker).exists():
-                return (f"checkpoint.dir: {step_dir} is a checkpoint of the {other} "
-                        f"implementation; resume it with --framework {other}, or give this run "
-                        f"another --run-dir")
-    return None
+                raise UserInputError(
+                    f"checkpoint.dir: {step_dir} is a checkpoint of the {other} implementation; "
+                    f"resume it with --framework {other}, or give this run another --run-dir")
 
 
 def write_json_atomically(path: Path, payload: dict) -> None:

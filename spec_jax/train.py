@@ -20,7 +20,6 @@ from flax.training.train_state import TrainState
 
 from spec_jax.checkpoint import Checkpointer
 from spec_jax.core.data import ByteBatches
-from spec_jax.core.errors import UserInputError
 from spec_jax.distributed import is_writer
 from spec_jax.feed import Feed
 from spec_jax.core.health import HealthHalt, ReplicaMismatch
@@ -35,7 +34,8 @@ from spec_jax.core.goodput import Goodput
 from spec_jax.models.transformer_flops import for_spec as model_flops
 from spec_jax.models.transformer import Transformer, next_token_loss
 from spec_jax.run_files import (
-    AlreadyTrained, foreign_checkpoint, resume_line, resume_mark, save_spec, write_json_atomically)
+    AlreadyTrained, refuse_foreign_checkpoints, resume_line, resume_mark, save_spec,
+    write_json_atomically)
 from spec_jax.core.spec import Spec
 from spec_jax.preemption import Preempted, StopSignals
 from spec_jax.semi_sync import SemiSyncStep, wrap
@@ -353,9 +353,8 @@ def run(
     or a save fails, AlreadyTrained (having changed nothing) when the run is already at or past
     `steps`."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    foreign = None if restart else foreign_checkpoint(run_dir / spec.checkpoint.dir, "jax")
-    if foreign:  # before orbax lists them (and warns that they are not its own)
-        raise UserInputError(foreign)
+    if not restart:  # before orbax lists them (and warns that they are not its own)
+        refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")
     with Checkpointer(spec, run_dir) as ckpt:  # closed however the run ends
         session = _Session(spec, run_dir, ckpt, steps or spec.train.steps, faults, progress,
                            restart, announce)

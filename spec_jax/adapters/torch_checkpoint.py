@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from spec_jax.core.errors import UserInputError
 from spec_jax.core.spec import Spec
-from spec_jax.run_files import foreign_checkpoint
+from spec_jax.run_files import refuse_foreign_checkpoints
 
 FORMAT = "trainspec.torch/1"
 META = "meta.json"
@@ -42,9 +42,7 @@ class TorchCheckpointer:
         name: another implementation's checkpoints must not be taken for ours."""
         if not self.directory.is_dir():
             return []
-        foreign = foreign_checkpoint(self.directory, "torch")
-        if foreign:
-            raise UserInputError(foreign)
+        refuse_foreign_checkpoints(self.directory, "torch")
         found = []
         for path in self.directory.iterdir():
             if not path.name.isdigit():

@@ -60,13 +60,12 @@ def run(args) -> int:
 def _start_ranks(args, spec) -> int:
     from spec_jax.adapters.torch_support import check_spec
     from spec_jax.launch import run as launch
-    from spec_jax.run_files import foreign_checkpoint
+    from spec_jax.run_files import refuse_foreign_checkpoints
 
     nprocs = args.nprocs or _default_ranks()
     check_spec(spec, nprocs)  # bad input: one line here, not one per rank
-    foreign = foreign_checkpoint(args.run_dir / spec.checkpoint.dir, "torch")
-    if foreign:  # the ranks would refuse it too, each in its own line
-        raise UserInputError(foreign)
+    # The ranks would refuse another framework's checkpoints too, each in its own line.
+    refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, "torch")
     argv = list(args.argv)
     if "--nprocs" in argv:  # the ranks join; they do not start ranks of their own
         i = argv.index("--nprocs")
