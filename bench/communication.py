@@ -3,12 +3,12 @@ docs/communication.md.
 
     python bench/communication.py [--steps 60] [--set FIELD=VALUE ...] [--out runs/bench_comm]
 
-Each option is one `trainspec train` run (spec_jax.train.run) of the default spec from seed 0,
+Each option is one `trainspec train` run (trainspec.jax.train.run) of the default spec from seed 0,
 so all see the same tokens; the synchronous run is repeated from seeds 1 and 2, and the spread
 of the three final losses (init and data order both change with the seed) is the margin a
 difference must exceed to mean anything. Final loss: the mean of the last `--last` steps'
 recorded losses (metrics.interval = 1). Bytes: the records' `comm_bus_bytes_per_step`,
-nccl-tests bus bytes per device from the compiled step's HLO (spec_jax/metrics/comm.py;
+nccl-tests bus bytes per device from the compiled step's HLO (trainspec/jax/metrics/comm.py;
 semi_sync amortises its outer exchange over the round). The payload count alone would rate an
 all-reduce like one all-gather, though a ring all-reduce moves twice the bytes. Step time: the
 summary's mean over the run's timed steps, one run each, on this machine, with the load
@@ -27,8 +27,8 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec  # noqa: E402
-from spec_jax.tools.communication import train_option  # noqa: E402
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec  # noqa: E402
+from trainspec.jax.tools.communication import train_option  # noqa: E402
 
 OPTIONS = {  # label -> overrides of the default spec
     "synchronous": [],

@@ -1,5 +1,5 @@
 """Time the compressed gradient exchange of one step on its own: the two-stage exchange of 8
-replicas (simulated CPU devices; spec_jax.collectives.compression.two_stage_sum) with error
+replicas (simulated CPU devices; trainspec.jax.collectives.compression.two_stage_sum) with error
 feedback -- by the xla path's jnp kernels and XLA's all-to-all and all-gather, and by the ext
 path's xla_ext packed-buffer handlers and ext's all-to-all and all-gather.
 
@@ -19,8 +19,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from spec_jax.collectives import compression as jnp_kernels  # noqa: E402
-from spec_jax.collectives import compression_ext as ext_kernels  # noqa: E402
+from trainspec.jax.collectives import compression as jnp_kernels  # noqa: E402
+from trainspec.jax.collectives import compression_ext as ext_kernels  # noqa: E402
 
 
 def loadavg() -> str:

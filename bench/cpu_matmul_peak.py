@@ -1,5 +1,5 @@
 """Measure this machine's float32 matmul FLOP/s: the CPU entry of the peak table, and (with
---save) the per-machine cache that MFU on a CPU divides by (spec_jax/metrics/cpu_peak.py).
+--save) the per-machine cache that MFU on a CPU divides by (trainspec/jax/metrics/cpu_peak.py).
 
 How: one jax CPU device (the whole process's thread pool), square float32 matmuls of several
 sizes, each timed as the best of R repetitions after a warm-up (best, because on a shared
@@ -12,7 +12,7 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 import jax  # noqa: E402
 
-from spec_jax.metrics import cpu_peak  # noqa: E402  (the same measurement as the cache's)
+from trainspec.jax.metrics import cpu_peak  # noqa: E402  (the same measurement as the cache's)
 
 
 if __name__ == "__main__":

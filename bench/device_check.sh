@@ -15,7 +15,7 @@ PY=${PYTHON:-$(command -v python || command -v python3)}  # images with jax[cuda
 stage() { echo "== $1 ($(( $(date +%s) - T0 )) s)"; }
 
 stage "install (no network: build isolation off, no index)"
-TS="$PY -m spec_jax.cli.main"  # not `trainspec`: pip's script directory may not be on PATH
+TS="$PY -m trainspec.cli.main"  # not `trainspec`: pip's script directory may not be on PATH
 if ! timeout 90 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/install.log" 2>&1; then
   # no compiler or build deps here: run from the source tree; the xla backend needs no extension
   echo "install failed (tail of $OUT/install.log below); running from the source tree"

@@ -15,9 +15,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 
-from spec_jax.health.replicas import ReplicaFingerprints  # noqa: E402
-from spec_jax.core.spec import default_spec, load_spec  # noqa: E402
-from spec_jax.train import build_job  # noqa: E402
+from trainspec.jax.health.replicas import ReplicaFingerprints  # noqa: E402
+from trainspec.core.spec import default_spec, load_spec  # noqa: E402
+from trainspec.jax.train import build_job  # noqa: E402
 
 LAYOUTS = {"data=8": [], "data=4 x fsdp=2": ["mesh.axes.fsdp.size=2"]}
 

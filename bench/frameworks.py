@@ -17,7 +17,7 @@ from pathlib import Path
 def _train(run_dir: Path, steps: int, devices: int, sets: list[str], framework: str) -> dict:
     extra = (["--framework", "torch", "--nprocs", str(devices)] if framework == "torch"
              else ["--host-devices", str(devices)])
-    cmd = [sys.executable, "-m", "spec_jax.cli.main", "train", *extra, "--quiet",
+    cmd = [sys.executable, "-m", "trainspec.cli.main", "train", *extra, "--quiet",
            "--steps", str(steps), "--run-dir", str(run_dir), "--summary-json",
            str(run_dir / "summary.json"), "--set", "checkpoint.interval=0", *sets]
     subprocess.run(cmd, check=True, capture_output=True, text=True)

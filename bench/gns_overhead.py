@@ -18,8 +18,8 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
-from spec_jax import default_spec, load_spec  # noqa: E402
-from spec_jax.train import build_job  # noqa: E402
+from trainspec.jax import default_spec, load_spec  # noqa: E402
+from trainspec.jax.train import build_job  # noqa: E402
 
 
 def loadavg() -> str:

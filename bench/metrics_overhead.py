@@ -16,10 +16,10 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
-from spec_jax.models.transformer_flops import for_spec  # noqa: E402
-from spec_jax.metrics.logger import MetricsLogger  # noqa: E402
-from spec_jax.core.spec import default_spec, load_spec  # noqa: E402
-from spec_jax.train import build_job  # noqa: E402
+from trainspec.core.transformer_flops import for_spec  # noqa: E402
+from trainspec.jax.metrics.logger import MetricsLogger  # noqa: E402
+from trainspec.core.spec import default_spec, load_spec  # noqa: E402
+from trainspec.jax.train import build_job  # noqa: E402
 
 
 def main(rounds: int = 5, round_steps: int = 10) -> None:

@@ -24,8 +24,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
-from spec_jax.core.plan.hardware import load_profile  # noqa: E402
-from spec_jax.tools.plan_check import (TIME_CALIBRATION, calibrate_cpu, calibrate_time,  # noqa: E402
+from trainspec.core.plan.hardware import load_profile  # noqa: E402
+from trainspec.jax.tools.plan_check import (TIME_CALIBRATION, calibrate_cpu, calibrate_time,  # noqa: E402
                                        fit_time, interleaved_step_times, layout_runner,
                                        predict_for, validation_layouts, validation_spec)
 

@@ -1,9 +1,9 @@
 """Time per step through the torch adapter's step against a hand-written DDP loop (goal <= 1.05x).
 
 Run as 4 ranks: `trainspec launch --nprocs 4 -- python bench/torch_adapter_overhead.py [ROUNDS]
-[ROUND_STEPS]`. Both loops train the same model (spec_jax.adapters.torch_model.Transformer of
+[ROUND_STEPS]`. Both loops train the same model (trainspec.torch.model.Transformer of
 the default spec), on the same rows of the same batches, with AdamW and global-norm clipping:
-- "adapter": spec_jax.adapters.torch_step.TorchStep (data layout: token-weighted loss, one
+- "adapter": trainspec.torch.step.TorchStep (data layout: token-weighted loss, one
   packed all-reduce of the gradients, the scalar all-reduce of loss and tokens, the global norm,
   the non-finite decision);
 - "ddp": torch.nn.parallel.DistributedDataParallel, mean loss per rank, DDP's bucketed
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from spec_jax.adapters.torch import TorchAdapter
-from spec_jax.adapters.torch_model import Transformer, next_token_loss
-from spec_jax.adapters.torch_step import TorchStep
-from spec_jax.core.spec import default_spec, load_spec
-from spec_jax.core.data import ByteBatches
+from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.model import Transformer, next_token_loss
+from trainspec.torch.step import TorchStep
+from trainspec.core.spec import default_spec, load_spec
+from trainspec.core.data import ByteBatches
 
 
 def main(rounds: int = 5, round_steps: int = 10) -> None:

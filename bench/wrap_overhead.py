@@ -1,11 +1,11 @@
-"""What `spec_jax.wrap` costs over plain `jax.jit` with donation, on an unchanged user step.
+"""What `trainspec.jax.wrap` costs over plain `jax.jit` with donation, on an unchanged user step.
 
 The user's code is an image classifier written the way flax's MNIST/ImageNet examples write one:
 a small CNN module, a `TrainState` with an optax optimizer, and a `train_step(state, batch)`
 that takes `value_and_grad` of the cross-entropy, applies the gradients and returns
 `(state, metrics)`. Both sides get the same host (NumPy) batches, so both pay the transfer:
 - plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
-- wrapped: `spec_jax.wrap(train_step, spec)` (placement, donation, non-finite guard, metrics);
+- wrapped: `trainspec.jax.wrap(train_step, spec)` (placement, donation, non-finite guard, metrics);
 - unguarded: the same with `nan_guard=False`, to show what the guard's on-device check costs;
 - the guard's two costs apart, as plain jit of the step followed by one of them alone:
   `meeting`, one all-reduce of one scalar that depends on every floating leaf of the new state
@@ -42,7 +42,7 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     from flax.training import train_state
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import spec_jax
+    import trainspec.jax
 
     class ConvNet(nn.Module):
         """Two conv/pool stages and two dense layers: the usual MNIST-sized classifier."""
@@ -96,9 +96,9 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
         jitted = jax.jit(step_fn, donate_argnums=0)
         return lambda state, batch: jitted(state, jax.device_put(batch, on_data))
 
-    spec = spec_jax.load_spec({"batch": {"global_batch": BATCH}})
-    wrapped = {"wrapped": spec_jax.wrap(train_step, spec),
-               "unguarded": spec_jax.wrap(train_step, spec, nan_guard=False)}
+    spec = trainspec.load_spec({"batch": {"global_batch": BATCH}})
+    wrapped = {"wrapped": trainspec.jax.wrap(train_step, spec),
+               "unguarded": trainspec.jax.wrap(train_step, spec, nan_guard=False)}
     raw = {"plain": train_step, "meeting": meeting_step, "copy": copy_step}
     calls = {**{name: plain_jit(fn) for name, fn in raw.items()}, **wrapped}
     states = {name: step.init(create_state, jax.random.key(0)) for name, step in wrapped.items()}

@@ -24,9 +24,9 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # measurement (about a second, and load-dependent) in every test process and subprocess.
 # tests/test_cpu_peak.py measures and caches with its own cache directory.
 os.environ.setdefault("TRAINSPEC_CPU_PEAK", "table")
-# Subprocesses (`python -m spec_jax.cli.main ...`, launched ranks, notebook kernels) run from the
+# Subprocesses (`python -m trainspec.cli.main ...`, launched ranks, notebook kernels) run from the
 # repository root: without this, Python would put the root first on sys.path and import the
-# source tree's spec_jax, which has no compiled _xla_ext, instead of the installed package.
+# source tree's trainspec.jax, which has no compiled _xla_ext, instead of the installed package.
 os.environ["PYTHONSAFEPATH"] = "1"
 
 # One compilation cache per test run, shared by the xdist workers and every subprocess they

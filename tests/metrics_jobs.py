@@ -4,8 +4,8 @@ import math
 
 import jax
 
-from spec_jax.metrics import comm, memory
-from spec_jax.train import build_job
+from trainspec.jax.metrics import comm, memory
+from trainspec.jax.train import build_job
 from tiny import tiny_spec
 
 # d_model 64 and 4 heads split evenly over up to 8 devices; 2 micro-batches (a loop in HLO).

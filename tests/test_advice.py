@@ -4,10 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from spec_jax.cli.main import main
-from spec_jax.core.advice import TradeOff, recommend_layout, trend
-from spec_jax.core.scaling import fit
-from spec_jax.core.records import SCHEMA_ID
+from trainspec.cli.main import main
+from trainspec.core.advice import TradeOff, recommend_layout, trend
+from trainspec.core.scaling import fit
+from trainspec.core.records import SCHEMA_ID
 
 
 def test_trade_off_passes_through_the_run_and_satisfies_the_hyperbola():
@@ -89,8 +89,8 @@ def test_advise_prints_plots_and_writes_json(tmp_path, capsys):
 def test_advise_reads_the_spec_its_run_dir_was_trained_under(tmp_path, capsys):
     """A run of 16 x 32 tokens per step: the default spec (32 x 128) does not describe it, the
     spec.toml that `trainspec train` saves beside its metrics does."""
-    from spec_jax.core.spec import load_spec
-    from spec_jax.run_files import save_spec
+    from trainspec.core.spec import load_spec
+    from trainspec.core.run_files import save_spec
 
     records = tmp_path / "metrics.jsonl"
     _records(records, [2000.0] * 4)

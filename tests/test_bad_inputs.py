@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from spec_jax.cli.main import main
-from spec_jax.core.errors import UserInputError
+from trainspec.cli.main import main
+from trainspec.core.errors import UserInputError
 
-DEFAULT = "spec_jax/default.toml"
+DEFAULT = "trainspec/default.toml"
 
 # (name, spec file bytes or None for the default spec, extra argv, expected message substring)
 VALIDATE_CASES = [
@@ -78,7 +78,7 @@ def test_launch_refuses_a_missing_command(capsys):
 
 @pytest.mark.parametrize("raw", ["nope", "[1, 2]", '{"x": 1}', '{"bitflip": 3}'])
 def test_bad_faults_env_is_one_line(monkeypatch, raw):
-    from spec_jax.health.faults import ENV, Faults
+    from trainspec.jax.health.faults import ENV, Faults
 
     monkeypatch.setenv(ENV, raw)
     with pytest.raises(UserInputError, match="TRAINSPEC_FAULTS"):
@@ -86,7 +86,7 @@ def test_bad_faults_env_is_one_line(monkeypatch, raw):
 
 
 def test_bad_init_timeout_env_is_one_line(monkeypatch):
-    from spec_jax import distributed
+    from trainspec.jax import distributed
 
     monkeypatch.setenv(distributed.INIT_TIMEOUT, "abc")
     with pytest.raises(UserInputError, match="TRAINSPEC_INIT_TIMEOUT_S"):
@@ -124,7 +124,7 @@ def test_version(capsys):
 
 
 def test_one_micro_batch_is_singular():
-    from spec_jax.cli.summary import plural
+    from trainspec.cli.summary import plural
 
     assert plural(1, "micro-batch", "micro-batches") == "1 micro-batch"
     assert plural(4, "micro-batch", "micro-batches") == "4 micro-batches"
@@ -144,7 +144,7 @@ def test_unwritable_outputs_are_refused_before_training(tmp_path, capsys):
 
 
 def test_report_reads_a_run_directory(tmp_path):
-    from spec_jax.core.records import read_jsonl
+    from trainspec.core.records import read_jsonl
 
     run = tmp_path / "run"
     run.mkdir()
@@ -154,7 +154,7 @@ def test_report_reads_a_run_directory(tmp_path):
 
 
 def test_report_labels_runs_by_run_directory(tmp_path):
-    from spec_jax.tools.metrics_report import run_names
+    from trainspec.report.metrics_report import run_names
 
     (tmp_path / "fsdp").mkdir()
     names = run_names([tmp_path / "default" / "metrics.jsonl", tmp_path / "fsdp",

@@ -1,7 +1,7 @@
 """Bazel builds the xla_ext module offline (BUILD, WORKSPACE, bazel/) and the module works.
 
 The build takes its headers from this interpreter's environment ($TRAINSPEC_PYTHON). A child
-process then loads the Bazel-built .so on its own (not the pip-built spec_jax._xla_ext),
+process then loads the Bazel-built .so on its own (not the pip-built trainspec.jax._xla_ext),
 registers its handlers with jax and runs the fingerprint: its targets must be the pip-built
 module's, its FFI API and jaxlib this environment's, its output the NumPy reference.
 
@@ -21,8 +21,8 @@ import jaxlib.version
 import numpy as np
 import pytest
 
-from spec_jax import xla_ext
-from spec_jax.fingerprint import fingerprint_reference
+from trainspec.jax import xla_ext
+from trainspec.jax.fingerprint import fingerprint_reference
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +59,11 @@ def bazel_module(tmp_path_factory):
     out = tmp_path_factory.mktemp("bazel")
     build = subprocess.run(
         # --batch: no Bazel server is left running after the test.
-        [bazel, "--batch", "build", f"--symlink_prefix={out}/bazel-", "//:spec_jax"],
+        [bazel, "--batch", "build", f"--symlink_prefix={out}/bazel-", "//:trainspec"],
         cwd=ROOT, env={**os.environ, "TRAINSPEC_PYTHON": sys.executable},
         capture_output=True, text=True, timeout=1500)
     assert build.returncode == 0, build.stderr[-4000:]
-    so = out / "bazel-bin" / "spec_jax" / "_xla_ext.so"
+    so = out / "bazel-bin" / "trainspec" / "jax" / "_xla_ext.so"
     run = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(so)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

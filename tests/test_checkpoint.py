@@ -7,12 +7,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from spec_jax.checkpoint import Checkpointer
-from spec_jax.core.data import ByteBatches
-from spec_jax.core.errors import UserInputError
-from spec_jax.health.faults import Faults, InjectedCrash
-from spec_jax.run_files import AlreadyTrained
-from spec_jax.train import Job, build_job, run
+from trainspec.jax.checkpoint import Checkpointer
+from trainspec.core.data import ByteBatches
+from trainspec.core.errors import UserInputError
+from trainspec.jax.health.faults import Faults, InjectedCrash
+from trainspec.core.run_files import AlreadyTrained
+from trainspec.jax.train import Job, build_job, run
 
 from tiny import tiny_spec
 
@@ -83,7 +83,7 @@ def test_restore_into_other_layout_is_exact(tmp_path):
     ckpt = Checkpointer(spec8, tmp_path)
     ckpt.save(3, job.state, total_steps=10)
     ckpt.wait()
-    from spec_jax.mesh import build_mesh
+    from trainspec.jax.mesh import build_mesh
     spec_t = tiny_spec(*SPEC8[1:], "mesh.axes.fsdp.size=4")
     target = build_job(spec_t, build_mesh(spec_t, jax.devices()[:4]), init=False)
     state, meta = Checkpointer(spec_t, tmp_path).restore_latest(target.abstract_state)

@@ -23,7 +23,7 @@ JOB = [*TINY, "metrics.interval=1", f"checkpoint.interval={INTERVAL}", "checkpoi
 
 def _cmd(run_dir):
     sets = [a for s in JOB for a in ("--set", s)]
-    return [sys.executable, "-m", "spec_jax.cli.main", "train", "--quiet", "--steps", str(STEPS),
+    return [sys.executable, "-m", "trainspec.cli.main", "train", "--quiet", "--steps", str(STEPS),
             "--run-dir", str(run_dir), "--summary-json", str(run_dir / "summary.json"), *sets]
 
 

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.checkpoint import Checkpointer
-from spec_jax.cli.main import main
-from spec_jax.train import build_job, run
+from trainspec.jax.checkpoint import Checkpointer
+from trainspec.cli.main import main
+from trainspec.jax.train import build_job, run
 
 from tiny import TINY, tiny_spec
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spec_jax.cli.main import main
+from trainspec.cli.main import main
 from xla_env import without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cli(*args, **env):
     """Run the real entry point in a fresh process (device setup, exit code, stderr)."""
     return subprocess.run(
-        [sys.executable, "-m", "spec_jax.cli.main", *args],
+        [sys.executable, "-m", "trainspec.cli.main", *args],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**without_device_count(), **env},
     )

@@ -8,18 +8,18 @@ import sys
 
 import pytest
 
-from spec_jax.cli.main import main
-from spec_jax.tools import collectives_bench as bench
+from trainspec.cli.main import main
+from trainspec.jax.tools import collectives_bench as bench
 from xla_env import without_device_count
 
-HAS_EXT = importlib.util.find_spec("spec_jax.collectives.ext") is not None
+HAS_EXT = importlib.util.find_spec("trainspec.jax.collectives.ext") is not None
 BACKENDS = "xla,ext" if HAS_EXT else "xla"
 
 
 def _cli(*args):
     # A fresh process without a device count in XLA_FLAGS: the CLI must set up 8 devices itself.
     env = without_device_count() | {"JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "spec_jax.cli.main", "bench", "collectives",
+    return subprocess.run([sys.executable, "-m", "trainspec.cli.main", "bench", "collectives",
                            *args], capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -85,7 +85,7 @@ def test_wrong_results_are_counted(monkeypatch, op, wrong_call):
 
 @pytest.mark.skipif(not HAS_EXT, reason="the ext backend is not built")
 def test_in_place_rows_sit_beside_the_out_of_place_ones_and_are_exact():
-    from spec_jax.tools.collectives_report import Table, as_dict
+    from trainspec.jax.tools.collectives_report import Table, as_dict
 
     rows = bench.measure("all_reduce", "float32", "sum", 4096, ["xla", "ext"], iters=2,
                          warmup=1, in_place=True)
@@ -134,15 +134,15 @@ def test_bad_size_from_the_shell_has_no_traceback():
 
 
 def test_collectives_bench_names_the_load_and_warns_above_the_cores():
-    from spec_jax.tools.collectives_report import machine_load_line
+    from trainspec.jax.tools.collectives_report import machine_load_line
 
     assert machine_load_line(1.0, 2) == "# load average 1.00 (1 min) on 2 cores"
     assert "WARNING: load exceeds the core count" in machine_load_line(3.5, 2)
 
 
 def test_collectives_bench_names_the_allocator_settings_it_ran_under(tmp_path):
-    from spec_jax.core.topology import transparent_huge_pages
-    from spec_jax.tools.collectives_report import allocator_line
+    from trainspec.core.topology import transparent_huge_pages
+    from trainspec.jax.tools.collectives_report import allocator_line
 
     assert allocator_line({"PATH": "/bin"}, "madvise") == (
         "# glibc malloc: defaults; transparent huge pages: madvise")

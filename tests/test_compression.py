@@ -1,4 +1,4 @@
-"""collectives.compression: quantizers against the float64 reference (spec_jax.core.compression),
+"""collectives.compression: quantizers against the float64 reference (trainspec.core.compression),
 the error-feedback identity, the gradient bytes of the compiled step, and bad input."""
 import jax
 import jax.numpy as jnp
@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from spec_jax.checkpoint import Checkpointer
-from spec_jax.cli.main import main
-from spec_jax.collectives import compression as jc
-from spec_jax.core import compression as ref
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
-from spec_jax.mesh import build_mesh
-from spec_jax.metrics.comm import analyze_compiled
-from spec_jax.train import build_job
+from trainspec.jax.checkpoint import Checkpointer
+from trainspec.cli.main import main
+from trainspec.jax.collectives import compression as jc
+from trainspec.core import compression as ref
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.jax.mesh import build_mesh
+from trainspec.jax.metrics.comm import analyze_compiled
+from trainspec.jax.train import build_job
 from tiny import tiny_spec
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ and where its absence fails: tests/test_error_feedback_matters.py, docs/communic
 """
 import pytest
 
-from spec_jax.tools.communication import CompiledOption, margin_from_seeds
+from trainspec.jax.tools.communication import CompiledOption, margin_from_seeds
 from tiny import tiny_spec
 
 pytestmark = pytest.mark.slow

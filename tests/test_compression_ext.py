@@ -1,5 +1,5 @@
 """collectives.compression on the ext backend: the xla_ext packed-buffer handlers
-(xla_ext/compression.cc) against the byte layout's NumPy definition (spec_jax.core.packed), bit
+(xla_ext/compression.cc) against the byte layout's NumPy definition (trainspec.core.packed), bit
 for bit against the xla path's jnp kernels, in a training step, and how they fail."""
 import os
 import subprocess
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spec_jax.collectives import compression as jc
-from spec_jax.collectives import compression_ext as ce
-from spec_jax.core import packed
+from trainspec.jax.collectives import compression as jc
+from trainspec.jax.collectives import compression_ext as ce
+from trainspec.core import packed
 
 FORMATS = [("bf16", 0), ("int8", 4), ("int8", 32), ("int8", 256)]
 
@@ -91,7 +91,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import jax
 import numpy as np
-from spec_jax.train import build_job
+from trainspec.jax.train import build_job
 from test_compression_ext import _bitwise_equal
 from tiny import tiny_spec
 

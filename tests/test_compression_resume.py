@@ -23,7 +23,7 @@ STEPS, INTERVAL = 12, 4
 def _cmd(run_dir, compression):
     sets = [*TINY, "metrics.interval=1", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=2",
             f'collectives.compression="{compression}"', "collectives.compression_block=32"]
-    return [sys.executable, "-m", "spec_jax.cli.main", "train", "--quiet", "--steps",
+    return [sys.executable, "-m", "trainspec.cli.main", "train", "--quiet", "--steps",
             str(STEPS), "--run-dir", str(run_dir), "--summary-json", str(run_dir / "summary.json"),
             *[a for s in sets for a in ("--set", s)]]
 

@@ -1,4 +1,4 @@
-"""spec_jax.core is framework-free, and its plain-integer mesh placement is the one JAX uses."""
+"""trainspec.core is framework-free, and its plain-integer mesh placement is the one JAX uses."""
 import pkgutil
 import subprocess
 import sys
@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 from jax.experimental import mesh_utils
 
-import spec_jax.core
-from spec_jax import build_mesh
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.mesh import place_devices
-from spec_jax.core.spec import load_spec
+import trainspec.core
+from trainspec.jax import build_mesh
+from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import place_devices
+from trainspec.core.spec import load_spec
 
-CORE_MODULES = sorted(f"spec_jax.core.{m.name}" for m in pkgutil.iter_modules(spec_jax.core.__path__))
+CORE_MODULES = sorted(f"trainspec.core.{m.name}" for m in pkgutil.iter_modules(trainspec.core.__path__))
 FORBIDDEN = ("jax", "jaxlib", "torch", "flax", "optax", "orbax")
 
 # Run in a fresh interpreter: a meta-path finder refuses every framework, so an import of one
-# anywhere below spec_jax.core (directly or through a dependency) fails the import.
+# anywhere below trainspec.core (directly or through a dependency) fails the import.
 BLOCKED_IMPORT = f"""
 import importlib, sys
 FORBIDDEN = {FORBIDDEN!r}
@@ -37,8 +37,8 @@ print("imported", len(sys.argv) - 1, "modules")
 
 
 def test_core_modules_import_without_any_framework():
-    assert "spec_jax.core.spec" in CORE_MODULES and len(CORE_MODULES) >= 8
-    modules = ["spec_jax", "spec_jax.core", *CORE_MODULES, "spec_jax.models.transformer_flops"]
+    assert "trainspec.core.spec" in CORE_MODULES and len(CORE_MODULES) >= 8
+    modules = ["trainspec", "trainspec.jax", "trainspec.core", *CORE_MODULES, "trainspec.core.transformer_flops"]
     done = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, *modules],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -47,7 +47,7 @@ def test_core_modules_import_without_any_framework():
 
 def test_the_blocker_catches_a_framework_import():
     """The check above can fail: a module that imports jax is refused."""
-    done = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, "spec_jax.mesh"],
+    done = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, "trainspec.jax.mesh"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "framework import refused: jax" in done.stderr
 

@@ -6,11 +6,11 @@ import json
 import jax
 import pytest
 
-from spec_jax.cli.summary import print_summary
-from spec_jax.core import flops as core_flops
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.spec import default_spec, load_spec
-from spec_jax.metrics import cpu_peak, flops
+from trainspec.cli.summary import print_summary
+from trainspec.core import flops as core_flops
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import default_spec, load_spec
+from trainspec.jax.metrics import cpu_peak, flops
 
 
 @pytest.fixture

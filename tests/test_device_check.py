@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from spec_jax.cli.main import build_parser, main
-from spec_jax.core.plan.transformer import parameters
-from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.cli.main import build_parser, main
+from trainspec.core.plan.transformer import parameters
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "bench" / "device_check.sh").read_text()

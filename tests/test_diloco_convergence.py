@@ -1,6 +1,6 @@
 """DiLoCo trains the default model like synchronous training, over the same tokens.
 
-The default job (spec_jax/default.toml, 60 steps) itself, not the tiny model: what DiLoCo costs
+The default job (trainspec/default.toml, 60 steps) itself, not the tiny model: what DiLoCo costs
 in loss per token depends on each group's batch, and the tiny model's does not show it. The
 margin is measured here: the spread of the synchronous final loss over three seeds, each setting
 initialisation and data order as the spec's `seed` does (docs/communication.md's table has the
@@ -12,8 +12,8 @@ of one device; the long-run outer step 0.7/0.9 over 15 rounds).
 """
 import pytest
 
-from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
-from spec_jax.tools.communication import CompiledOption, margin_from_seeds
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.jax.tools.communication import CompiledOption, margin_from_seeds
 from tiny import LAYOUTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.optimised]

@@ -4,9 +4,9 @@ import json
 import jax
 import pytest
 
-from spec_jax.cli.main import main
-from spec_jax.core.topology import transparent_huge_pages
-from spec_jax.health import doctor
+from trainspec.cli.main import main
+from trainspec.core.topology import transparent_huge_pages
+from trainspec.jax.health import doctor
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_doctor_cli_fails_naming_the_check(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("disabled, says", [(True, "most optimisations disabled"),
                                              (False, "XLA's default optimisation")])
 def test_compiler_row_says_whether_most_optimisations_are_disabled(disabled, says):
-    from spec_jax.cli.doctor import platform_rows
+    from trainspec.cli.doctor import platform_rows
 
     was = jax.config.read("jax_disable_most_optimizations")  # tests/conftest.py sets it
     jax.config.update("jax_disable_most_optimizations", disabled)

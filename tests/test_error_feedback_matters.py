@@ -22,8 +22,8 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from spec_jax import loss_step, wrap
-from spec_jax.core.spec import load_spec
+from trainspec.jax import loss_step, wrap
+from trainspec.core.spec import load_spec
 
 FEATURES, SMALL_SCALE, NOISE = 4, 1e-3, 0.1  # 4 features of scale 1, 4 of scale 1e-3
 ROWS, STEPS, LAST, LR = 64, 60, 10, 0.2  # 8 rows per replica; final loss: the last 10 steps

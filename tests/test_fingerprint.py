@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax.fingerprint import fingerprint, fingerprint_reference
+from trainspec.jax.fingerprint import fingerprint, fingerprint_reference
 
 
 def _cases() -> dict[str, np.ndarray]:

@@ -12,12 +12,12 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from spec_jax import grad_step, loss_step, wrap
-from spec_jax.core.gns import NoiseScale, unbiased_parts
-from spec_jax.core.data import ByteBatches
-from spec_jax.core.errors import UserInputError
-from spec_jax.models.transformer import Transformer, next_token_loss
-from spec_jax.core.spec import ModelSpec, load_spec
+from trainspec.jax import grad_step, loss_step, wrap
+from trainspec.core.gns import NoiseScale, unbiased_parts
+from trainspec.core.data import ByteBatches
+from trainspec.core.errors import UserInputError
+from trainspec.jax.models.transformer import Transformer, next_token_loss
+from trainspec.core.spec import ModelSpec, load_spec
 
 FROZEN = optax.sgd(0.0)  # the parameters stay where the truth is known
 

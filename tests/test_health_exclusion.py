@@ -4,9 +4,9 @@ import json
 import jax
 import pytest
 
-from spec_jax.cli.main import main
-from spec_jax.core.errors import UserInputError
-from spec_jax.health.exclusion import exclude, largest_mesh
+from trainspec.cli.main import main
+from trainspec.core.errors import UserInputError
+from trainspec.jax.health.exclusion import exclude, largest_mesh
 
 from tiny import tiny_spec
 

@@ -7,13 +7,13 @@ import optax
 import pytest
 from flax.training import train_state
 
-import spec_jax
+import trainspec.jax
 
-from spec_jax.checkpoint import Checkpointer
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.health import HealthHalt
-from spec_jax.health.faults import Faults
-from spec_jax.train import build_job, run
+from trainspec.jax.checkpoint import Checkpointer
+from trainspec.core.errors import UserInputError
+from trainspec.core.health import HealthHalt
+from trainspec.jax.health.faults import Faults
+from trainspec.jax.train import build_job, run
 
 from tiny import tiny_spec
 
@@ -153,7 +153,7 @@ def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
     rows = spec.batch.global_batch
     x = np.random.default_rng(0).normal(size=(rows, 16)).astype(np.float32)
     for batch_leaf in ("kernel", "odd"):
-        wrapped = spec_jax.wrap(step, spec)
+        wrapped = trainspec.jax.wrap(step, spec)
         state = wrapped.init(init, jax.random.key(0))
         clean = {"x": x, "at": np.zeros(rows, np.int32), "bad": np.zeros(rows, np.float32)}
         state, _ = wrapped(state, clean)

@@ -2,10 +2,10 @@
 import jax
 import pytest
 
-from spec_jax.core.health import HealthHalt
-from spec_jax.health.faults import Faults
-from spec_jax.health.replicas import ReplicaFingerprints, flip_bit
-from spec_jax.train import build_job, run
+from trainspec.core.health import HealthHalt
+from trainspec.jax.health.faults import Faults
+from trainspec.jax.health.replicas import ReplicaFingerprints, flip_bit
+from trainspec.jax.train import build_job, run
 
 from tiny import tiny_spec
 

@@ -1,10 +1,10 @@
 """Straggler rule (median + k*MAD) on timings, and on a run with a delay injected."""
 import numpy as np
 
-from spec_jax.health.faults import Faults
-from spec_jax.core.health import StragglerDetector
-from spec_jax.core.spec_health import StragglerSpec
-from spec_jax.train import run
+from trainspec.jax.health.faults import Faults
+from trainspec.core.health import StragglerDetector
+from trainspec.core.spec_health import StragglerSpec
+from trainspec.jax.train import run
 
 from tiny import tiny_spec
 

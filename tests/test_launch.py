@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-LAUNCH = [sys.executable, "-m", "spec_jax.cli.main", "launch"]
+LAUNCH = [sys.executable, "-m", "trainspec.cli.main", "launch"]
 BOUND_S = 30  # a failed job must be fully stopped within this: grace 2 s, the rest is margin for 2 loaded cores
 
 
@@ -145,7 +145,7 @@ def test_gloo_connection_lines_show_only_with_verbose():
 def test_sigterm_reports_every_rank_even_before_its_exit_watcher_records_it(monkeypatch, capsys):
     """The launcher's SIGTERM report names each rank's status once the ranks are stopped, also
     when a thread watching a rank's exit has not recorded it yet (it once printed rank 0 only)."""
-    from spec_jax import launch
+    from trainspec.core import launch
 
     watch = launch.Launch._watch
 
@@ -173,7 +173,7 @@ def test_sigterm_reports_every_rank_even_before_its_exit_watcher_records_it(monk
 def test_lines_from_many_threads_come_out_whole():
     import io
 
-    from spec_jax.launch import _say
+    from trainspec.core.launch import _say
 
     out = io.StringIO()
     threads = [threading.Thread(target=lambda r=r: [_say(f"[rank {r}] line {i}", out)

@@ -1,5 +1,6 @@
-"""The import-linter contracts of pyproject.toml hold: imports only point down the layers, and
-spec_jax.core imports no framework. `lint-imports` is run as a user would run it."""
+"""The import-linter contracts of pyproject.toml hold: the trunk's layers (cli above the two
+implementations, neither importing the other, above report and core), the JAX implementation's
+own layers, and no framework in trainspec.core. `lint-imports` is run as a user would run it."""
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +17,20 @@ def _lint(*args):
 def test_import_contracts_are_kept():
     done = _lint()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    for contract in ("Imports only point down the layers", "The core imports no framework"):
-        assert f"{contract} KEPT" in done.stdout, done.stdout[-3000:]
+    for contract in ("One trunk: cli above the implementations",
+                     "Inside the JAX implementation, imports only point down the layers",
+                     "The core and the reports import no framework",
+                     "The torch implementation, and the CLI's torch path, import no jax"):
+        assert contract in done.stdout, done.stdout[-3000:]
+    assert "0 broken" in done.stdout, done.stdout[-3000:]
 
 
 def test_a_broken_contract_fails(tmp_path):
     """The check can fail: with the layers turned upside down, every downward import breaks."""
     config = tmp_path / "upside_down.toml"
-    config.write_text('[tool.importlinter]\nroot_package = "spec_jax"\n\n'
+    config.write_text('[tool.importlinter]\nroot_package = "trainspec"\n\n'
                       '[[tool.importlinter.contracts]]\nname = "upside down"\ntype = "layers"\n'
-                      'containers = ["spec_jax"]\nlayers = ["core", "step"]\n')
+                      'containers = ["trainspec"]\nlayers = ["core", "jax"]\n')
     done = _lint("--config", str(config))
     assert done.returncode != 0
-    assert "spec_jax.step is not allowed to import spec_jax.core" in done.stdout
+    assert "trainspec.jax is not allowed to import trainspec.core" in done.stdout

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from spec_jax.layout import gathered_for_use
+from trainspec.jax.layout import gathered_for_use
 
 RULES = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", None)]
 EMBED, MLP, ROWS = 16, 8, 8

@@ -4,7 +4,7 @@ import pytest
 
 from metrics_jobs import METRICS_MODEL, compiled_layout, param_bytes
 from tiny import tiny_spec
-from spec_jax.metrics.comm import analyze_hlo, axes_of_groups, parse_replica_groups
+from trainspec.jax.metrics.comm import analyze_hlo, axes_of_groups, parse_replica_groups
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_tensor_parallel_all_reduces_activations():
 
 
 def test_ext_custom_calls_count_like_xla_collectives():
-    # As the compiled HLO prints xla_ext's calls (spec_jax.collectives.ext); the second has
+    # As the compiled HLO prints xla_ext's calls (trainspec.jax.collectives.ext); the second has
     # no axes scope, so its axes come from the one axis set of size 4 (`b`).
     call = ('custom-call(%x, %r, %g), custom_call_target="{t}", api_version=API_VERSION_TYPED_FFI, '
             'metadata={{op_name="jit(f)/shard_map/{scope}ffi_call"}}, backend_config={{call_site = 0 '

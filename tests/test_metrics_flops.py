@@ -12,11 +12,11 @@ import functools
 import jax
 import pytest
 
-from spec_jax.core import flops as core_flops
-from spec_jax.core.spec import default_spec, load_spec
-from spec_jax.metrics import flops
-from spec_jax.models.transformer_flops import for_spec
-from spec_jax.train import build_job
+from trainspec.core import flops as core_flops
+from trainspec.core.spec import default_spec, load_spec
+from trainspec.jax.metrics import flops
+from trainspec.core.transformer_flops import for_spec
+from trainspec.jax.train import build_job
 
 TOLERANCE = 0.05  # XLA also counts elementwise ops (softmax, gelu, norms, AdamW): +2% measured
 

@@ -1,8 +1,8 @@
 """Goodput accounting: every badput category the loop can see is fed, and they add up."""
 import pytest
 
-from spec_jax.core.goodput import Goodput
-from spec_jax.train import run
+from trainspec.core.goodput import Goodput
+from trainspec.jax.train import run
 from tiny import tiny_spec
 
 

@@ -8,10 +8,10 @@ import jsonschema
 import pytest
 
 from metrics_jobs import METRICS_MODEL
-from spec_jax.core import records
-from spec_jax.models.transformer_flops import for_spec
-from spec_jax.metrics.logger import MetricsLogger
-from spec_jax.train import build_job
+from trainspec.core import records
+from trainspec.core.transformer_flops import for_spec
+from trainspec.jax.metrics.logger import MetricsLogger
+from trainspec.jax.train import build_job
 from tiny import tiny_spec
 
 SCHEMA = records.json_schema()

@@ -10,14 +10,14 @@ import pytest
 
 from metrics_jobs import METRICS_MODEL
 from tiny import TINY, tiny_spec
-from spec_jax.cli.main import main
-from spec_jax.models.transformer_flops import for_spec
-from spec_jax.metrics.logger import MetricsLogger
-from spec_jax.core.records import read_jsonl
-from spec_jax.metrics import plots
-from spec_jax.tools import report_page
-from spec_jax.tools.metrics_report import report
-from spec_jax.train import build_job
+from trainspec.cli.main import main
+from trainspec.core.transformer_flops import for_spec
+from trainspec.jax.metrics.logger import MetricsLogger
+from trainspec.core.records import read_jsonl
+from trainspec.report import plots
+from trainspec.report import page as report_page
+from trainspec.report.metrics_report import report
+from trainspec.jax.train import build_job
 
 ROOT = Path(__file__).resolve().parents[1]
 

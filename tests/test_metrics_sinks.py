@@ -6,9 +6,9 @@ import struct
 import pytest
 
 from tiny import tiny_spec
-from spec_jax.core.records import FIELDS, MARKS
-from spec_jax.metrics import sinks
-from spec_jax.metrics.sinks import TensorBoardSink
+from trainspec.core.records import FIELDS, MARKS
+from trainspec.jax.metrics import sinks
+from trainspec.jax.metrics.sinks import TensorBoardSink
 
 
 def _record(step, **changes):

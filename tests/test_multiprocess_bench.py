@@ -7,8 +7,8 @@ import sys
 def test_bench_compares_backends_across_two_processes(tmp_path):
     rows_file = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "spec_jax.cli.main", "launch", "--nprocs", "2", "--grace", "2",
-         "--", sys.executable, "-m", "spec_jax.cli.main", "bench", "collectives",
+        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "2", "--grace", "2",
+         "--", sys.executable, "-m", "trainspec.cli.main", "bench", "collectives",
          "--host-devices", "4", "-b", "16K", "-e", "16K", "--ops", "all_reduce,broadcast",
          "--backends", "xla,ext,hierarchical", "-n", "2", "-w", "1", "--json", str(rows_file)],
         capture_output=True, text=True, timeout=300)

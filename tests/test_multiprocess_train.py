@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from spec_jax.core.errors import UserInputError
-from spec_jax.mesh import check_hierarchical
-from spec_jax.core.spec import load_spec
-from spec_jax.feed import local_rows
-from spec_jax.train import run
+from trainspec.core.errors import UserInputError
+from trainspec.jax.mesh import check_hierarchical
+from trainspec.core.spec import load_spec
+from trainspec.jax.feed import local_rows
+from trainspec.jax.train import run
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +61,8 @@ def spec_file(tmp_path_factory):
 
 
 def _launch(spec_file, run_dir, *train_args, nprocs=2, grace="2", **popen):
-    command = [sys.executable, "-m", "spec_jax.cli.main", "launch", "--nprocs", str(nprocs),
-               "--grace", grace, "--", sys.executable, "-m", "spec_jax.cli.main", "train",
+    command = [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", str(nprocs),
+               "--grace", grace, "--", sys.executable, "-m", "trainspec.cli.main", "train",
                "--host-devices", "4", "--quiet", "--spec", str(spec_file), "--run-dir",
                str(run_dir), *train_args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,4 +1,4 @@
-"""The planner (spec_jax.core.plan) against what compiles here (docs/plan.md).
+"""The planner (trainspec.core.plan) against what compiles here (docs/plan.md).
 
 Every layout the planner accepts for the validation model at 1-8 devices, and 2 processes x 4
 devices through the single-process dcn path (mesh.py lays a dcn factor out within one process,
@@ -17,13 +17,13 @@ import math
 import jax
 import pytest
 
-from spec_jax.cli.main import main
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.plan.hardware import Link, calibrate, load_profile
-from spec_jax.core.plan.model import fit_activation_overheads, peak_phase
-from spec_jax.core.plan.transformer import parameters, shape_for_params
-from spec_jax.core.spec import load_spec
-from spec_jax.tools.plan_check import (TIME_CALIBRATION, compile_layout, fit_time, layout_of,
+from trainspec.cli.main import main
+from trainspec.core.errors import UserInputError
+from trainspec.core.plan.hardware import Link, calibrate, load_profile
+from trainspec.core.plan.model import fit_activation_overheads, peak_phase
+from trainspec.core.plan.transformer import parameters, shape_for_params
+from trainspec.core.spec import load_spec
+from trainspec.jax.tools.plan_check import (TIME_CALIBRATION, compile_layout, fit_time, layout_of,
                                        predict_for, validation_layouts, validation_spec as spec_for)
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ LAYOUTS = validation_layouts()
 def test_parameter_table_matches_the_flax_model():
     import flax.linen as nn
 
-    from spec_jax.models.transformer import Transformer
+    from trainspec.jax.models.transformer import Transformer
 
     spec = spec_for(1, 1, 1)
     model = Transformer(spec.model)

@@ -9,8 +9,8 @@ import pytest
 
 from tiny import tiny_spec
 
-from spec_jax.health.faults import Faults
-from spec_jax.train import run
+from trainspec.jax.health.faults import Faults
+from trainspec.jax.train import run
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_two_processes_exclude_a_faulty_device_of_one_rank_and_train_on_the_rest
     spec, summary = tmp_path / "spec.toml", tmp_path / "summary.json"
     spec.write_text(TWO_PROCESS_SPEC)
     env = {**os.environ, "TRAINSPEC_FAULTS": json.dumps({"faulty_reduction": [RANK_1_DEVICE, 128]})}
-    cli = [sys.executable, "-m", "spec_jax.cli.main"]
+    cli = [sys.executable, "-m", "trainspec.cli.main"]
     job = subprocess.run(
         [*cli, "launch", "--nprocs", "2", "--", *cli, "train", "--host-devices", "4", "--quiet",
          "--spec", str(spec), "--run-dir", str(tmp_path / "run"), "--steps", "3",

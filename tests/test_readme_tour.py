@@ -63,7 +63,7 @@ def smaller(argv: list[str]) -> list[str]:
     }.get(tuple(verb), [])
 
 
-# The conformance table's families (spec_jax/conformance.py), each a row on rank 0.
+# The conformance table's families (trainspec/core/conformance_runner.py), each a row on rank 0.
 FAMILIES = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute",
             "special values", "illegal calls", "guarantee levels", "accumulation",
             "layout invariance", "metric records"}
@@ -105,7 +105,7 @@ def test_the_readme_tour_runs_top_to_bottom(tmp_path):
         if argv[1] == "conformance":
             check_conformance_table(done.stdout)
             # No rank warns under any layout (FSDP2 x tensor warns of a view unless the adapter
-            # filters it: spec_jax/adapters/torch_step.py)
+            # filters it: trainspec/torch/step.py)
             assert "Warning:" not in done.stdout + done.stderr, done.stdout[-3000:]
         if argv[1] == "train":
             run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else "runs/default"

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from spec_jax.core.errors import UserInputError
-from spec_jax.health.memory import GIB, check_host_batch, check_step
-from spec_jax.train import run
+from trainspec.core.errors import UserInputError
+from trainspec.jax.health.memory import GIB, check_host_batch, check_step
+from trainspec.jax.train import run
 
 from tiny import TINY, tiny_spec
 from xla_env import without_device_count
@@ -24,7 +24,7 @@ BOUND_S = 30  # issue 10: a failed save ends the run within 30 s
 
 def _train(run_dir, *sets, steps=4):
     overrides = [a for s in [*TINY, *sets] for a in ("--set", s)]
-    return [sys.executable, "-m", "spec_jax.cli.main", "train", "--quiet", "--steps", str(steps),
+    return [sys.executable, "-m", "trainspec.cli.main", "train", "--quiet", "--steps", str(steps),
             "--run-dir", str(run_dir), *overrides]
 
 
@@ -91,14 +91,14 @@ def test_a_save_that_fails_mid_run_ends_it_with_one_line(tmp_path):
 # where the write reaches the file system; a tmpfs to fill needs root, CI has none).
 FULL_DISK_FROM_STEP_3 = """
 import errno, os, sys
-from spec_jax.core import records
+from trainspec.core import records
 write = records.JsonlWriter.write
 def write_to_a_full_disk(self, record):
     if record["step"] >= 3:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     write(self, record)
 records.JsonlWriter.write = write_to_a_full_disk
-from spec_jax.cli.main import main
+from trainspec.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -115,8 +115,8 @@ def test_a_disk_that_fills_mid_run_is_one_line(tmp_path):
 
 
 def test_a_full_disk_is_refused_before_training(tmp_path, capsys, monkeypatch):
-    from spec_jax.cli import train as train_cli
-    from spec_jax.cli.main import main
+    from trainspec.cli import train as train_cli
+    from trainspec.cli.main import main
 
     monkeypatch.setattr(train_cli.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0))
     assert main(["train", "--run-dir", str(tmp_path / "run")]) == 2
@@ -129,8 +129,8 @@ def test_a_read_only_file_system_is_one_line(tmp_path, capsys, monkeypatch):
     mount): access(W_OK) fails for an existing run dir, mkdir raises EROFS for a new one."""
     import errno
 
-    from spec_jax.cli import train as train_cli
-    from spec_jax.cli.main import main
+    from trainspec.cli import train as train_cli
+    from trainspec.cli.main import main
 
     monkeypatch.setattr(train_cli.os, "access", lambda path, mode: False)
     assert main(["train", "--run-dir", str(tmp_path)]) == 2

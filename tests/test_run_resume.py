@@ -8,12 +8,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from spec_jax.cli.main import main
-from spec_jax.core.records import json_schema, read_jsonl
-from spec_jax.core.spec import load_spec
-from spec_jax.core.spec_source import to_toml
-from spec_jax.run_files import AlreadyTrained
-from spec_jax.train import make_schedule, run
+from trainspec.cli.main import main
+from trainspec.core.records import json_schema, read_jsonl
+from trainspec.core.spec import load_spec
+from trainspec.core.spec_source import to_toml
+from trainspec.core.run_files import AlreadyTrained
+from trainspec.jax.train import make_schedule, run
 
 from run_dirs import snapshot
 from tiny import TINY, tiny_spec
@@ -51,7 +51,7 @@ def test_the_run_dir_keeps_the_spec_it_was_trained_under(first_run):
 
 
 def test_spec_toml_reads_back_for_every_example():
-    for path in [ROOT / "spec_jax" / "default.toml", *sorted((ROOT / "examples").glob("*.toml"))]:
+    for path in [ROOT / "trainspec" / "default.toml", *sorted((ROOT / "examples").glob("*.toml"))]:
         spec = load_spec(path)
         assert load_spec(to_toml(spec.to_dict())) == spec, path
 
@@ -115,7 +115,7 @@ def test_the_readme_resume_continues_on_the_spec_the_run_dir_was_trained_under(t
         f"trainspec: {run_dir} is already at step 4 (its newest good checkpoint); asked to "
         "train to step 3: nothing trained, nothing changed")
 
-    code, out, err = _train(capsys, "--spec", str(ROOT / "spec_jax" / "default.toml"), *tiny,
+    code, out, err = _train(capsys, "--spec", str(ROOT / "trainspec" / "default.toml"), *tiny,
                             "--run-dir", str(run_dir), "--steps", "5",
                             "--summary-json", str(summary))
     assert code == 0, err

@@ -12,13 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.checkpoint import Checkpointer
-from spec_jax.cli.main import main
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.spec import DEFAULT_SPEC_PATH
-from spec_jax.metrics.comm import analyze_compiled
-from spec_jax.semi_sync import SemiSyncStep
-from spec_jax.train import build_job
+from trainspec.jax.checkpoint import Checkpointer
+from trainspec.cli.main import main
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import DEFAULT_SPEC_PATH
+from trainspec.jax.metrics.comm import analyze_compiled
+from trainspec.jax.semi_sync import SemiSyncStep
+from trainspec.jax.train import build_job
 from test_checkpoint_crash import ROOT, _complete_steps, _env, _losses
 from tiny import TINY, tiny_spec
 
@@ -173,7 +173,7 @@ JOB = [*TINY, "metrics.interval=1", f"checkpoint.interval={INTERVAL}", "checkpoi
 
 def _cmd(run_dir):
     sets = [a for s in JOB for a in ("--set", s)]
-    return [sys.executable, "-m", "spec_jax.cli.main", "train", "--quiet", "--steps", str(STEPS),
+    return [sys.executable, "-m", "trainspec.cli.main", "train", "--quiet", "--steps", str(STEPS),
             "--run-dir", str(run_dir), "--summary-json", str(run_dir / "summary.json"), *sets]
 
 
@@ -240,12 +240,12 @@ def test_bad_input_is_one_line_naming_the_field(settings, field, capsys):
 
 
 def test_wrap_runs_semi_sync_and_the_plain_step_refuses_it():
-    import spec_jax
-    from spec_jax.step import WrappedStep
-    from spec_jax.step_forms import loss_step
+    import trainspec.jax
+    from trainspec.jax.step import WrappedStep
+    from trainspec.jax.step_forms import loss_step
 
     spec = tiny_spec("semi_sync.inner_steps=2", layout="fsdp4")
     step = loss_step(lambda params, batch: (0.0, 1.0, {}))
-    assert isinstance(spec_jax.wrap(step, spec), SemiSyncStep)
+    assert isinstance(trainspec.jax.wrap(step, spec), SemiSyncStep)
     with pytest.raises(UserInputError, match="^semi_sync: this step runs synchronously"):
         WrappedStep(step, spec)

@@ -6,8 +6,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.spec import Spec, default_spec, json_schema, load_spec, schema_text
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import Spec, default_spec, json_schema, load_spec, schema_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 def test_committed_schema_matches_definition():
     committed = (ROOT / "docs" / "spec.schema.json").read_text()
-    assert committed == schema_text(), "regenerate: python -m spec_jax.core.schema spec > docs/spec.schema.json"
+    assert committed == schema_text(), "regenerate: python -m trainspec.core.schema spec > docs/spec.schema.json"
 
 
 def test_schema_accepts_default_and_rejects_unknown():

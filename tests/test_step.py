@@ -7,11 +7,11 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from spec_jax import loss_step, wrap
-from spec_jax.core.data import ByteBatches
-from spec_jax.core.errors import UserInputError
-from spec_jax.models.transformer import Transformer, next_token_loss
-from spec_jax.core.spec import ModelSpec, load_spec
+from trainspec.jax import loss_step, wrap
+from trainspec.core.data import ByteBatches
+from trainspec.core.errors import UserInputError
+from trainspec.jax.models.transformer import Transformer, next_token_loss
+from trainspec.core.spec import ModelSpec, load_spec
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def _batch(ragged=False):
 def _one_step(spec, batch, devices=None):
     mesh = None
     if devices is not None:
-        from spec_jax.mesh import build_mesh
+        from trainspec.jax.mesh import build_mesh
         mesh = build_mesh(spec, devices)
     step = wrap(loss_step(_loss_fn), spec, mesh)
     state = step.init(_init_state, jax.random.key(0))

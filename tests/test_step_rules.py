@@ -1,4 +1,4 @@
-"""The JAX step against the spec's NumPy references (spec_jax.core), and its documented options.
+"""The JAX step against the spec's NumPy references (trainspec.core), and its documented options.
 
 A linear model with a squared loss: its per-micro-batch gradients are exact in float64 NumPy,
 so the step's update can be compared with `core.accumulation.token_weighted` directly.
@@ -10,9 +10,9 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from spec_jax import build_mesh, loss_step, wrap
-from spec_jax.core.accumulation import interleaved_micro_batches, mean_of_means, token_weighted
-from spec_jax.core.spec import load_spec
+from trainspec.jax import build_mesh, loss_step, wrap
+from trainspec.core.accumulation import interleaved_micro_batches, mean_of_means, token_weighted
+from trainspec.core.spec import load_spec
 
 BATCH, SEQ, DIM, K = 8, 5, 3, 4
 SGD = optax.sgd(1.0)  # one object: init_fn must rebuild the same pytree metadata every call

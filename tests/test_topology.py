@@ -1,11 +1,11 @@
-"""CPU topology from /sys and `trainspec launch --bind` (spec_jax.core.topology)."""
+"""CPU topology from /sys and `trainspec launch --bind` (trainspec.core.topology)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from spec_jax.core import topology
+from trainspec.core import topology
 
 
 def _fake_sys(root, nodes):
@@ -39,7 +39,7 @@ def test_numa_nodes_nics_and_binding_from_a_two_node_sys(tmp_path):
 def test_launch_bind_cores_pins_each_rank():
     show = "import os; print('cpus', sorted(os.sched_getaffinity(0)))"
     out = subprocess.run(
-        [sys.executable, "-m", "spec_jax.cli.main", "launch", "--nprocs", "2", "--bind", "cores",
+        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "2", "--bind", "cores",
          "--", sys.executable, "-c", show], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     pinned = sorted(line.split("cpus ")[1] for line in out.stdout.splitlines() if "cpus [" in line)

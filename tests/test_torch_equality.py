@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.conformance import ragged_batch
-from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
-from spec_jax.train import build_job
+from trainspec.core.conformance_runner import ragged_batch
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.jax.train import build_job
 from tiny import TINY
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
            "out": str(tmp / "torch.json"), "layouts": torch_layouts}
     (tmp / "job.json").write_text(json.dumps(job))
     result = subprocess.run(
-        [sys.executable, "-m", "spec_jax.cli.main", "launch", "--nprocs", "4", "--",
+        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "4", "--",
          sys.executable, str(HERE / "torch_equality_worker.py"), str(tmp / "job.json")],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -21,7 +21,7 @@ def _blocking(tmp_path, name):
 def test_torch_training_imports_no_jax(tmp_path):
     sets = [a for s in [*TINY, "checkpoint.interval=2"] for a in ("--set", s)]
     result = subprocess.run(
-        [sys.executable, "-m", "spec_jax.cli.main", "train", "--framework", "torch", "--nprocs", "2",
+        [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch", "--nprocs", "2",
          "--quiet", "--steps", "2", "--run-dir", str(tmp_path / "run"), *sets],
         capture_output=True, text=True, cwd=ROOT, env=_blocking(tmp_path, "jax"), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -29,7 +29,7 @@ def test_torch_training_imports_no_jax(tmp_path):
 
 
 def test_jax_adapter_imports_no_torch(tmp_path):
-    code = ("import spec_jax.adapters.jax, spec_jax.conformance, spec_jax.train, sys; "
+    code = ("import trainspec.jax.adapter, trainspec.core.conformance_runner, trainspec.jax.train, sys; "
             "assert 'torch' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=ROOT, env=_blocking(tmp_path, "torch"), timeout=300)

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from spec_jax.adapters.torch import TorchAdapter
-from spec_jax.adapters.torch_step import learning_rate
-from spec_jax.adapters.torch_train import TorchSession
-from spec_jax.core.health import HealthHalt
-from spec_jax.train import make_optimizer
+from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.step import learning_rate
+from trainspec.torch.train import TorchSession
+from trainspec.core.health import HealthHalt
+from trainspec.jax.train import make_optimizer
 from tiny import tiny_spec
 
 
@@ -82,8 +82,8 @@ def test_arrays_cross_frameworks_through_dlpack(adapter):
     """The interface's conversions: a jax array viewed by torch and back, bytes unchanged, and
     the same fingerprint from each implementation (the xla_ext custom call for JAX)."""
     import jax.numpy as jnp
-    from spec_jax.adapters.jax import JaxAdapter
-    from spec_jax.core.fingerprint import fingerprint_reference
+    from trainspec.jax.adapter import JaxAdapter
+    from trainspec.core.fingerprint import fingerprint_reference
 
     jax_adapter = JaxAdapter("xla")
     x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7

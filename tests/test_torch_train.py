@@ -1,5 +1,5 @@
 """`trainspec train --framework torch`: learns, writes records that validate against
-spec_jax/core/metrics.schema.json, resumes after kill -9 bit for bit, resumes on another world
+trainspec/core/metrics.schema.json, resumes after kill -9 bit for bit, resumes on another world
 size, and refuses what it cannot do with one line and exit 2."""
 import json
 import os
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from run_dirs import snapshot
-from spec_jax.core.records import json_schema
+from trainspec.core.records import json_schema
 from tiny import TINY, tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=2
 
 def _cmd(run_dir, *extra, nprocs=2, steps=STEPS):
     sets = [a for s in SETS for a in ("--set", s)]
-    return [sys.executable, "-m", "spec_jax.cli.main", "train", "--framework", "torch",
+    return [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
             "--nprocs", str(nprocs), "--quiet", "--steps", str(steps), "--run-dir", str(run_dir),
             "--summary-json", str(run_dir / "summary.json"), *sets, *extra]
 
@@ -73,8 +73,8 @@ def test_records_validate_against_the_schema(reference):
 
 
 def test_records_carry_the_learning_rate_and_mark_the_checkpoints(reference):
-    from spec_jax.adapters.torch_step import learning_rate
-    from spec_jax.core.spec import load_spec
+    from trainspec.torch.step import learning_rate
+    from trainspec.core.spec import load_spec
 
     optimizer = load_spec(reference / "spec.toml").optimizer  # the spec the run saved
     records = _records(reference)
@@ -149,8 +149,8 @@ def test_a_run_dir_of_the_other_framework_is_refused_by_name(tmp_path, reference
     """Each framework refuses the other's checkpoints in one line naming it (not as bad
     checkpoints, not with orbax's warnings), before anything in the run dir changes; `advise`
     reads the spec either framework saved."""
-    from spec_jax.cli.main import main
-    from spec_jax.train import run
+    from trainspec.cli.main import main
+    from trainspec.jax.train import run
 
     torch_dir = tmp_path / "torch_run"
     shutil.copytree(reference, torch_dir)

@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.core.errors import UserInputError
-from spec_jax.core.spec import load_spec
-from spec_jax.step import MAX_STEPS_IN_FLIGHT
-from spec_jax.train import build_job, run
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import load_spec
+from trainspec.jax.step import MAX_STEPS_IN_FLIGHT
+from trainspec.jax.train import build_job, run
 
 SMALL = [
     "model.d_model=32", "model.d_ff=64", "model.n_layers=1", "batch.seq_len=32",

@@ -10,8 +10,8 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from spec_jax import default_spec, load_spec, wrap
-from spec_jax.core.errors import UserInputError
+from trainspec.jax import default_spec, load_spec, wrap
+from trainspec.core.errors import UserInputError
 
 ROWS, FEATURES, OUT = 16, 4, 8
 DENSE_NAMES = ("embed", "mlp")

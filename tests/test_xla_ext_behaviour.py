@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from ext_members import (DTYPES, MESH_1D, member_inputs, on_every_member, per_member, place,
                          rank_order_sum)
-from spec_jax.collectives import ext
-from spec_jax.core.topology import transparent_huge_pages
+from trainspec.jax.collectives import ext
+from trainspec.core.topology import transparent_huge_pages
 
 
 # ---- in place ---------------------------------------------------------------------------------

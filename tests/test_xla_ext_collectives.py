@@ -1,4 +1,4 @@
-"""The xla_ext collective handlers (spec_jax.collectives.ext) on 8 simulated CPU devices.
+"""The xla_ext collective handlers (trainspec.jax.collectives.ext) on 8 simulated CPU devices.
 
 Every op is checked against a NumPy reference and against the lax collective, over one mesh
 axis and over rows/columns of a 2x4 mesh. The reductions are checked bit for bit against a
@@ -15,7 +15,7 @@ from jax import lax
 
 from ext_members import (DTYPES, MESH_1D, MESH_2D, member_inputs, on_every_member, per_member,
                          place, rank_order_sum)
-from spec_jax.collectives import ext
+from trainspec.jax.collectives import ext
 
 # layout name -> (mesh, axis_name of the group, the groups as lists of member indices in rank
 # order, where a member index is the flat position in the mesh).

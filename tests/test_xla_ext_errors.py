@@ -4,7 +4,7 @@ A member that never arrives is DEADLINE_EXCEEDED after the timeout; everything t
 can see is wrong -- operands, a duplicate rank, disagreeing group sizes or attributes -- is
 INVALID_ARGUMENT, reported without waiting for the timeout, naming what differs. No failure
 leaves rendezvous state behind. Raw `jax.ffi.ffi_call`s reach below the Python checks of
-spec_jax.collectives.ext, so the handler's own checks are what is tested here.
+trainspec.jax.collectives.ext, so the handler's own checks are what is tested here.
 """
 import time
 
@@ -15,8 +15,8 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spec_jax import collectives
-from spec_jax.collectives import ext
+from trainspec.jax import collectives
+from trainspec.jax.collectives import ext
 
 MESH = Mesh(np.array(jax.devices()), ("d",))
 # Generous: the checks below fail in well under a second; a timeout would take this long.

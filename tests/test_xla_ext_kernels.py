@@ -27,8 +27,8 @@ _CHILD = textwrap.dedent(r"""
     import ml_dtypes
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from spec_jax import _xla_ext
-    from spec_jax.collectives import ext
+    from trainspec.jax import _xla_ext
+    from trainspec.jax.collectives import ext
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     rng = np.random.default_rng(7)

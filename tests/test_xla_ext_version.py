@@ -14,8 +14,8 @@ import jax
 import jaxlib.version
 import pytest
 
-from spec_jax import _xla_ext, xla_ext
-from spec_jax.core.errors import FfiVersionError
+from trainspec.jax import _xla_ext, xla_ext
+from trainspec.core.errors import FfiVersionError
 
 
 @pytest.mark.parametrize("built,running,fits", [
@@ -73,7 +73,7 @@ def test_cli_prints_the_mismatch_as_one_line(tmp_path):
     child = textwrap.dedent(f"""
         import sys, jax
         jax.ffi.include_dir = lambda: {include!r}
-        from spec_jax.cli.main import main
+        from trainspec.cli.main import main
         sys.exit(main(["train", "--steps", "1", "--run-dir", {str(tmp_path / "run")!r}]))
     """)
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
@@ -81,4 +81,4 @@ def test_cli_prints_the_mismatch_as_one_line(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        "trainspec: error: spec_jax's xla_ext was compiled against jaxlib")
+        "trainspec: error: trainspec.jax's xla_ext was compiled against jaxlib")

@@ -1,5 +1,5 @@
 """The one tiny reference job of the tests (seconds, not minutes): `tiny_spec(*overrides, layout=)`."""
-from spec_jax.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 
 TINY = [
     "model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=2",

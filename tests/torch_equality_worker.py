@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spec_jax.adapters.torch import TorchAdapter
-from spec_jax.adapters.torch_model import Transformer, from_flax, next_token_loss
-from spec_jax.adapters.torch_step import TorchStep
-from spec_jax.conformance import ragged_batch
-from spec_jax.core.spec import load_spec
-from spec_jax.core.data import ByteBatches
+from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.model import Transformer, from_flax, next_token_loss
+from trainspec.torch.step import TorchStep
+from trainspec.core.conformance_runner import ragged_batch
+from trainspec.core.spec import load_spec
+from trainspec.core.data import ByteBatches
 
 
 class MeanOfMicroBatchMeans(TorchStep):

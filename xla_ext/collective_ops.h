@@ -25,7 +25,7 @@ namespace trainspec {
 
 enum class Collective { kAllReduce, kReduceScatter, kAllGather, kAllToAll, kBroadcast, kPermute };
 
-// Reduce ops as the "reduce_op" attribute numbers them (spec_jax/collectives/ext.py).
+// Reduce ops as the "reduce_op" attribute numbers them (trainspec/jax/collectives/ext.py).
 enum ReduceOpAttr : int64_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
 
 // The op's attribute names, in the order CollectiveCall::attrs holds their values. Scalars

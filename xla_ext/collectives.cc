@@ -2,7 +2,7 @@
 // all_gather, all_to_all, broadcast and permute between the devices of one process.
 //
 // Every handler takes (x, rank, group) and returns one buffer. `rank` and `group` are int32
-// scalars that spec_jax/collectives/ext.py computes with lax.axis_index, so a group can be any
+// scalars that trainspec/jax/collectives/ext.py computes with lax.axis_index, so a group can be any
 // subset of mesh axes (a row, a column) without the handler knowing device ids; the group
 // size, the call site, the timeout and the op's own attributes are static attributes. This
 // file only translates between XLA FFI and collective_ops.h, once for all six ops.

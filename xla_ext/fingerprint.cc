@@ -5,7 +5,7 @@
 // words can be visited in any order or split across threads and the result stays the same,
 // while the index mixing still makes the checksum sensitive to *where* a bit flipped. The byte
 // length is folded in last, so buffers that differ only by trailing zero bytes differ.
-// spec_jax/fingerprint.py holds the NumPy reference that the tests compare against.
+// trainspec/jax/fingerprint.py holds the NumPy reference that the tests compare against.
 #include <cstdint>
 #include <cstring>
 

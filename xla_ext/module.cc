@@ -1,5 +1,5 @@
 // The nanobind module: a table of FFI handler capsules, registered with jax by
-// spec_jax/xla_ext.py. No handler logic lives here.
+// trainspec/jax/xla_ext.py. No handler logic lives here.
 #include <nanobind/nanobind.h>
 
 #include "handlers.h"
@@ -34,7 +34,7 @@ NB_MODULE(_xla_ext, m) {
     table["trainspec_error_feedback"] = Capsule(TrainspecErrorFeedback);
     return table;
   });
-  // What the handlers were compiled against; spec_jax/xla_ext.py compares it with the running
+  // What the handlers were compiled against; trainspec/jax/xla_ext.py compares it with the running
   // jaxlib before registering them.
   m.def("build_info", []() {
     nb::dict info;

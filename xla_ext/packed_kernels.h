@@ -3,13 +3,13 @@
 // handlers (compression.cc) validate their operands and call these; tests/cxx/harness.cc checks
 // them against a scalar reference.
 //
-// Packed layout (docs/xla_ext.md; NumPy definition spec_jax/core/packed.py), little-endian,
+// Packed layout (docs/xla_ext.md; NumPy definition trainspec/core/packed.py), little-endian,
 // every field at a multiple of 4 bytes from the start:
 //   header  16 bytes: uint32 magic "TSQ1", uint32 format (1 bf16, 2 int8), uint32 elements n,
 //           uint32 block (int8: elements per scale; bf16: 0)
 //   int8:   float32 scale[blocks], then int8 payload[blocks * block] (last block zero-padded)
 //   bf16:   uint16 payload[n], then one zero uint16 if n is odd
-// The arithmetic is float32 in the order of the jnp kernels (spec_jax/collectives/compression.py)
+// The arithmetic is float32 in the order of the jnp kernels (trainspec/jax/collectives/compression.py)
 // and packed_kernels.cc is compiled without FMA contraction, so the two agree bit for bit.
 #pragma once
 

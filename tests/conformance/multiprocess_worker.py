@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from spec_jax.distributed import initialize_from_env  # noqa: E402
+from trainspec.jax.distributed import initialize_from_env  # noqa: E402
 
 assert initialize_from_env(), "run me under `trainspec launch --nprocs 2`"
 assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from spec_jax import collectives
-from spec_jax.collectives import api
-from spec_jax.core.errors import UserInputError
+from trainspec.jax import collectives
+from trainspec.jax.collectives import api
+from trainspec.core.errors import UserInputError
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_unknown_backend_is_a_user_error_naming_it(select):
 
 def test_xla_backend_does_not_import_ext():
     """ext is imported only when chosen, so xla works where the extension is not built."""
-    code = ("import sys; from spec_jax import collectives; collectives.get_backend('xla'); "
-            "assert 'spec_jax.collectives.xla' in sys.modules; "
-            "assert 'spec_jax.collectives.ext' not in sys.modules, 'ext imported eagerly'")
+    code = ("import sys; from trainspec.jax import collectives; collectives.get_backend('xla'); "
+            "assert 'trainspec.jax.collectives.xla' in sys.modules; "
+            "assert 'trainspec.jax.collectives.ext' not in sys.modules, 'ext imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -1,8 +1,8 @@
-"""Conformance suite for spec_jax.collectives: every backend must pass it unchanged.
+"""Conformance suite for trainspec.jax.collectives: every backend must pass it unchanged.
 
 Run one backend with `pytest tests/conformance -k xla` (or `-k ext`). Each test compiles one
 (op, dtype, shape, layout) program. The layouts, cases, inputs, float64 references and
-tolerances are the spec's (spec_jax.core.conformance, spec_jax.core.collectives_reference);
+tolerances are the spec's (trainspec.core.conformance, trainspec.core.collectives_reference);
 this file runs them through jax. float64 cases run under a scoped `jax.enable_x64(True)`, so
 the rest of the test session keeps jax's default 32-bit types.
 """
@@ -19,10 +19,10 @@ import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
-from spec_jax import collectives
-from spec_jax.core import collectives_reference as ref
-from spec_jax.core import conformance
-from spec_jax.core.conformance import (
+from trainspec.jax import collectives
+from trainspec.core import collectives_reference as ref
+from trainspec.core import conformance
+from trainspec.core.conformance import (
     CASES, DTYPES, GROUP_ORDER, ILLEGAL, ILLEGAL_MEAN, LAYOUTS, LINEAR_CASES, Layout,
     expected as _expected,
 )
@@ -31,12 +31,12 @@ pytestmark = pytest.mark.slow
 
 # ---- backends, layouts, dtypes ----------------------------------------------------------------
 
-_EXT_PRESENT = importlib.util.find_spec("spec_jax.collectives.ext") is not None
+_EXT_PRESENT = importlib.util.find_spec("trainspec.jax.collectives.ext") is not None
 BACKENDS = [
     pytest.param("xla", id="xla"),
     # Skipped only while the module does not exist; once it does, import errors fail loudly.
     pytest.param("ext", id="ext", marks=pytest.mark.skipif(
-        not _EXT_PRESENT, reason="spec_jax/collectives/ext.py does not exist yet")),
+        not _EXT_PRESENT, reason="trainspec/jax/collectives/ext.py does not exist yet")),
 ]
 LAYOUT_PARAMS = [pytest.param(lay, id=lay.name) for lay in LAYOUTS]
 

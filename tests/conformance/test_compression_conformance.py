@@ -1,14 +1,14 @@
-"""The conformance suite's compression families (spec_jax/conformance.py) against the JAX
+"""The conformance suite's compression families (trainspec/core/conformance_runner.py) against the JAX
 backends: the round-trip bounds per format and block and the exact error-feedback identity
 pass on xla and ext, are skipped (saying why) where compression is not offered, and fail for
 a quantizer that breaks them."""
 import numpy as np
 import pytest
 
-from spec_jax import conformance as runner
-from spec_jax.adapters.jax import JaxAdapter
-from spec_jax.core import conformance as cases
-from spec_jax.core import packed
+from trainspec.core import conformance_runner as runner
+from trainspec.jax.adapter import JaxAdapter
+from trainspec.core import conformance as cases
+from trainspec.core import packed
 
 CASES = len(cases.COMPRESSION_FORMATS) * len(cases.COMPRESSION_SIZES)
 

@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("multiprocess_worker.py")
 @pytest.mark.parametrize("backend", ["hierarchical"])
 def test_conformance_across_two_processes(backend):
     result = subprocess.run(
-        [sys.executable, "-m", "spec_jax.cli.main", "launch", "--nprocs", "2", "--grace", "2",
+        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "2", "--grace", "2",
          "--", sys.executable, str(WORKER), backend],
         capture_output=True, text=True, timeout=400,
     )

@@ -1,0 +1,182 @@
+"""`trainspec train`: the default job (or any spec) with a progress bar, metrics and a summary."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from trainspec.cli.devices import ensure_host_devices
+from trainspec.cli.summary import print_summary
+from trainspec.cli.train_spec import announce, silent, spec_to_use
+from trainspec.core.errors import UserInputError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train the reference model under a spec")
+    p.add_argument("--spec", type=Path, help="spec file (TOML); default: the spec the run dir was "
+                   "last trained under (RUN_DIR/spec.toml), else the built-in spec")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: train.steps)")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/default"),
+                   help="output directory; a run directory with checkpoints is resumed from the "
+                   "newest good one (on the current devices' mesh)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+        help="override one spec field (repeatable), e.g. --set mesh.axes.fsdp.size=2",
+    )
+    p.add_argument("--summary-json", type=Path, help="also write the summary to this JSON file")
+    p.add_argument("--host-devices", type=_positive_int,
+                   help="CPU devices to present (default 8, or as XLA_FLAGS says)")
+    p.add_argument("--exclude-devices", type=_device_ids, default=[], metavar="ID,ID,...",
+                   help="device ids not to use (added to mesh.exclude_devices); the mesh shrinks "
+                   "to the largest that still satisfies the spec")
+    p.add_argument("--restart", action="store_true",
+                   help="train from step 0: move the run's checkpoints aside (kept, into "
+                   "CHECKPOINT_DIR-quarantine) instead of resuming from them")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--framework", choices=("jax", "torch"), default="jax",
+                   help="implementation that trains (default jax; torch: docs/adapters.md)")
+    p.add_argument("--nprocs", type=_positive_int,
+                   help="torch: ranks to start when not already one rank of a job (default 4 "
+                   "on CPU, one per GPU)")
+    p.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected device ids like 3,5, got {text!r}") from None
+
+
+def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
+    """Refuse, before anything compiles, outputs that cannot be written: found after training,
+    they cost the run (or surfaced as tracebacks from the writer and orbax's threads)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserInputError(f"--run-dir {run_dir} is a file, not a directory")
+    if metrics_file.is_dir() or metrics_file.resolve() == run_dir.resolve():
+        raise UserInputError(f"metrics.path: {metrics_file} is a directory; name a file")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # under /proc, on a read-only file system, a parent that is a file
+        raise UserInputError(f"--run-dir {run_dir}: cannot create it ({err.strerror})") from None
+    if not os.access(run_dir, os.W_OK):
+        raise UserInputError(f"--run-dir {run_dir} is not writable")
+    if os.statvfs(run_dir).f_bavail == 0:
+        raise UserInputError(f"--run-dir {run_dir}: no space left on its file system")
+
+
+@contextlib.contextmanager
+def _failed_save_threads_quiet():
+    """A failed checkpoint save is reported as one line (CheckpointSaveError), but it leaves
+    writes of that save still running on orbax's and tensorstore's threads, and each of them
+    fails in turn: orbax logs them (absl), asyncio logs their futures that nobody awaits any
+    more, and tensorstore's completion callbacks find orbax's event loop closed, each a
+    traceback (sys.unraisablehook) printed before the run has said why it stops."""
+    def orbax_error(record):
+        return record.levelno >= logging.ERROR and "/orbax/" in record.pathname
+
+    def unawaited_write(record):
+        return (record.levelno >= logging.ERROR and record.exc_info is not None
+                and isinstance(record.exc_info[1], OSError))
+
+    def late_callback(unraisable):
+        return (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed")
+
+    filters = [(logging.getLogger("absl"), lambda record: not orbax_error(record)),
+               (logging.getLogger("asyncio"), lambda record: not unawaited_write(record))]
+    hook = sys.unraisablehook
+    for logger, keep in filters:
+        logger.addFilter(keep)
+    sys.unraisablehook = lambda unraisable: None if late_callback(unraisable) else hook(unraisable)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        for logger, keep in filters:
+            logger.removeFilter(keep)
+
+
+def _leave_now(message: str) -> None:
+    """One line, exit 2. After a failed write orbax's background threads may wait forever for
+    signals that will not come (or print tracebacks as the interpreter tears them down), and
+    the interpreter would wait for them at exit: leave without them."""
+    print(f"trainspec: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
+
+
+def run(args) -> int:
+    if args.framework == "torch":
+        from trainspec.cli.train_torch import run as run_torch
+
+        return run_torch(args)
+    if args.nprocs is not None:
+        raise UserInputError("--nprocs: only with --framework torch (JAX jobs start their "
+                             "processes with `trainspec launch`)")
+    if args.summary_json is not None and args.summary_json.is_dir():  # found before training,
+        raise UserInputError(f"--summary-json {args.summary_json} is a directory; name a file")
+    ensure_host_devices(args.host_devices)
+    from trainspec.jax.distributed import initialize_from_env
+
+    initialize_from_env()  # a no-op unless launched as one process of several
+    from trainspec.core.spec import load_spec
+    from trainspec.jax.distributed import is_writer
+    from trainspec.core.run_files import AlreadyTrained
+    from trainspec.jax.train import run as train
+
+    say = announce if is_writer() else silent  # once per job, not once per process
+    spec_path = spec_to_use(args, say)
+    from trainspec.core.health import HealthHalt
+    from trainspec.jax.health.exclusion import exclude
+    from trainspec.jax.health.faults import Faults
+    from trainspec.jax.checkpoint import CheckpointSaveError
+    from trainspec.jax.preemption import Preempted
+
+    spec = load_spec(Path(spec_path), args.overrides)
+    check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
+    if args.exclude_devices:
+        spec = exclude(spec, args.exclude_devices)
+    with _failed_save_threads_quiet():  # until the process leaves on a failed save
+        try:
+            summary = train(
+                spec,
+                args.run_dir,
+                steps=args.steps,
+                spec_label=str(spec_path),
+                progress=not args.quiet,
+                summary_json=args.summary_json,
+                faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
+                restart=args.restart,
+                announce=say,
+            )
+        except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
+            say(str(done))
+            return 0
+        except HealthHalt as halt:  # one clear line, saying where the last good state is
+            print(f"trainspec: halted: {halt}", file=sys.stderr)
+            return 3
+        except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
+            print(f"trainspec: stopped: {stop}", file=sys.stderr)
+            return stop.exit_status
+        except CheckpointSaveError as err:
+            _leave_now(str(err))
+        except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
+            _leave_now(f"--run-dir {args.run_dir}: {err.strerror or err}"
+                       + (f" ({err.filename})" if err.filename else ""))
+    if is_writer():  # once per job, not once per process
+        print_summary(summary)
+    return 0

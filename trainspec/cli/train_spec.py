@@ -1,0 +1,29 @@
+"""Which spec `trainspec train` runs under, and the one-line notes it prints on the way
+(framework-free: the JAX and the torch commands share it)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def spec_to_use(args, say) -> Path:
+    """--spec; else the spec the run dir was last trained under (`say`s so in one line: a
+    resume continues on its own layout); else the built-in spec."""
+    from trainspec.core.spec import DEFAULT_SPEC_PATH
+    from trainspec.core.run_files import saved_spec
+
+    if args.spec is not None:
+        return args.spec
+    saved = saved_spec(args.run_dir)
+    if saved is None:
+        return DEFAULT_SPEC_PATH
+    say(f"spec: {saved}, the one this run dir was trained under (--spec chooses another)")
+    return saved
+
+
+def announce(line: str) -> None:
+    print(f"trainspec: {line}", file=sys.stderr, flush=True)
+
+
+def silent(line: str) -> None:
+    pass

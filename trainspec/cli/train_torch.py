@@ -1,0 +1,80 @@
+"""`trainspec train --framework torch`: the same job on PyTorch (trainspec/torch/).
+
+Run alone, it checks the spec for the ranks it will start, then starts them through the same
+launcher as `trainspec launch` (each rank runs this command again and joins the job); run as
+one rank of a job (`trainspec launch`, torchrun), it trains as that rank.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from trainspec.core.errors import UserInputError
+
+DEFAULT_CPU_RANKS = 4
+
+
+def _check_flags(args) -> None:
+    if args.host_devices is not None:
+        raise UserInputError("--host-devices: a JAX flag; torch runs one device per rank "
+                             "(set the ranks with --nprocs)")
+    if args.exclude_devices:
+        raise UserInputError("--exclude-devices: the torch implementation cannot leave ranks "
+                             "out of a job; start fewer ranks with --nprocs")
+
+
+def run(args) -> int:
+    from trainspec.torch.support import launched, rank_from_env
+    from trainspec.cli.train_spec import announce, silent, spec_to_use
+    from trainspec.core.spec import load_spec
+
+    _check_flags(args)
+    spec_path = spec_to_use(args, silent if launched() else announce)  # said once, by the launcher
+    spec = load_spec(Path(spec_path), args.overrides)
+    if not launched():
+        return _start_ranks(args, spec)
+    if args.nprocs is not None:
+        raise UserInputError("--nprocs: this process is already one rank of a job")
+    from trainspec.torch.train import run as train
+    from trainspec.core.health import HealthHalt
+    from trainspec.core.run_files import AlreadyTrained
+
+    try:
+        summary = train(spec, args.run_dir, steps=args.steps, spec_label=str(spec_path),
+                        progress=not args.quiet, summary_json=args.summary_json,
+                        announce=announce)
+    except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
+        if rank_from_env() == 0:
+            announce(str(done))
+        return 0
+    except HealthHalt as halt:
+        print(f"trainspec: halted: {halt}", file=sys.stderr)
+        return 3
+    if rank_from_env() == 0:
+        from trainspec.cli.summary import print_summary
+
+        print_summary(summary)
+    return 0
+
+
+def _start_ranks(args, spec) -> int:
+    from trainspec.torch.support import check_spec
+    from trainspec.core.launch import run as launch
+    from trainspec.core.run_files import refuse_foreign_checkpoints
+
+    nprocs = args.nprocs or _default_ranks()
+    check_spec(spec, nprocs)  # bad input: one line here, not one per rank
+    # The ranks would refuse another framework's checkpoints too, each in its own line.
+    refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, "torch")
+    argv = list(args.argv)
+    if "--nprocs" in argv:  # the ranks join; they do not start ranks of their own
+        i = argv.index("--nprocs")
+        del argv[i: i + 2]
+    argv = [a for a in argv if not a.startswith("--nprocs=")]
+    return launch([sys.executable, "-m", "trainspec.cli.main", *argv], nprocs)
+
+
+def _default_ranks() -> int:
+    import torch
+
+    return torch.cuda.device_count() or DEFAULT_CPU_RANKS

@@ -1,0 +1,22 @@
+"""The spec itself, framework-free: this package imports neither jax nor torch (nor flax, optax).
+
+An implementation of trainspec (the JAX one in trainspec.jax, or another framework's) builds on it:
+
+- `spec`: the schema (pydantic), defaults, validation, `load_spec`; `errors.UserInputError`;
+  `schema`: `python -m trainspec.core.schema [spec|metrics]` prints the JSON Schemas.
+- `mesh`: the mesh in plain integers: `resolve_mesh` (axis sizes for a device count),
+  `place_devices` (device ids laid out in the mesh, excluded devices removed, processes as
+  dcn blocks) and `PlacedMesh.groups(axes)` (the rank groups of a collective over `axes`).
+- `accumulation`: the token-weighted accumulation rule and its float64 reference.
+- `data`: the default job's batches, a pure function of (seed, step).
+- `records`: the metrics record schema, `JsonlWriter` and `read_jsonl`; `flops`: FLOPs
+  conventions, peak table and `utilisation` (MFU/HFU); `goodput`: the goodput/badput account.
+- `health`: the NaN policy state machine, the replica fingerprint vote, the straggler rule, and
+  the exceptions a guard raises (`HealthHalt`, `ReplicaMismatch`).
+- `collectives_reference`: float64 references, adjoints and tolerances of the six collectives;
+  `conformance`: the layouts and cases every collectives implementation must pass.
+- `gns`: the gradient noise scale estimator; `advice`, `scaling`: the planner's formulas.
+
+tests/test_core.py imports every module here with framework imports refused; an import-linter
+contract (pyproject.toml) keeps it so.
+"""

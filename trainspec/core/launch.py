@@ -1,0 +1,226 @@
+"""Start N local processes of one command as a distributed job, and keep them together.
+
+Each child gets TRAINSPEC_COORDINATOR / TRAINSPEC_NUM_PROCESSES / TRAINSPEC_PROCESS_ID, which
+both implementations join from (trainspec/jax/distributed.py for JAX, trainspec/torch/adapter.py).
+This module imports no framework. Output lines are prefixed with the rank; gloo's per-rank
+connection notices are left out unless `verbose`. If one child fails,
+the launcher names the first to fail (by when it exited, not by rank: once a rank dies the
+others abort in their next collective) and its status or signal, and stops the others
+(SIGTERM, then SIGKILL after the grace period), so a job never outlives a dead rank.
+
+SIGINT/SIGTERM to the launcher are forwarded to every rank as SIGTERM, the preemption notice:
+each rank finishes its step, checkpoints (all at the same step) and exits 143 (trainspec.jax.
+preemption); the launcher waits for that within the grace period (`--grace`), then exits
+128 + the signal it got. Children die with the launcher (PR_SET_PDEATHSIG) so not even a
+SIGKILL of the launcher leaves orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from trainspec.core import topology
+
+# The job description every rank reads (framework-neutral: no framework is imported here).
+COORDINATOR = "TRAINSPEC_COORDINATOR"
+NUM_PROCESSES = "TRAINSPEC_NUM_PROCESSES"
+PROCESS_ID = "TRAINSPEC_PROCESS_ID"
+
+_PR_SET_PDEATHSIG = 1
+DEFAULT_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for every rank to write its checkpoint
+# Printed by gloo (jax's and torch's CPU collectives) for every rank at every connection: noise
+# unless one is debugging the rendezvous. Its "is NOT connected to" failure line stays. It is
+# written piece by piece (text, number, text...), by several threads of a rank at once, and a
+# progress bar's carriage return (a line end to the reader) can land between any two pieces: so
+# each piece is cut out where it is, with the number beside it, and a line that held pieces and
+# is left with nothing but digits is dropped.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d*|\d* ?is connected to \d*| ?peer ranks\. ?|"
+                            r"Expected number of connected peer ranks is : ?\d*")
+
+
+# How long the launcher waits, once the ranks have exited, for their last output lines: a
+# pump thread on a loaded machine can take more than a second to get the CPU.
+DRAIN_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the launcher's own cleanup still applies
+        pass
+
+
+def _child_setup(cpus: set[int] | None):
+    """Between fork and exec: die with the launcher, and pin to `cpus` (inherited by every
+    thread the rank starts, its input threads included)."""
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
+# The launcher's own lines and every rank's pump write to one terminal from several threads
+# (and the SIGTERM handler from the main thread, hence reentrant): each line goes out whole,
+# in one write under this lock. print() writes a message and its newline separately, so a
+# rank's line could land between them.
+_OUTPUT = threading.RLock()
+
+
+def _say(line: str, out=None) -> None:
+    out = sys.stdout if out is None else out  # looked up per call: tests capture sys.stdout
+    with _OUTPUT:
+        out.write(line if line.endswith("\n") else line + "\n")
+        out.flush()
+
+
+def _pump(rank: int, stream, out, verbose: bool) -> None:
+    for line in iter(stream.readline, ""):
+        if not verbose and "NOT connected" not in line:
+            line, pieces = GLOO_CONNECTED.subn("", line)
+            if not line.strip(string.digits + string.whitespace if pieces else string.whitespace):
+                continue
+        _say(f"[rank {rank}] {line}", out)
+    stream.close()
+
+
+class Launch:
+    def __init__(self, command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
+                 port: int | None = None, bind: str | None = None, verbose: bool = False):
+        self.command, self.nprocs, self.grace_s = list(command), nprocs, grace_s
+        self.verbose = verbose
+        nodes = topology.numa_nodes()
+        self.bind = bind or topology.default_policy(nodes)  # numa where there are several nodes
+        allowed = os.sched_getaffinity(0)
+        self.cpus = [topology.bind_cpus(self.bind, r, nprocs, nodes, allowed) for r in range(nprocs)]
+        self.port = port or free_port()
+        self.children: list[subprocess.Popen] = []
+        self._threads: list[threading.Thread] = []  # output pumps and exit watchers
+        self._pumps: list[threading.Thread] = []
+        self.exits: list[tuple[int, int]] = []  # (rank, status) in the order the ranks exited
+        self._exited = threading.Condition()
+
+    def _env(self, rank: int) -> dict[str, str]:
+        return {
+            **os.environ,
+            COORDINATOR: f"127.0.0.1:{self.port}",
+            NUM_PROCESSES: str(self.nprocs),
+            PROCESS_ID: str(rank),
+            "PYTHONUNBUFFERED": "1",
+            "TRAINSPEC_BIND": self.bind,  # shown by `trainspec doctor`
+        }
+
+    def start(self) -> None:
+        for rank in range(self.nprocs):
+            child = subprocess.Popen(
+                self.command, env=self._env(rank), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, preexec_fn=_child_setup(self.cpus[rank]),
+                start_new_session=True,  # its own process group: we signal the whole group
+            )
+            self.children.append(child)
+            pinned = f", --bind {self.bind}: CPUs {sorted(self.cpus[rank])}" if self.cpus[rank] else ""
+            _say(f"[launch] rank {rank} pid {child.pid}{pinned}")
+            for target, args in ((_pump, (rank, child.stdout, sys.stdout, self.verbose)),
+                                 (self._watch, (rank, child))):
+                thread = threading.Thread(target=target, args=args, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+            self._pumps.append(self._threads[-2])
+
+    def _watch(self, rank: int, child: subprocess.Popen) -> None:
+        status = child.wait()
+        with self._exited:
+            self.exits.append((rank, status))
+            self._exited.notify_all()
+
+    def _signal_all(self, sig: int) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                try:
+                    os.killpg(child.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop_all(self) -> None:
+        """SIGTERM every live child, SIGKILL what is left after the grace period."""
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(c.poll() is None for c in self.children):
+            time.sleep(0.05)
+        self._signal_all(signal.SIGKILL)
+        for child in self.children:
+            child.wait()
+
+    def drain(self, timeout_s: float = DRAIN_S) -> None:
+        """Let the output pumps relay what exited ranks printed last (their "saved" lines).
+        Bounded: a grandchild that kept a rank's stdout open must not hold the launcher."""
+        deadline = time.monotonic() + timeout_s
+        for pump in self._pumps:
+            pump.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def wait(self) -> int:
+        """Exit status of the job: 0 if all ranks succeed, else the first failure's."""
+        try:
+            with self._exited:
+                while not (failed := [e for e in self.exits if e[1] != 0]) and \
+                        len(self.exits) < len(self.children):
+                    self._exited.wait(timeout=0.5)  # a timeout, so that signals get through
+            if not failed:
+                return 0
+            rank, status = failed[0]
+            _say(f"[launch] rank {rank} {describe_status(status)} first; stopping the others",
+                 sys.stderr)
+            self.stop_all()
+            return status if status > 0 else 128 - status  # -9 (killed) -> 137, like a shell
+        finally:
+            self.drain()
+
+
+def describe_status(status: int) -> str:
+    """A child's exit as a person says it: "exited with status 3", "was killed by SIGKILL"."""
+    if status >= 0:
+        return f"exited with status {status}"
+    try:
+        return f"was killed by {signal.Signals(-status).name}"
+    except ValueError:
+        return f"was killed by signal {-status}"
+
+
+def run(command: Sequence[str], nprocs: int, grace_s: float = DEFAULT_GRACE_S,
+        bind: str | None = None, verbose: bool = False) -> int:
+    launch = Launch(command, nprocs, grace_s, bind=bind, verbose=verbose)
+
+    def forward(signum, _frame):
+        _say(f"[launch] {signal.Signals(signum).name}: every rank checkpoints and stops "
+             f"(grace {grace_s:g} s)", sys.stderr)
+        launch.stop_all()
+        launch.drain()
+        # Every child is reaped once stop_all returns; its exit watcher may not have recorded
+        # it yet (launch.exits), so the statuses come from the children themselves.
+        statuses = ", ".join(f"rank {r} {describe_status(c.returncode)}"
+                             for r, c in enumerate(launch.children))
+        _say(f"[launch] {statuses}", sys.stderr)
+        sys.exit(128 + signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launch.start()
+        return launch.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,95 @@
+"""Layouts of a device count: every (data, fsdp, tensor) factorisation, hosts on the outer axes,
+ranked by predicted step time (those that fit first)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from trainspec.core.plan.hardware import Profile
+from trainspec.core.plan.model import Layout, Prediction
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import Spec
+
+ROLE_ORDER = ("data", "fsdp", "tensor")
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def role_axes(spec: Spec) -> dict[str, str]:
+    """The one mesh axis of each role the search sizes; other axes stay at their spec size."""
+    out = {}
+    for role in ROLE_ORDER:
+        axes = spec.mesh.axes_with_role(role)
+        if axes:
+            out[role] = axes[0]
+    return out
+
+
+def layout_for(spec: Spec, sizes: dict[str, int], n_devices: int, ici_domain: int) -> Layout:
+    """Axis sizes with the cross-domain factor placed on the outermost axes that can take it
+    (data, then fsdp: their traffic is once per step), or the spec's own dcn factors."""
+    dcn = {a: spec.mesh.axes[a].dcn for a in sizes}
+    hosts = max(1, n_devices // ici_domain)
+    if math.prod(dcn.values()) == 1 and hosts > 1:
+        for axis in sizes:  # spec order: major (outer) axes first
+            take = math.gcd(hosts, sizes[axis])
+            if spec.mesh.role_of(axis) != "tensor":
+                dcn[axis], hosts = take, hosts // take
+        if hosts > 1:
+            raise UserInputError(
+                f"--devices {n_devices}: {max(1, n_devices // ici_domain)} hosts do not divide the "
+                f"data and fsdp axes ({sizes}); tensor parallelism stays within a host")
+    return Layout(sizes, dcn)
+
+
+def spec_layout(spec: Spec, n_devices: int, ici_domain: int) -> Layout:
+    """The spec's own mesh (its -1 axis resolved) for n devices."""
+    fixed = math.prod(a.size for a in spec.mesh.axes.values() if a.size != -1)
+    if fixed > n_devices or n_devices % fixed:
+        raise UserInputError(f"mesh.axes: the fixed axis sizes multiply to {fixed}, which does not "
+                             f"divide --devices {n_devices}")
+    sizes = {n: (a.size if a.size != -1 else n_devices // fixed) for n, a in spec.mesh.axes.items()}
+    return layout_for(spec, sizes, n_devices, ici_domain)
+
+
+def all_layouts(spec: Spec, n_devices: int, ici_domain: int) -> list[Layout]:
+    """Every factorisation of n over the role axes (others at size 1); tensor within a domain."""
+    roles = role_axes(spec)
+    out = []
+    for tensor in _divisors(n_devices) if "tensor" in roles else [1]:
+        if tensor > ici_domain:
+            continue
+        for fsdp in _divisors(n_devices // tensor) if "fsdp" in roles else [1]:
+            data = n_devices // tensor // fsdp
+            if data > 1 and "data" not in roles:
+                continue
+            sizes = {a: 1 for a in spec.mesh.axes}
+            for role, size in (("data", data), ("fsdp", fsdp), ("tensor", tensor)):
+                if role in roles:
+                    sizes[roles[role]] = size
+            try:
+                out.append(layout_for(spec, sizes, n_devices, ici_domain))
+            except UserInputError:
+                continue
+    return out
+
+
+def ranked(predictions: list[Prediction]) -> list[Prediction]:
+    """Layouts that fit first, fastest first; equal times: the least memory per device."""
+    return sorted(predictions, key=lambda p: (not p.fits, p.step_time_s if p.fits else 0.0,
+                                              p.memory_bytes if p.fits else 0.0))
+
+
+def best_per_count(spec_for: Callable[[int], Spec], counts, profile: Profile,
+                   predict: Callable[[Spec, Layout], Prediction]) -> list[tuple[int, Prediction | None]]:
+    """The fastest layout that fits at each device count (None where none fits)."""
+    out = []
+    for n in counts:
+        spec = spec_for(n)
+        preds = [predict(spec, lay) for lay in all_layouts(spec, n, profile.ici_domain)]
+        fitting = [p for p in ranked(preds) if p.fits]
+        out.append((n, fitting[0] if fitting else None))
+    return out

@@ -1,0 +1,171 @@
+"""The metrics record format (versioned), its JSON Schema, and the JSONL writer and reader.
+
+The schema is data, shipped with the package as trainspec/core/metrics.schema.json: the one
+definition of every field (units are in the names; docs/metrics.md has the formulas). One record
+per metrics interval, one JSON object per line. `schema` names the format and its version; a
+reader MUST check it. Fields whose value is unknown on a backend are null, never absent, so that
+every record of a version has the same keys.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from trainspec.core.errors import UserInputError
+
+SCHEMA_PATH = Path(__file__).with_name("metrics.schema.json")
+_SCHEMA = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+SCHEMA_ID: str = _SCHEMA["$id"]
+REQUIRED: tuple[str, ...] = tuple(_SCHEMA["required"])
+# field -> its JSON Schema (with its description), in the schema's order.
+FIELDS: dict[str, dict] = {name: _SCHEMA["properties"][name] for name in REQUIRED}
+# Present only in the records they mark (absent, not null, elsewhere): a report draws the
+# events of a run from them.
+MARKS: dict[str, dict] = {name: field for name, field in _SCHEMA["properties"].items()
+                          if name not in FIELDS}
+
+
+def json_schema() -> dict[str, Any]:
+    return json.loads(schema_text())  # a fresh copy: callers may change it
+
+
+def schema_text() -> str:
+    return SCHEMA_PATH.read_text(encoding="utf-8")
+
+
+def finite_or_none(value):
+    """JSON has no NaN/Infinity: a non-finite number is recorded as null."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class JsonlWriter:
+    """One record per line, flushed per record: a crash loses at most the line being written
+    (`read_jsonl` skips a truncated last line)."""
+
+    def __init__(self, path: Path, append: bool = False):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        # Always append mode, so that writes follow a `rewind`; a new run starts empty.
+        self._file = open(path, "a")
+        if not append:
+            self._file.truncate(0)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def rewind(self, step: int) -> dict[int, float]:
+        """Cut the file after the last record at or before `step`, in place: the file is open
+        in append mode, so the next record is written at the new end."""
+        kept, losses = 0, {}
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line torn by a kill: drop it and what follows
+                    break
+                if record.get("step", 0) > step:
+                    break
+                kept += len(line)
+                if record.get("loss") is not None:
+                    losses[record["step"]] = record["loss"]
+        os.truncate(self.path, kept)
+        return losses
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of one run. A truncated last line (a writer that crashed mid-line) is skipped
+    with a warning; any other bad line, or a record of another format version, is an error."""
+    path = Path(path)
+    if path.is_dir() and (path / "metrics.jsonl").is_file():  # a run directory
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise UserInputError(f"metrics file not found: {path}")
+    try:
+        lines = path.read_bytes().decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise UserInputError(f"{path}: not a metrics JSONL file (not UTF-8 text)") from None
+    complete_last = lines[-1] == ""  # a file the writer finished ends with a newline
+    lines = lines[:-1] if complete_last else lines
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) and not complete_last:
+                warnings.warn(f"{path}: line {i} is truncated (an interrupted writer); skipped",
+                              stacklevel=2)
+                continue
+            raise UserInputError(f"{path}: line {i} is not valid JSON") from None
+        if not isinstance(record, dict) or record.get("schema") != SCHEMA_ID:
+            got = record.get("schema") if isinstance(record, dict) else type(record).__name__
+            raise UserInputError(f"{path}: line {i} is not a {SCHEMA_ID} record (schema {got!r})")
+        records.append(record)
+    if not records:
+        raise UserInputError(f"{path}: no metric records")
+    return records
+
+
+def interval_fields(facts: dict, steps: int, wall_s: float, valid_tokens: float,
+                    tokens_per_step: int, data_wait_s: float, goodput: dict) -> dict:
+    """The timing fields of the record that ends an interval of `steps` steps in `wall_s`
+    seconds, over the step's static `facts` (FLOPs, peak, devices, memory, comm), which it
+    includes: throughput, MFU/HFU, input stalls and goodput (`Goodput.summary()`), the same
+    arithmetic for every implementation."""
+    from trainspec.core.flops import Peak, utilisation
+
+    step_time = wall_s / steps
+    peak = Peak(facts["peak_flops_per_device"], facts["peak_flops_source"])
+    use = lambda key: utilisation(facts[key], step_time, facts["n_devices"], peak)  # noqa: E731
+    return {
+        "step_time_s": step_time,
+        "tokens_per_s": valid_tokens / wall_s,
+        "padded_tokens_per_s": tokens_per_step * steps / wall_s,
+        **facts,
+        "mfu": use("model_flops_per_step"),
+        "hfu": use("hardware_flops_per_step"),
+        "data_wait_s": data_wait_s,
+        "data_wait_fraction": data_wait_s / wall_s if wall_s > 0 else 0.0,
+        "elapsed_s": goodput["elapsed_s"],
+        "goodput": goodput["goodput"],
+        "badput_s": goodput["badput_s"],
+    }
+
+
+def run_fields(facts: dict, seconds: float, timed_steps: int, valid_tokens: float,
+               goodput: dict, losses: dict[int, float], last_step: int) -> dict:
+    """A run summary's measured numbers: means over every recorded step (`seconds` of
+    `timed_steps` steps training `valid_tokens`), the first and last recorded loss."""
+    from trainspec.core.flops import Peak, utilisation
+
+    step_time = seconds / timed_steps if timed_steps else float("nan")
+    peak = Peak(facts["peak_flops_per_device"], facts["peak_flops_source"])
+    return {
+        # None only on a non-writer process resumed at the end (it recorded nothing itself)
+        "initial_loss": losses[min(losses)] if losses else None,
+        "final_loss": losses.get(last_step),
+        "step_time_s": step_time,
+        "tokens_per_s": valid_tokens / seconds if seconds else float("nan"),
+        "mfu": utilisation(facts["model_flops_per_step"], step_time, facts["n_devices"], peak),
+        "peak_flops_per_device": peak.flops_per_device,
+        "peak_flops_source": peak.source,
+        "model_flops_per_step": facts["model_flops_per_step"],
+        "memory_peak_bytes": facts["memory_peak_bytes"],
+        "comm_bytes_per_step": facts["comm_bytes_per_step"],
+        "compile_time_s": facts["compile_time_s"],
+        "goodput": goodput["goodput"],
+        "badput_s": goodput["badput_s"],
+    }

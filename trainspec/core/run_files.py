@@ -1,0 +1,73 @@
+"""Files of a run directory that every implementation writes alike. Framework-free."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import mesh_text
+from trainspec.core.spec import Spec
+from trainspec.core.spec_source import to_toml
+
+SPEC_FILE = "spec.toml"  # the spec a run dir was last trained under, --set overrides applied
+# A file that each implementation's finished checkpoint step holds and the other's never does
+# (orbax's step metadata; the torch implementation's meta), by `trainspec train --framework`.
+CHECKPOINT_MARKERS = {"jax": "_CHECKPOINT_METADATA", "torch": "meta.json"}
+
+
+class AlreadyTrained(Exception):
+    """The run directory is already at (or past) the step asked for: nothing was trained and
+    nothing in it changed."""
+
+    def __init__(self, run_dir: Path, at_step: int, steps: int):
+        super().__init__(f"{run_dir} is already at step {at_step} (its newest good checkpoint); "
+                         f"asked to train to step {steps}: nothing trained, nothing changed")
+
+
+def resume_mark(meta: dict) -> dict:
+    """The fields that mark the first record after resuming from a checkpoint (its `meta`)."""
+    return {"resumed_from_step": meta["data_position"],
+            "resumed_from_mesh": mesh_text(meta["mesh"]) if "mesh" in meta else "not recorded"}
+
+
+def resume_line(mark: dict, mesh: dict[str, int]) -> str:
+    """'resumed from step N (mesh A → B)', saying so when the mesh is unchanged."""
+    was, now = mark["resumed_from_mesh"], mesh_text(mesh)
+    return (f"resumed from step {mark['resumed_from_step']} (mesh {was} → {now}"
+            f"{', unchanged' if was == now else ''})")
+
+
+def refuse_foreign_checkpoints(checkpoint_dir: Path, framework: str) -> None:
+    """UserInputError, in one line, naming a checkpoint in `checkpoint_dir` that another
+    framework's implementation wrote: it is neither good nor bad for this one, not its to read."""
+    steps = [p for p in Path(checkpoint_dir).iterdir() if p.name.isdigit()] \
+        if Path(checkpoint_dir).is_dir() else []
+    for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):  # the newest named
+        for other, marker in CHECKPOINT_MARKERS.items():
+            if other != framework and (step_dir / marker).exists():
+                raise UserInputError(
+                    f"checkpoint.dir: {step_dir} is a checkpoint of the {other} implementation; "
+                    f"resume it with --framework {other}, or give this run another --run-dir")
+
+
+def write_json_atomically(path: Path, payload: dict) -> None:
+    _write_atomically(path, json.dumps(payload, indent=2) + "\n")
+
+
+def save_spec(spec: Spec, run_dir: Path) -> None:
+    _write_atomically(Path(run_dir) / SPEC_FILE,
+                      "# The spec this run directory was trained under (written by trainspec "
+                      "train).\n" + to_toml(spec.to_dict()))
+
+
+def saved_spec(run_dir: Path) -> Path | None:
+    """The spec a run directory was trained under, if it has one."""
+    path = Path(run_dir) / SPEC_FILE
+    return path if path.is_file() else None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader never sees a half-written file

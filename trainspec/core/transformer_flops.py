@@ -1,0 +1,78 @@
+"""Analytic FLOPs and parameter counts of the reference transformer (transformer.py).
+
+Kept beside the model, as torchtitan keeps `get_nparams_and_flops` with each model: a change of
+the architecture changes this formula in the same place. Framework-free (the torch port of the
+model uses it too); the conventions are trainspec.core.flops's.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from trainspec.core.flops import CONVENTIONS
+from trainspec.core.spec import ModelSpec, Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerFlops:
+    """Analytic FLOPs of the reference decoder (trainspec.jax.models.transformer) per token."""
+
+    model: ModelSpec
+    seq_len: int
+    remat: str = "none"
+
+    @property
+    def embedding_params(self) -> int:
+        return self.model.vocab_size * self.model.d_model
+
+    @property
+    def block_matmul_params(self) -> int:
+        d, f = self.model.d_model, self.model.d_ff
+        return 4 * d * d + 2 * d * f  # q, k, v, out; mlp_in, mlp_out
+
+    @property
+    def non_embedding_params(self) -> int:
+        """All parameters except the input embedding table: blocks, norms, output head."""
+        m = self.model
+        norms = (2 * m.n_layers + 1) * m.d_model
+        return m.n_layers * self.block_matmul_params + norms + m.d_model * m.vocab_size
+
+    @property
+    def total_params(self) -> int:
+        return self.non_embedding_params + self.embedding_params
+
+    def attention_per_token(self, convention: str) -> float:
+        """Scores (Q K^T) and weighted values (A V): 2 matmuls of 2 d T FLOPs each, x3 for
+        forward + backward, per layer; halved under the causal discount."""
+        full = 12.0 * self.model.n_layers * self.model.d_model * self.seq_len
+        return full / 2 if convention == "causal_discount" else full
+
+    def model_per_token(self, convention: str = "no_causal_discount") -> float:
+        if convention not in CONVENTIONS:
+            raise ValueError(f"unknown FLOPs convention {convention!r}")
+        return 6.0 * self.non_embedding_params + self.attention_per_token(convention)
+
+    def hardware_per_token(self) -> float:
+        """What this implementation executes in matmuls: the model FLOPs without discount
+        (the masked attention computes every score), minus the norm scales (elementwise), plus
+        the one-hot embedding matmul (forward 2 V d, weight gradient 2 V d) and the forward
+        recomputed by rematerialisation."""
+        m = self.model
+        matmul_params = m.n_layers * self.block_matmul_params + m.d_model * m.vocab_size
+        flops = 6.0 * matmul_params + self.attention_per_token("no_causal_discount")
+        flops += 4.0 * m.vocab_size * m.d_model
+        return flops + self.remat_per_token()
+
+    def remat_per_token(self) -> float:
+        m = self.model
+        attn_fwd = 4.0 * m.d_model * self.seq_len  # scores + weighted values, forward
+        if self.remat == "full":
+            # The backward needs every block activation except the MLP output, so jax recomputes
+            # the forward up to mlp_in: q, k, v, out, mlp_in projections and attention.
+            return m.n_layers * (2.0 * (4 * m.d_model**2 + m.d_model * m.d_ff) + attn_fwd)
+        if self.remat == "dots_with_no_batch_dims_saveable":
+            return m.n_layers * attn_fwd  # attention einsums have batch dims: recomputed
+        return 0.0  # none, dots_saveable: every matmul output is kept
+
+
+def for_spec(spec: Spec) -> TransformerFlops:
+    return TransformerFlops(spec.model, spec.batch.seq_len, spec.remat.policy)

@@ -1,0 +1,131 @@
+"""The JAX implementation of the adapter interface: one adapter per collectives backend
+(`xla`, `ext`, `hierarchical`; trainspec/jax/collectives). The ops themselves are
+trainspec.jax.collectives' (called inside `jax.shard_map`); this adapter gives them the interface's
+shape: devices, the spec's mesh, a collective run on NumPy blocks, DLPack and fingerprints.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from trainspec.jax import collectives
+from trainspec.core.adapter import OPS, Adapter
+from trainspec.jax.collectives.api import GUARANTEE_LEVELS
+from trainspec.core.errors import UserInputError
+
+
+@functools.cache
+def _grid(shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
+    return Mesh(np.array(jax.devices()[: math.prod(shape)]).reshape(shape), axes)
+
+
+def _x64(dtype: str):
+    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+
+
+@functools.cache
+def _error_feedback(backend: str, compression: str, block: int):
+    """(x, residual) -> (dequantized x + residual, new residual) by the backend's kernels: the
+    xla_ext handlers on ext, the jnp kernels on xla."""
+    if backend == "ext":
+        from trainspec.jax.collectives import compression_ext as kernels
+
+        def step(x, residual):
+            packed, new_residual = kernels.error_feedback(x, residual, compression, block)
+            return kernels.dequantize_sum(packed[None], compression, block, x.size), new_residual
+    else:
+        from trainspec.jax.collectives import compression as kernels
+
+        def step(x, residual):
+            corrected = x + residual
+            sent = kernels.round_trip(corrected, compression, block)
+            return sent, corrected - sent
+    return jax.jit(step)
+
+
+class JaxAdapter(Adapter):
+    def __init__(self, backend: str = "xla"):
+        self.name = self.backend = backend
+        self.guarantee_levels = dict.fromkeys(OPS, GUARANTEE_LEVELS[backend])
+        # the step refuses a compression on hierarchical (trainspec/jax/step.py)
+        self.compressions = ("bf16", "int8") if backend in ("xla", "ext") else ()
+
+    def process_grid(self) -> tuple[int, int]:
+        return jax.process_index(), jax.process_count()
+
+    def device_ids(self) -> list[int]:
+        return [d.id for d in jax.devices()]
+
+    def build_mesh(self, spec) -> Mesh:
+        from trainspec.jax.mesh import build_mesh
+
+        return build_mesh(spec)
+
+    def run_collective(self, mesh_shape, mesh_axes, collective, blocks, dtype, axes, **kwargs):
+        mesh_shape, mesh_axes = tuple(mesh_shape), tuple(mesh_axes)
+        k = len(mesh_shape)
+        axis_name = axes if isinstance(axes, str) else (axes[0] if len(axes) == 1 else tuple(axes))
+        fn = getattr(collectives, collective)
+
+        def body(block):
+            out = fn(block.reshape(block.shape[k:]), axis_name, backend=self.backend, **kwargs)
+            return out.reshape((1,) * k + out.shape)
+
+        spec = P(*mesh_axes)
+        run = jax.jit(jax.shard_map(body, mesh=_grid(mesh_shape, mesh_axes), in_specs=spec,
+                                    out_specs=spec, check_vma=False))
+        with _x64(dtype):
+            out = np.asarray(run(np.asarray(blocks).astype(jnp.dtype(dtype))))
+        wide = out.astype(np.int64 if dtype == "int32" else np.float64)
+        return {idx: wide[idx] for idx in np.ndindex(*mesh_shape)}
+
+    def round_trip(self, x: np.ndarray, dtype: str) -> np.ndarray:
+        return np.asarray(x).astype(jnp.dtype(dtype)).astype(
+            np.int64 if dtype == "int32" else np.float64)
+
+    def to_dlpack(self, x):
+        return x  # a jax.Array exports __dlpack__ itself
+
+    def from_dlpack(self, obj):
+        return jax.dlpack.from_dlpack(obj)
+
+    def fingerprint(self, x) -> tuple[int, int]:
+        from trainspec.jax.fingerprint import fingerprint
+
+        low, high = np.asarray(fingerprint(x))
+        return int(low), int(high)
+
+    def error_feedback(self, x, residual, compression, block):
+        sent, new_residual = _error_feedback(self.backend, compression, block)(x, residual)
+        return np.asarray(sent), np.asarray(new_residual)
+
+    def gather_objects(self, obj) -> list:
+        if jax.process_count() > 1:
+            raise UserInputError("--impl: the conformance runner drives the JAX backends from "
+                                 "one process (its devices are the mesh)")
+        return [obj]
+
+    def one_step(self, spec, params, batch):
+        from trainspec.jax.train import build_job
+
+        job = build_job(spec)
+        placed = jax.device_put(params, job.step.state_shardings.params)
+        state, metrics = job.step(job.state.replace(params=placed), batch)
+        return float(metrics["loss"]), jax.device_get(state.params)
+
+    def initial_params(self, spec) -> dict:
+        """The reference job's initial parameters (the flax tree, NumPy)."""
+        from trainspec.jax.train import build_job
+
+        return jax.device_get(build_job(spec).state.params)
+
+    def train_run(self, spec, run_dir, steps):
+        from trainspec.jax.train import run
+
+        return run(spec, run_dir, steps=steps, progress=False)

@@ -1,0 +1,56 @@
+"""Join a multi-process job on JAX's own distributed runtime (gloo on CPU, NCCL on GPU).
+
+Where the job is described, first match wins:
+1. TRAINSPEC_COORDINATOR (host:port), TRAINSPEC_NUM_PROCESSES, TRAINSPEC_PROCESS_ID — set by
+   `trainspec launch`, or by hand (Kubernetes: the process id defaults to JOB_COMPLETION_INDEX,
+   the index of a pod in an Indexed Job);
+2. a cluster that jax recognises by itself (SLURM's SLURM_* variables, Open MPI, ...) when
+   TRAINSPEC_CLUSTER=auto is set: jax reads the coordinator, count and id from it;
+3. otherwise: a single process, nothing to do.
+docs/scale-out.md gives the commands for each.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from trainspec.core.errors import UserInputError
+from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID  # noqa: F401 (re-exported)
+CLUSTER = "TRAINSPEC_CLUSTER"
+INIT_TIMEOUT = "TRAINSPEC_INIT_TIMEOUT_S"
+
+
+def _int_env(name: str, fallback: str | None = None) -> int:
+    raw = os.environ.get(name, os.environ.get(fallback, "") if fallback else "")
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserInputError(f"environment variable {name}: expected an integer, got {raw!r}") from None
+
+
+def initialize_from_env() -> bool:
+    """Initialise jax.distributed if the environment describes a multi-process job.
+
+    Must run before jax's first device query. Returns whether a multi-process job was joined.
+    """
+    timeout = _int_env(INIT_TIMEOUT) if os.environ.get(INIT_TIMEOUT) else 300
+    if os.environ.get(COORDINATOR):
+        num = _int_env(NUM_PROCESSES)
+        pid = _int_env(PROCESS_ID, fallback="JOB_COMPLETION_INDEX")
+        if not 0 <= pid < num:
+            raise UserInputError(f"{PROCESS_ID}={pid} is outside [0, {NUM_PROCESSES}={num})")
+        jax.distributed.initialize(
+            os.environ[COORDINATOR], num_processes=num, process_id=pid,
+            initialization_timeout=timeout,
+        )
+        return True
+    if os.environ.get(CLUSTER) == "auto":
+        jax.distributed.initialize(initialization_timeout=timeout)
+        return True
+    return False
+
+
+def is_writer() -> bool:
+    """Whether this process writes the job's shared files (metrics, summary): process 0 only."""
+    return jax.process_index() == 0

@@ -1,0 +1,71 @@
+"""Device exclusion: rebuild the mesh without bad devices, as large as the spec allows.
+
+Bad devices come from the user (`mesh.exclude_devices`, `trainspec train --exclude-devices`) or
+from a detector (replica fingerprints name the diverged devices). The spec's fixed axis sizes
+and the batch divisibility stay constraints; what may shrink is the device count: the largest n
+of the usable devices for which the spec still resolves (the `-1` axis absorbs the change) and
+the micro-batch still splits evenly is used, the rest idle.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from trainspec.jax import layout
+from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import check_batch, resolve_mesh
+from trainspec.jax.mesh import build_mesh, usable_devices
+from trainspec.core.spec import Spec, load_spec
+
+
+def exclude(spec: Spec, device_ids: Iterable[int]) -> Spec:
+    """`spec` with `device_ids` added to `mesh.exclude_devices`."""
+    data = spec.to_dict()
+    data["mesh"]["exclude_devices"] = sorted(set(spec.mesh.exclude_devices) | set(device_ids))
+    return load_spec(data)
+
+
+def _checked_mesh(spec: Spec, devices: Sequence[jax.Device]) -> Mesh:
+    mesh = build_mesh(spec, devices)
+    check_batch(spec, resolve_mesh(spec, len(devices)), layout.batch_axes(spec, mesh))
+    return mesh
+
+
+def _candidates(usable: Sequence[jax.Device]) -> list[list[jax.Device]]:
+    """Device sets to try, largest first. One process: the prefixes of its usable devices.
+    Several: the first k usable devices of every process, for each k, since each process runs
+    the same program on its own devices (a process left without any could not take part) and a
+    multi-host mesh is one equal block per process."""
+    by_process: dict[int, list[jax.Device]] = {}
+    for d in usable:
+        by_process.setdefault(d.process_index, []).append(d)
+    if len(by_process) == 1:
+        return [list(usable[:n]) for n in range(len(usable), 0, -1)]
+    most = min(len(ds) for ds in by_process.values())
+    return [[d for ds in by_process.values() for d in ds[:k]] for k in range(most, 0, -1)]
+
+
+def largest_mesh(spec: Spec, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The spec's mesh over the largest set of the usable devices that satisfies it
+    (`_candidates`: a prefix, or the same number from every process).
+
+    Without excluded devices this is `build_mesh` (a spec that does not fit all devices is the
+    user's error, reported as such, never silently shrunk). With exclusions, if no set fits,
+    the error is the one for the largest.
+    """
+    if not spec.mesh.exclude_devices:
+        return _checked_mesh(spec, list(jax.devices() if devices is None else devices))
+    usable = usable_devices(spec, devices)
+    # build_mesh applies exclude_devices itself; the candidates are already filtered
+    unfiltered = spec.model_copy(update={"mesh": spec.mesh.model_copy(update={"exclude_devices": []})})
+    if not usable:
+        raise UserInputError(f"mesh.exclude_devices: all {len(spec.mesh.exclude_devices)} devices are excluded")
+    errors = []
+    for candidate in _candidates(usable):
+        try:
+            return _checked_mesh(unfiltered, candidate)
+        except UserInputError as err:
+            errors.append(err)
+    raise errors[0]

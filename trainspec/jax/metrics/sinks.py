@@ -1,0 +1,125 @@
+"""Where records go. JSONL always (trainspec.core.records.JsonlWriter); TensorBoard when a
+writer (tensorboardX, the `tensorboard` extra, or torch's) is installed.
+
+A sink is any object with `write(record: dict)`, `rewind(step)` and `close()`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainspec.core.errors import UserInputError
+from trainspec.core.records import JsonlWriter
+from trainspec.jax.distributed import is_writer
+
+
+class Sink(Protocol):
+    def write(self, record: dict) -> None: ...
+    def rewind(self, step: int) -> dict[int, float]:
+        """Forget records past `step` (work about to be redone after a resume or rollback);
+        returns the losses of the records kept, by step."""
+    def close(self) -> None: ...
+
+
+def _summary_writer_class():
+    try:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    except ImportError:
+        pass
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter
+    except ImportError:
+        return None
+
+
+# Record fields -> TensorBoard (docs/metrics.md, section 1). Scalars at every record:
+PER_RECORD = {
+    "loss": "loss/loss", "grad_norm": "loss/grad_norm", "learning_rate": "loss/learning_rate",
+    "gns": "loss/gns", "gns_grad_sq": "loss/gns_grad_sq", "gns_trace": "loss/gns_trace",
+    "skipped_steps": "loss/skipped_steps",  # health: steps not applied (non-finite)
+    "step_time_s": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s",
+    "padded_tokens_per_s": "perf/padded_tokens_per_s", "mfu": "perf/mfu", "hfu": "perf/hfu",
+    "data_wait_s": "perf/data_wait_s", "data_wait_fraction": "perf/data_wait_fraction",
+    "goodput": "perf/goodput", "badput_s": "perf/badput_s",  # one scalar per category
+    "memory_live_bytes": "memory/live_bytes",
+}
+# Facts of the compiled step: constant while it runs, so a scalar only when the value changes
+# (the first record, and after a resume or rollback onto another layout), not a flat line.
+PER_LAYOUT = {
+    **{f"memory_{k}_bytes": f"memory/{k}_bytes"
+       for k in ("peak", "argument", "output", "alias", "temp", "generated_code", "xla_peak")},
+    "comm_bytes_per_step": "comm/bytes_per_step", "comm_bus_bytes_per_step": "comm/bus_bytes_per_step",
+    "comm_bytes_by_kind": "comm/bytes_by_kind", "comm_bytes_by_axis": "comm/bytes_by_axis",
+}
+# Constants of the run or of a session: in the `facts` text (on change), never scalars.
+AS_TEXT = ("n_devices", "peak_flops_per_device", "peak_flops_source", "model_flops_per_step",
+           "flops_convention", "hardware_flops_per_step", "xla_flops_per_step", "batch_tokens",
+           "gns_source", "compile_time_s", "resumed_from_step", "resumed_from_mesh")
+# Bookkeeping and wall time: not logged (the step is TensorBoard's own axis).
+NOT_LOGGED = ("schema", "step", "steps_in_interval", "time", "elapsed_s", "checkpoint_saved")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _scalars(tag: str, value) -> dict[str, float]:
+    """A number as one scalar; a {name: number} map as one per name (`tag/name`)."""
+    if isinstance(value, dict):
+        return {f"{tag}/{k}": v for k, v in value.items() if _number(v)}
+    return {tag: value} if _number(value) else {}
+
+
+class TensorBoardSink:
+    """Records as grouped scalars (`loss/`, `perf/`, `memory/`, `comm/`; fields no group names
+    under `other/`), the spec once as text, the step's constant facts as text."""
+
+    def __init__(self, logdir: Path, spec=None):
+        writer = _summary_writer_class()
+        if writer is None:
+            raise UserInputError(
+                "metrics.tensorboard: no TensorBoard writer installed "
+                "(pip install 'trainspec[tensorboard]')")
+        self._writer = writer(str(logdir))
+        self._spec = spec
+        self._layout: dict[str, Any] = {}  # the PER_LAYOUT and AS_TEXT values last written
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        if self._spec is not None:
+            text = json.dumps(self._spec.to_dict(), indent=2)
+            self._writer.add_text("spec", "```\n" + text + "\n```", step)
+            self._spec = None
+        scalars: dict[str, float] = {}
+        facts = {k: record[k] for k in (*PER_LAYOUT, *AS_TEXT) if k in record}
+        if facts != {k: self._layout.get(k) for k in facts}:
+            for key in PER_LAYOUT:
+                scalars.update(_scalars(PER_LAYOUT[key], record.get(key)))
+            self._writer.add_text("facts", "\n".join(
+                f"- {k}: `{v}`" for k, v in sorted(facts.items())), step)
+            self._layout.update(facts)
+        for key, value in record.items():
+            if key in PER_RECORD:
+                scalars.update(_scalars(PER_RECORD[key], value))
+            elif key not in (*PER_LAYOUT, *AS_TEXT, *NOT_LOGGED):
+                scalars.update(_scalars(f"other/{key}", value))
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, value, step)
+
+    def rewind(self, step: int) -> dict[int, float]:
+        return {}  # event files are append-only; viewers show the redone steps' newer values
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def sinks_for(spec, run_dir: Path, append: bool = False) -> list[Sink]:
+    if not is_writer():  # one writer per job (process 0): every process computes the records
+        return []
+    sinks: list[Sink] = [JsonlWriter(run_dir / spec.metrics.path, append)]
+    if spec.metrics.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard", spec))
+    return sinks

@@ -1,0 +1,126 @@
+"""The small decoder-only transformer of the default job and the notebooks (flax linen).
+
+Every parameter and the main activations carry the conventional logical axis names (`embed`,
+`mlp`, `heads`, `kv`, `vocab`, `batch`, `length`), so any spec layout applies without changes.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainspec.core.spec import ModelSpec
+from trainspec.jax.layout import gathered_for_use
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Projection(nn.Module):
+    """x[..., in] @ kernel[in..., out...] with a logically named kernel of any rank.
+
+    A hand-written einsum rather than nn.DenseGeneral: DenseGeneral initialises a flattened 2-D
+    kernel, which loses the per-dimension logical names that the layout needs.
+    """
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    n_in: int = 1
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        fan_in = int(np.prod(self.shape[: self.n_in]))
+        init = nn.initializers.normal(stddev=fan_in**-0.5)
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(init, self.names), self.shape, self.param_dtype
+        )
+        x, kernel = x.astype(self.dtype), gathered_for_use(kernel, self.names).astype(self.dtype)
+        return jnp.tensordot(x, kernel, axes=(tuple(range(-self.n_in, 0)), tuple(range(self.n_in))))
+
+
+class Block(nn.Module):
+    config: ModelSpec
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        head_dim = c.d_model // c.n_heads
+        norm = lambda name: nn.RMSNorm(  # noqa: E731
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            name=name,
+        )
+        h = norm("attn_norm")(x)
+        proj = functools.partial(Projection, dtype=self.dtype, param_dtype=self.param_dtype)
+        qkv = [
+            proj((c.d_model, c.n_heads, head_dim), ("embed", "heads", "kv"), name=n)(h)
+            for n in ("query", "key", "value")
+        ]
+        q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "heads", "kv")) for t in qkv)
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        out = proj((c.n_heads, head_dim, c.d_model), ("heads", "kv", "embed"), n_in=2, name="out")(attn)
+        x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
+        h = norm("mlp_norm")(x)
+        h = proj((c.d_model, c.d_ff), ("embed", "mlp"), name="mlp_in")(h)
+        h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+        h = proj((c.d_ff, c.d_model), ("mlp", "embed"), name="mlp_out")(h)
+        return nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
+
+
+class Transformer(nn.Module):
+    """Token ids (batch, length) -> logits (batch, length, vocab)."""
+
+    config: ModelSpec
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.config
+        table = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0), ("vocab", "embed")),
+            (c.vocab_size, c.d_model),
+            self.param_dtype,
+        )
+        # A one-hot matmul rather than a gather: with the table split over vocab and embed, XLA's
+        # partitioner turns a gather into a full rematerialisation; a matmul it splits cleanly.
+        one_hot = jax.nn.one_hot(tokens, c.vocab_size, dtype=self.dtype)
+        table = gathered_for_use(table, ("vocab", "embed"))
+        x = jnp.einsum("blv,ve->ble", one_hot, table.astype(self.dtype))
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        block = Block
+        if self.remat != "none":
+            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
+        for i in range(c.n_layers):
+            x = block(c, self.dtype, self.param_dtype, name=f"block_{i}")(x)
+        x = nn.RMSNorm(
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            name="final_norm",
+        )(x)
+        logits = Projection(
+            (c.d_model, c.vocab_size), ("embed", "vocab"), dtype=self.dtype,
+            param_dtype=self.param_dtype, name="head",
+        )(x)
+        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def next_token_loss(logits, targets, mask):
+    """(sum of per-token cross-entropy over valid tokens, number of valid tokens)."""
+    per_token = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(per_token * mask), jnp.sum(mask)

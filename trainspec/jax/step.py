@@ -1,0 +1,400 @@
+"""wrap(step_fn, spec): the user's train step, jitted, placed and accumulated per the spec.
+
+Two ways in, one machinery (docs/wrapping.md):
+- an opaque `(state, batch) -> (state, metrics)` function: placement, donation, sharded init;
+- `loss_step(loss_fn)`, built from `loss_fn(params, batch) -> (loss_sum, valid_tokens, aux)`
+  with the optax optimizer inside a flax `TrainState`: all of the above plus micro-batch
+  accumulation normalised by the valid tokens of the whole global batch, and precision casts.
+The step forms and their accumulation arithmetic are in trainspec.jax.step_forms.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from trainspec.jax import init_checks, layout
+from trainspec.jax.batching import BatchPlacement
+from trainspec.jax.collectives import compression, replica_reduce
+from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import check_batch, resolve_mesh
+from trainspec.core.spec import Spec
+from trainspec.jax.health import nan as nan_guard
+from trainspec.jax.mesh import build_mesh, check_hierarchical, users_mesh
+from trainspec.jax.metrics import comm, gns
+from trainspec.jax.step_forms import (
+    GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
+)
+
+# Steps dispatched ahead of the host with a custom-call collectives backend. The CPU runtime
+# deadlocked with ~100 executions of an ext-collective program in flight, and was fine with
+# 10 (docs/xla_ext.md); XLA's own collectives are left to run ahead.
+MAX_STEPS_IN_FLIGHT = 8
+
+
+class WrappedStep:
+    """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`.
+
+    `nan_guard` (default on): the step applies `spec.health.nan` on device: an update whose loss,
+    gradients or new state (any floating array) are not finite is dropped (state and
+    `state.step` stay as they were), the metrics gain `nonfinite` and `skipped_steps`, and
+    `check_nonfinite()` raises HealthHalt when the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
+    `devices`: run on these devices (or the first n) instead of all of them.
+    """
+
+    runs_semi_sync = False  # trainspec.jax.semi_sync.SemiSyncStep runs `[semi_sync]`
+    guard_groups: int | None = None  # one non-finite guard per group (SemiSyncStep), or one
+
+    def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None,
+                 devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True):
+        if spec.semi_sync is not None and not self.runs_semi_sync:
+            raise UserInputError("semi_sync: this step runs synchronously; wrap it with "
+                                 "trainspec.jax.wrap, which runs semi_sync")
+        self.step_fn, self.spec = step_fn, spec
+        self.nan_guard = nan_guard
+        if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
+            devices = jax.devices()[:devices]
+        self.mesh = users_mesh(spec, mesh) if mesh is not None else build_mesh(spec, devices)
+        self.rules = layout.flax_rules(spec)
+        resolved = resolve_mesh(spec, self.mesh.devices.size)
+        check_batch(spec, resolved, layout.batch_axes(spec, self.mesh))
+        check_hierarchical(spec, self.mesh)
+        k = spec.batch.accumulation_steps
+        if k > 1 and not isinstance(step_fn, LossStep):
+            raise UserInputError(
+                f"batch.micro_batch: {k} accumulation steps need a step built with "
+                "trainspec.jax.loss_step(loss_fn); this step's loss cannot be accumulated "
+                f"(set batch.micro_batch = {spec.batch.global_batch} to wrap it as it is)"
+            )
+        # The ext custom calls hold their device threads until every member arrives; beside
+        # XLA's own collectives inside a replica (fsdp/tensor) the CPU runtime was seen to
+        # deadlock and abort after 40 s (docs/collectives.md). Refuse rather than hang.
+        split = [a for a in self.mesh.axis_names
+                 if a not in self.data_axes and self.mesh.shape[a] > 1]
+        if spec.collectives.backend == "ext" and split:
+            raise UserInputError(
+                f"collectives.backend: ext needs every mesh axis but the data axes to be 1, got "
+                f"{', '.join(f'{a}={self.mesh.shape[a]}' for a in split)}: its blocking custom "
+                "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"")
+        # collectives.compression: each replica's residual rides in the state (error feedback)
+        self.compressed = spec.collectives.compression != "none" and bool(self.data_axes)
+        self.error_feedback = self.compressed and spec.collectives.error_feedback
+        if self.compressed and (spec.collectives.backend not in ("xla", "ext")
+                                or not isinstance(step_fn, LossStep)):
+            raise UserInputError(
+                f"collectives.compression: {spec.collectives.compression} needs "
+                "collectives.backend = \"xla\" or \"ext\" and a step built with "
+                "trainspec.jax.loss_step(loss_fn)")
+        # metrics.gns: where the small batch comes from, or why nothing is measured
+        self.gns_source, self.gns_note = gns.resolve(
+            spec.metrics.gns, self.replicas, k, isinstance(step_fn, (LossStep, GradStep)))
+        self.batches = BatchPlacement(spec, self.mesh)
+        self.state_shardings = None
+        self._jitted = None
+        self._compiled = None  # set by compile(): the executable that then runs every step
+        self.guard = None  # the nan_guard's record, carried from step to step on device
+        # Metrics of the steps still running, oldest first (only for custom-call backends).
+        self._in_flight: collections.deque | None = (
+            collections.deque() if spec.collectives.backend != "xla" else None)
+
+    @contextlib.contextmanager
+    def context(self):
+        """Mesh and logical rules for tracing (activation constraints in the model use them)."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+    # -- state --------------------------------------------------------------------------------
+    def plan(self, init_fn: Callable, *args):
+        """Shardings of the state `init_fn(*args)` would build, without building it.
+
+        Returns the abstract (possibly flax-boxed) state; sets `state_pspecs`/`state_shardings`.
+        """
+        with self.context():
+            abstract = jax.eval_shape(init_fn, *args)
+        self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
+        init_checks.warn_unannotated(abstract, self.spec, self.mesh)
+        if self.error_feedback:  # (replicas, *param) per parameter, split over the data axes
+            abstract = self._with_residual(abstract, jax.ShapeDtypeStruct)
+            self.state_pspecs = compression.with_residual(self.state_pspecs, jax.tree.map(
+                lambda ps: P(self.data_axes, *ps), self.state_pspecs.params,
+                is_leaf=lambda x: isinstance(x, P)))
+        self.state_shardings = layout.named(self.state_pspecs, self.mesh)
+        return abstract
+
+    def init(self, init_fn: Callable, *args):
+        """Run `init_fn(*args)` under jit with sharded outputs: the state is never whole on one
+        device. `init_fn` may return flax-boxed (logically partitioned) leaves."""
+        planned = layout.strip_boxes(self.plan(init_fn, *args))
+
+        def unboxed(*a):
+            state = layout.strip_boxes(init_fn(*a))
+            if self.error_feedback:
+                state = self._with_residual(state, jnp.zeros)
+            init_checks.check_same_structure(planned, state)  # while tracing: costs nothing
+            return state
+
+        with self.context():
+            return jax.jit(unboxed, out_shardings=self.state_shardings)(*args)
+
+    def _with_residual(self, state, make):
+        params = layout.strip_boxes(state.params)
+        return compression.with_residual(
+            state, compression.residual_like(params, self.replicas, make))
+
+    # -- batch --------------------------------------------------------------------------------
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        return self.batches.sharding(ndim)
+
+    def shard_batch(self, batch):
+        """Global arrays on the batch sharding, from host arrays (each process passes its own
+        rows) or arrays on any devices; shapes are checked against the spec (trainspec.jax.batching)."""
+        return self.batches.place(batch)
+
+    # -- step ---------------------------------------------------------------------------------
+    def _build(self, batch):
+        batch_shardings = self.batches.shardings(batch)
+        if isinstance(self.step_fn, LossStep):
+            fn = self._loss_step_fn(batch_shardings)
+        elif isinstance(self.step_fn, GradStep) and self.gns_source == gns.REPLICAS:
+            fn = self._grad_step_fn()
+        else:
+            fn = self.step_fn
+
+        def guarded_step(state, guard, batch):  # health.nan: decided on device, no host sync
+            new_state, metrics = fn(state, batch)
+            if not self.nan_guard:
+                return new_state, guard, metrics
+            return self._guarded(guard, state, new_state, metrics)
+
+        return jax.jit(
+            guarded_step,
+            in_shardings=(self.state_shardings, self.guard_sharding, batch_shardings),
+            out_shardings=(self.state_shardings, self.guard_sharding, self.metrics_sharding),
+            donate_argnums=(0, 1),
+        )
+
+    def _guarded(self, guard, state, new_state, metrics):
+        return nan_guard.guarded(self.spec.health.nan, guard, state, new_state, metrics,
+                                 self.mesh, self.state_pspecs)
+
+    @property
+    def guard_sharding(self) -> NamedSharding:
+        """Where the non-finite guard's record and the step's metrics live: replicated
+        (SemiSyncStep: one per group, split over the data axes)."""
+        return NamedSharding(self.mesh, P())
+
+    metrics_sharding = guard_sharding
+
+    def to_host(self, tree):
+        """Device arrays of this step (metrics, the guard) as NumPy on the host."""
+        return jax.device_get(tree)
+
+    def combine_metrics(self, metrics: dict) -> dict:
+        """The record's values from the step's metrics on the host (SemiSyncStep combines the
+        groups' values)."""
+        return metrics
+
+    def host_metrics(self, metrics: dict) -> dict:
+        """A step's metrics as the record reads them: on the host, `loss`, `grad_norm`,
+        `valid_tokens`, ... of the whole step (a host sync)."""
+        return self.combine_metrics(self.to_host(metrics))
+
+    def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
+        """Start the non-finite guard `step` steps into the run, with the counts of skipped
+        and consecutive non-finite steps a restored checkpoint carries."""
+        record = (nan_guard.init_guard(step, skipped, consecutive, self.guard_groups)
+                  if self.nan_guard else {})
+        self.guard = jax.device_put(record, self.guard_sharding)
+
+    def check_nonfinite(self) -> int:
+        """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped,
+        counted on from `reset_guard`'s (0 without the guard). Reads the small guard record only."""
+        if not self.nan_guard or self.guard is None:
+            return 0
+        return nan_guard.check(self.spec.health.nan, self.to_host(self.guard))
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        """The guard's skipped and consecutive non-finite steps as of the last step whose
+        update was kept: what a checkpoint of the state carries on (zeros without the guard)."""
+        if not self.nan_guard or self.guard is None:
+            return {"skipped_steps": 0, "consecutive_nonfinite": 0}
+        return nan_guard.counts(self.to_host(self.guard))
+
+    def _loss_step_fn(self, batch_shardings):
+        spec, k = self.spec, self.spec.batch.accumulation_steps
+        precision = Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
+        # Reduce across replicas once per step, explicitly, when accumulating (a replicated
+        # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
+        # or when the spec names a collectives backend other than XLA's own.
+        # GNS over replicas needs each replica's gradient before the reduction, too.
+        if self.data_axes and (k > 1 or spec.collectives.backend != "xla"
+                               or self.gns_source == gns.REPLICAS or self.compressed):
+            return self._replica_reduced_step_fn(precision)
+
+        def constrain(micro):  # keep each micro-batch split over the batch shards
+            return jax.tree.map(jax.lax.with_sharding_constraint, micro, batch_shardings)
+
+        def step(state, batch):
+            return accumulated_step(self.step_fn.loss_fn, state, split_micro(batch, k),
+                                     precision, constrain, self.gns_source == gns.MICRO_BATCHES)
+
+        return step
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the product of the data-role axes' sizes."""
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
+
+    def _reduce_over_replicas(self, stacked, residual=None):
+        """Sum per-replica gradients through the spec's collectives backend, compressed per
+        `collectives.compression` (trainspec.jax.collectives.replica_reduce)."""
+        return replica_reduce.reduce_over_replicas(
+            self.spec, self.mesh, self.data_axes, self.state_pspecs.params, self.replicas,
+            self.compressed, stacked, residual)
+
+    def _grad_step_fn(self):
+        """A GradStep with GNS over replicas: `grad_fn` per replica (vmap bound to the data
+        axes, as in the loss-step path), the replica means averaged by one explicit all-reduce,
+        then `update_fn`. B is counted in rows (the unit grad_fn averages over)."""
+        data, n = self.data_axes, self.replicas
+        inner_rules = layout.flax_rules(self.spec, without=data)
+
+        def step(state, batch):
+            per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+            with nn.logical_axis_rules(inner_rules):
+                grads, metrics = jax.vmap(self.step_fn.grad_fn, in_axes=(None, 0),
+                                          spmd_axis_name=data)(state.params, per_replica)
+            mean = jax.tree.map(lambda g: g / n, self._reduce_over_replicas(grads))
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            metrics = {
+                **jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics),
+                "grad_norm": optax.tree.norm(mean),
+                **gns.step_parts(jnp.mean(gns.stacked_sq_norms(grads)), rows / n,
+                                 gns.sq_norm(mean), rows),
+            }
+            return self.step_fn.update_fn(state, mean), metrics
+
+        return step
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The data-role mesh axes that actually split (size > 1)."""
+        return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
+
+    def _replica_reduced_step_fn(self, precision: Precision):
+        """The step with the cross-replica gradient sum made explicit: once per step, through
+        the spec's collectives backend (`collectives.backend`: lax, or the xla_ext custom calls).
+
+        Each data-parallel replica's sums are computed by `vmap` over a leading replica axis
+        (bound to the data mesh axes, so each replica stays on its own devices and the model
+        code is unchanged; fsdp/tensor axes inside a replica stay with XLA). The per-replica
+        gradient sums are then all-reduced over the data axes in a `shard_map`. Tokens and loss
+        sums are scalars: summed over the replica axis directly.
+        """
+        spec, mesh, data = self.spec, self.mesh, self.data_axes
+        k, n = spec.batch.accumulation_steps, self.replicas
+        inner_rules = layout.flax_rules(spec, without=data)
+        inner_batch_spec = lambda x: NamedSharding(  # noqa: E731
+            mesh, layout.batch_partition_spec(spec, mesh, np.ndim(x), without=data))
+        reduce_over_replicas = self._reduce_over_replicas
+
+        def step(state, batch):
+            def replica_sums(rows):
+                micro = split_micro(rows, k)
+                constrain = lambda b: jax.tree.map(  # noqa: E731
+                    lambda x: jax.lax.with_sharding_constraint(x, inner_batch_spec(x)), b)
+                return accumulate(self.step_fn.loss_fn, state.params, micro, precision, constrain)
+
+            # Rows of replica r are its contiguous block of the data-sharded batch dimension.
+            per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+            with nn.logical_axis_rules(inner_rules):
+                grad_sums, loss_sums, token_sums, aux = jax.vmap(
+                    replica_sums, spmd_axis_name=data)(per_replica)
+            if self.error_feedback:
+                grad_sum, residual = reduce_over_replicas(grad_sums, state.ef_residual)
+            else:
+                grad_sum = reduce_over_replicas(grad_sums)
+            total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
+            new_state, metrics = apply_update(state, grad_sum, total(loss_sums), total(token_sums),
+                                        total(aux))
+            if self.error_feedback:
+                new_state = new_state.replace(ef_residual=residual)
+            if self.gns_source == gns.REPLICAS:
+                metrics.update(gns.replica_parts(grad_sums, token_sums, grad_sum,
+                                                 total(token_sums)))
+            return new_state, metrics
+
+        return step
+
+    def lower(self, state, batch):
+        """The lowered step for `batch` (host or global arrays), for cost and memory analysis."""
+        batch = self.shard_batch(batch)  # host rows are this process's part, not the batch
+        self._prepare(batch)
+        with self.context():
+            return self._jitted.lower(state, self.guard, batch)
+
+    def lower_for_cost_analysis(self, state, batch):
+        """The step lowered as one micro-batch of the whole global batch: the same arithmetic
+        without the accumulation loop, whose body XLA's cost analysis would count only once.
+        Uses this step's state shardings; compiles nothing."""
+        if self.spec.batch.accumulation_steps == 1:
+            return self.lower(state, batch)
+        one_pass = self.spec.model_copy(update={
+            "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch}),
+            # one pass has no micro-batches: GNS over them (metrics.gns = true) cannot apply
+            "metrics": self.spec.metrics.model_copy(update={"gns": None})})
+        flat = type(self)(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
+        flat.state_pspecs, flat.state_shardings = self.state_pspecs, self.state_shardings
+        return flat.lower(state, batch)
+
+    def compile(self, state, batch):
+        """Compile the step for these arguments and run that executable from now on.
+
+        One compilation then serves both the run and its analysis (cost, memory and HLO in
+        trainspec.jax.metrics): calling the jitted function after `lower().compile()` would compile
+        a second time. Later batches must have the same shapes.
+        """
+        self._compiled = self.lower(state, batch).compile()
+        return self._compiled
+
+    def comm_volume(self, compiled) -> comm.CommVolume:
+        """Collectives per step of `compiled` (this step's program), from its HLO."""
+        return comm.analyze_compiled(compiled, self.mesh)
+
+    def _prepare(self, batch) -> None:
+        if self.state_shardings is None:
+            raise RuntimeError("call init() first: the state's shardings come from it")
+        if self._jitted is None:
+            self._jitted = self._build(batch)
+        if self.guard is None:
+            self.reset_guard()
+
+    def __call__(self, state, batch):
+        # Per step only what must happen: place the batch (its shapes are checked once), and
+        # one dispatch of the compiled step under the mesh context.
+        batch = self.shard_batch(batch)
+        if self._jitted is None or self.guard is None:
+            self._prepare(batch)
+        with self.context():
+            state, self.guard, metrics = (self._compiled or self._jitted)(state, self.guard, batch)
+        if self._in_flight is not None:
+            self._in_flight.append(metrics)
+            if len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+                jax.block_until_ready(self._in_flight.popleft())
+        return state, metrics
+
+
+def wrap(step_fn, spec: Spec, mesh: Mesh | None = None,
+         devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True) -> WrappedStep:
+    """Apply `spec` to `step_fn`, a plain step or a `loss_step(loss_fn)`. See WrappedStep.
+
+    `devices`: run on these devices (or the first n) instead of all of them; `mesh`: on this
+    mesh as it is."""
+    return WrappedStep(step_fn, spec, mesh, devices, nan_guard=nan_guard)

@@ -1,0 +1,106 @@
+"""Summarise metrics JSONL runs in a terminal table and an HTML page with plots (report_page)."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from trainspec.core.records import read_jsonl
+from trainspec.report import page as report_page
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(records: list[dict]) -> dict:
+    """One row per run: medians over intervals (robust to the warm-up interval)."""
+    last = records[-1]
+    return {
+        "steps": last["step"],
+        "final_loss": last["loss"],
+        "step_time_s": _median(r["step_time_s"] for r in records),
+        "tokens_per_s": _median(r["tokens_per_s"] for r in records),
+        "mfu": _median(r["mfu"] for r in records),
+        "hfu": _median(r["hfu"] for r in records),
+        "memory_peak_bytes": last["memory_peak_bytes"],
+        "comm_bytes_per_step": last["comm_bytes_per_step"],
+        "data_wait_fraction": _median(r["data_wait_fraction"] for r in records),
+        "compile_time_s": last["compile_time_s"],
+        "goodput": last["goodput"],
+    }
+
+
+# (key, header naming the statistic, format[, scale]). Medians are over the records' intervals
+# (robust to a slow first one); the train summary prints means over the run instead.
+COLUMNS = [
+    ("steps", "steps", "{:d}"), ("final_loss", "loss (last)", "{:.4f}"),
+    ("step_time_s", "step ms (median)", "{:.1f}", 1e3),
+    ("tokens_per_s", "tokens/s (median)", "{:.0f}"),
+    ("mfu", "MFU % (median)", "{:.2f}", 100), ("hfu", "HFU % (median)", "{:.2f}", 100),
+    ("memory_peak_bytes", "mem MiB (compiled peak)", "{:.1f}", 2**-20),
+    ("comm_bytes_per_step", "comm MiB/step (HLO)", "{:.2f}", 2**-20),
+    ("data_wait_fraction", "data wait % (median)", "{:.1f}", 100),
+    ("compile_time_s", "compile s (last)", "{:.1f}"), ("goodput", "goodput % (last)", "{:.1f}", 100),
+]
+
+
+def _cell(value, fmt, scale=1):
+    if value is None:
+        return "-"
+    return fmt.format(value * scale if scale != 1 else value)
+
+
+def rows(summaries: dict[str, dict]) -> tuple[list[str], list[tuple[bool, list[str]]]]:
+    """(headers, [(is a ratio row, cells)]): a row per run, then a ratio row per later run
+    against the first (the baseline)."""
+    headers = ["run"] + [c[1] for c in COLUMNS]
+    out = [(False, [name] + [_cell(s[c[0]], c[2], *c[3:]) for c in COLUMNS])
+           for name, s in summaries.items()]
+    base = next(iter(summaries.values()))
+    for name, s in list(summaries.items())[1:]:
+        out.append((True, [f"{name} / first"] + [
+            f"{s[c[0]] / base[c[0]]:.3f}x" if s[c[0]] and base[c[0]] else "-" for c in COLUMNS]))
+    return headers, out
+
+
+def table(summaries: dict[str, dict]) -> str:
+    """Plain-text table for a terminal: the HTML's table turned on its side (a row per metric,
+    a column per run, then a ratio column per later run against the first), so that it stays
+    narrow however many metrics there are."""
+    headers, body = rows(summaries)
+    columns = [["metric"] + headers[1:]] + [cells for _, cells in body]
+    lines = [list(row) for row in zip(*columns)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+
+    def fmt(line):  # metric names to the left, numbers to the right
+        return "  ".join([line[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(line[1:], widths[1:])])
+
+    return "\n".join([fmt(lines[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines[1:]])
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Short distinct names: a run directory's name (given, or holding `metrics.jsonl`), else
+    the file's stem; the parent directory too when those collide."""
+    names = [_run_name(Path(p)) for p in paths]
+    if len(set(names)) < len(names):
+        names = [f"{Path(p).parent.name}/{Path(p).stem}" for p in paths]
+    if len(set(names)) < len(names):
+        names = [str(p) for p in paths]
+    return names
+
+
+def _run_name(path: Path) -> str:
+    if path.is_dir():
+        return path.resolve().name
+    return path.parent.resolve().name if path.name == "metrics.jsonl" else path.stem
+
+
+def report(paths: list[Path], out: Path) -> tuple[str, Path]:
+    """The terminal table, and `out/index.html`: one self-contained page (report_page)."""
+    runs = {name: read_jsonl(p) for name, p in zip(run_names(paths), paths)}
+    summaries = {name: summarize(recs) for name, recs in runs.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    page = out / "index.html"
+    page.write_text(report_page.page(runs, paths, *rows(summaries)))
+    return table(summaries), page

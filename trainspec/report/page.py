@@ -1,0 +1,155 @@
+"""The HTML page of `trainspec report`: one self-contained file (plots inline as base64 PNG, a
+small inline stylesheet), headed by the runs and the machine, with the table and its ratio rows,
+and the curves marked where a run resumed or saved a checkpoint.
+
+The marks come from fields the trainer writes into step records (docs/metrics.md, section 1):
+`resumed_from_step` and `resumed_from_mesh` on the first record after a resume,
+`checkpoint_saved: true` on a record after whose step a checkpoint was saved.
+"""
+from __future__ import annotations
+
+import datetime
+import html
+import os
+import platform
+
+from trainspec.report import plots
+
+CURVES = [  # (title, y label, value of a record or None)
+    ("Loss", "loss", lambda r: r["loss"]),
+    ("Throughput", "valid tokens / s", lambda r: r["tokens_per_s"]),
+    ("Model FLOPs utilisation", "MFU (%)", lambda r: r["mfu"] and 100 * r["mfu"]),
+    ("Learning rate", "learning rate", lambda r: r.get("learning_rate")),
+    ("Peak memory per device (compiled)", "MiB",
+     lambda r: r["memory_peak_bytes"] and r["memory_peak_bytes"] / 2**20),
+]
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+h1{margin-bottom:.2em} .meta{color:#555;font-size:.9em;margin:.2em 0}
+table{border-collapse:collapse;margin:1em 0;font-size:.9em}
+th,td{padding:3px 9px;text-align:right;border-bottom:1px solid #ddd}
+th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
+tr.ratio td{color:#555;font-style:italic}
+figure{display:inline-block;margin:6px;vertical-align:top}
+figure img{width:520px} figcaption{font-size:.85em;color:#555}
+"""
+
+
+def resumes(records: list[dict]) -> list[tuple[int, int, str]]:
+    """(record step, step resumed from, mesh resumed from) of each resume in a run."""
+    return [(r["step"], r["resumed_from_step"], str(r.get("resumed_from_mesh", "?")))
+            for r in records if r.get("resumed_from_step") is not None]
+
+
+def checkpoints(records: list[dict]) -> list[int]:
+    """Steps after which the run saved a checkpoint."""
+    return [r["step"] for r in records if r.get("checkpoint_saved") is True]
+
+
+def _curve(plt, title, ylabel, value, runs):
+    from matplotlib.lines import Line2D
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    handles = []
+    for name, recs in runs.items():
+        points = [(r["step"], value(r)) for r in recs if value(r) is not None]
+        if not points:
+            continue
+        (line,) = ax.plot(*zip(*points), marker=".", label=name)
+        handles.append(line)
+        for step in checkpoints(recs):
+            ax.axvline(step, color=line.get_color(), ls=":", lw=0.9, alpha=0.7)
+        for _, source, mesh in resumes(recs):  # drawn where training continued from
+            ax.axvline(source, color=line.get_color(), ls="--", lw=1.4)
+            ax.annotate(f"resumed from {source}\n({mesh})", (source, 1), xycoords=("data", "axes fraction"),
+                        xytext=(3, -3), textcoords="offset points", va="top", fontsize=7)
+    if not handles:
+        plt.close(fig)
+        return None
+    if any(checkpoints(r) for r in runs.values()):
+        handles.append(Line2D([], [], color="grey", ls=":", label="checkpoint saved"))
+    if any(resumes(r) for r in runs.values()):
+        handles.append(Line2D([], [], color="grey", ls="--", label="resume"))
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(handles=handles, fontsize=8)
+    return fig
+
+
+def figures(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """(caption, PNG data URI) of every plot comparing the runs."""
+    plt = plots.pyplot()
+    out = []
+    for title, ylabel, value in CURVES:
+        fig = _curve(plt, title, ylabel, value, runs)
+        if fig is not None:
+            out.append((f"{title}, per record", plots.data_uri(fig)))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))  # step-time distribution: one box per run
+    data = [[r["step_time_s"] * 1e3 for r in recs if r["step_time_s"]] for recs in runs.values()]
+    ax.boxplot(data, tick_labels=list(runs))
+    ax.set(title="Step time per interval", ylabel="ms")
+    out.append(("Step time per interval (box: quartiles, line: median)", plots.data_uri(fig)))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))  # comm bytes by kind, stacked per run
+    kinds = sorted({k for recs in runs.values() for k in recs[-1]["comm_bytes_by_kind"]})
+    bottom = [0.0] * len(runs)
+    for kind in kinds:
+        values = [recs[-1]["comm_bytes_by_kind"].get(kind, 0) / 2**20 for recs in runs.values()]
+        ax.bar(list(runs), values, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(title="Communication per step per device (HLO)", ylabel="MiB")
+    if kinds:
+        ax.legend(fontsize=8)
+    out.append(("Collective payload per step per device, by kind", plots.data_uri(fig)))
+    return out
+
+
+def machine() -> str:
+    """The machine the report is written on (the run records do not name their host)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {platform.system()}"
+
+
+def _run_line(name: str, path, records: list[dict]) -> str:
+    last = records[-1]
+    events = []
+    if checkpoints(records):
+        events.append(f"{len(checkpoints(records))} checkpoints")
+    events += [f"resumed at step {s} from step {f} ({m})" for s, f, m in resumes(records)]
+    return (f"<li><b>{html.escape(name)}</b> <code>{html.escape(str(path))}</code>: "
+            f"{last['step']} steps, {len(records)} records, {last['n_devices']} devices, peak "
+            f"{html.escape(str(last['peak_flops_source']))}"
+            + (f"; {html.escape('; '.join(events))}" if events else "") + "</li>")
+
+
+def page(runs: dict[str, list[dict]], paths: list, headers: list[str],
+         rows: list[tuple[bool, list[str]]]) -> str:
+    """The whole report. `rows`: (is a ratio row, cells) as `metrics_report.rows` makes them."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        f"<tr{' class=ratio' if ratio else ''}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+        + "</tr>" for ratio, cells in rows)
+    first = next(iter(runs.values()))[-1]
+    figs = "".join(f'<figure><img src="{uri}" alt="{html.escape(cap)}"><figcaption>'
+                   f"{html.escape(cap)}</figcaption></figure>" for cap, uri in figures(runs))
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>trainspec report: "
+        f"{html.escape(', '.join(runs))}</title><style>{STYLE}</style></head><body>"
+        f"<h1>trainspec report: {html.escape(', '.join(runs))}</h1>"
+        f"<p class=meta>written {when} on {html.escape(machine())}</p>"
+        f"<ul class=meta>{''.join(_run_line(n, p, r) for (n, r), p in zip(runs.items(), paths))}</ul>"
+        f"<table><tr>{head}</tr>{body}</table>"
+        "<p class=meta>Medians are over the records' intervals (robust to a slow first "
+        "interval); the run summary `trainspec train` prints gives means over the whole run. "
+        "Ratio rows divide by the first run. FLOPs convention: "
+        f"{html.escape(str(first['flops_convention']))}. Definitions: docs/metrics.md. Dotted "
+        "lines: checkpoint saved after that step; dashed: resume.</p>"
+        f"{figs}</body></html>\n")

@@ -1,0 +1,190 @@
+"""PyTorch implements the spec: torch.distributed (gloo on CPU, NCCL on GPU), one device per rank.
+
+A job is joined from the same environment `trainspec launch` sets for JAX
+(TRAINSPEC_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID), or from torchrun's (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). The spec's mesh axes become a DeviceMesh with the same names and
+sizes, in the same (row-major) order, so rank r sits where device r sits in the JAX mesh.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from trainspec.torch import collectives
+from trainspec.core.adapter import OPS, Adapter
+from trainspec.torch.collectives import Group
+from trainspec.torch.support import env_int
+from trainspec.core.collectives_reference import to_groups
+from trainspec.core.fingerprint import fingerprint_reference
+from trainspec.core.errors import UserInputError
+from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+from trainspec.core.mesh import resolve_mesh
+from trainspec.core.spec import Spec
+
+
+class TorchAdapter(Adapter):
+    """Devices, processes, the spec's mesh and the collectives on torch.distributed."""
+
+    name = "torch"
+    # gloo and NCCL choose their reduction algorithms (ring, tree, ...) themselves and document
+    # no fixed order, so no bitwise promise can be made (docs/adapters.md).
+    guarantee_levels = dict.fromkeys(OPS, "nondeterministic")
+
+    def __init__(self, timeout_s: float = 120.0):
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.backend = "nccl" if self.device_type == "cuda" else "gloo"
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._joined_here = False
+        self._groups: dict[tuple, dict[int, Group]] = {}
+
+    # -- processes and devices -------------------------------------------------------------
+    def join(self) -> None:
+        """Join the job the environment describes (a one-rank job when it describes none)."""
+        if dist.is_initialized():
+            return
+        if os.environ.get(COORDINATOR):
+            world, rank = env_int(NUM_PROCESSES), env_int(PROCESS_ID)
+            if not 0 <= rank < world:
+                raise UserInputError(f"{PROCESS_ID}={rank} is outside [0, {NUM_PROCESSES}={world})")
+            init = f"tcp://{os.environ[COORDINATOR]}"
+        elif os.environ.get("WORLD_SIZE"):
+            world, rank, init = env_int("WORLD_SIZE"), env_int("RANK"), "env://"
+        else:
+            world, rank, init = 1, 0, f"tcp://127.0.0.1:{_free_port()}"
+        if self.device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        else:  # ranks on one host share its cores (trainspec launch starts them all locally)
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        dist.init_process_group(self.backend, init_method=init, world_size=world, rank=rank,
+                                timeout=self.timeout)
+        self._joined_here = True
+
+    def leave(self) -> None:
+        if self._joined_here and dist.is_initialized():
+            dist.destroy_process_group()
+            self._joined_here = False
+
+    def process_grid(self) -> tuple[int, int]:
+        return dist.get_rank(), dist.get_world_size()
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def device_ids(self) -> list[int]:
+        return list(range(self.process_count))  # one device per rank, numbered by rank
+
+    # -- the mesh --------------------------------------------------------------------------
+    def build_mesh(self, spec: Spec) -> DeviceMesh:
+        """The spec's axes as a DeviceMesh of the job's ranks (one device per rank), same
+        names, sizes and row-major order as the JAX mesh."""
+        resolved = resolve_mesh(spec, self.process_count)
+        return init_device_mesh(self.device_type, resolved.sizes, mesh_dim_names=resolved.names)
+
+
+    # -- collectives ------------------------------------------------------------------------
+    def groups(self, mesh_shape: tuple[int, ...], axes_dims: tuple[int, ...]) -> dict[int, Group]:
+        """global rank -> its Group, for collectives over `axes_dims` of a row-major grid of
+        the first prod(mesh_shape) ranks. Every rank creates every group, in the same order
+        (torch.distributed requires it), members or not."""
+        key = (mesh_shape, axes_dims)
+        if key not in self._groups:
+            grid = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+            members, _ = to_groups(grid, len(mesh_shape), axes_dims)
+            found = {}
+            for ranks in members.tolist():
+                handle = dist.new_group(ranks, timeout=self.timeout)
+                found.update({r: Group(tuple(ranks), handle) for r in ranks})
+            self._groups[key] = found
+        return self._groups[key]
+
+    def run_collective(self, mesh_shape, mesh_axes, collective, blocks, dtype, axes, **kwargs):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        groups = self.groups(tuple(mesh_shape), tuple(mesh_axes.index(a) for a in axes))
+        rank = self.process_index
+        if rank not in groups:
+            return {}
+        coords = tuple(int(c) for c in np.unravel_index(rank, mesh_shape))
+        x = torch.from_numpy(np.array(blocks[coords])).to(TORCH_DTYPES[dtype])
+        result = collectives.call(groups[rank], collective, x, **kwargs)
+        wide = torch.int64 if dtype == "int32" else torch.float64
+        return {coords: result.to(wide).numpy()}
+
+    def round_trip(self, x: np.ndarray, dtype: str) -> np.ndarray:
+        wide = torch.int64 if dtype == "int32" else torch.float64
+        return torch.from_numpy(np.asarray(x)).to(TORCH_DTYPES[dtype]).to(wide).numpy()
+
+    def gather_objects(self, obj) -> list:
+        every: list = [None] * self.process_count
+        dist.all_gather_object(every, obj)
+        return every
+
+    # -- the reference job ----------------------------------------------------------------------
+    def initial_params(self, spec) -> dict:
+        from trainspec.torch.model import Transformer, to_flax
+
+        model = Transformer(spec.model)
+        model.init_weights(spec.seed)
+        return to_flax(model, model.state_dict())
+
+    def one_step(self, spec, params, batch):
+        from trainspec.torch.model import Transformer, from_flax, to_flax
+        from trainspec.torch.step import TorchStep
+
+        step = TorchStep(spec, self.build_mesh(spec), spec.train.steps, self.device,
+                         from_flax(Transformer(spec.model), params))
+        loss = step({key: v[step.rows()] for key, v in batch.items()})["loss"]
+        # gathering a 2-D sharded parameter is two collectives; torch warns each time
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        whole = {name: p.full_tensor() if isinstance(p, DTensor) else p
+                 for name, p in step.model.named_parameters()}
+        return loss, to_flax(step.model, whole)
+
+    def train_run(self, spec, run_dir, steps):
+        from trainspec.torch.train import run
+
+        return run(spec, run_dir, steps=steps, progress=False, adapter=self)
+
+    # -- arrays -------------------------------------------------------------------------------
+    def to_dlpack(self, x):
+        return x.detach()  # a torch tensor exports __dlpack__ itself
+
+    def from_dlpack(self, obj):
+        return torch.from_dlpack(obj)
+
+    def fingerprint(self, x) -> tuple[int, int]:
+        raw = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        low, high = fingerprint_reference(raw)
+        return int(low), int(high)
+
+
+def group_of(mesh: DeviceMesh, axes: tuple[str, ...]):
+    """The process group spanning mesh axes `axes` (row-major, like a JAX axis tuple)."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    return mesh[axes]._flatten().get_group()
+
+
+def axes_size(mesh: DeviceMesh, axes) -> int:
+    return math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in axes)
+
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64, "int32": torch.int32}
+
+
+def _free_port() -> int:
+    from trainspec.core.launch import free_port
+
+    return free_port()

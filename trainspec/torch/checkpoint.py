@@ -1,0 +1,121 @@
+"""Checkpoints of the torch implementation through torch.distributed.checkpoint (DCP).
+
+Layout: `<run_dir>/<checkpoint.dir>/<step>/` holds DCP's files and `meta.json` (step, data
+position, applied updates, the run's length, skipped steps, the spec). A save writes
+`<step>.partial/` and rank 0 renames it to `<step>/` after every rank finished, so a kill -9
+mid-save leaves no directory that looks complete. Model and optimizer state go through
+`get_state_dict`/`set_state_dict`: DCP stores every shard with its global offsets, so a
+checkpoint restores onto another world size or layout (FSDP2 and DTensor reshard on load).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import Spec
+from trainspec.core.run_files import refuse_foreign_checkpoints
+
+FORMAT = "trainspec.torch/1"
+META = "meta.json"
+
+
+class TorchCheckpointer:
+    def __init__(self, spec: Spec, run_dir: Path, writer: bool):
+        self.spec, self.writer = spec, writer
+        self.directory = run_dir / spec.checkpoint.dir
+        self.interval, self.keep = spec.checkpoint.interval, spec.checkpoint.keep
+        self.last_saved: int | None = None
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.interval > 0 and (step % self.interval == 0 or step == last_step)
+
+    # -- what is on disk -----------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete checkpoints, newest first. A directory without our meta is refused by
+        name: another implementation's checkpoints must not be taken for ours."""
+        if not self.directory.is_dir():
+            return []
+        refuse_foreign_checkpoints(self.directory, "torch")
+        found = []
+        for path in self.directory.iterdir():
+            if not path.name.isdigit():
+                continue
+            meta = self._meta(path)
+            if meta.get("format") != FORMAT:
+                raise UserInputError(
+                    f"checkpoint.dir: {path} is not a checkpoint of the torch implementation "
+                    f"(format {meta.get('format')!r}); give this run another --run-dir")
+            found.append(int(path.name))
+        return sorted(found, reverse=True)
+
+    @staticmethod
+    def _meta(path: Path) -> dict:
+        try:
+            return json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def saved_total_steps(self) -> int | None:
+        steps = self.steps()
+        return self._meta(self.directory / str(steps[0]))["total_steps"] if steps else None
+
+    # -- save and restore -----------------------------------------------------------------------
+    def save(self, step: int, model, optimizer, total_steps: int, updates: int,
+             skipped_steps: int, mesh: dict[str, int]) -> None:
+        """Write the state after `step`; `mesh`: the axis sizes it is sharded over."""
+        if self.interval <= 0 or step == self.last_saved:
+            return
+        partial = self.directory / f"{step}.partial"
+        if self.writer and partial.exists():
+            shutil.rmtree(partial)  # left by a killed save
+        dist.barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+        dist.barrier()  # every rank's shards are written
+        if self.writer:
+            meta = {"format": FORMAT, "step": step, "data_position": step, "updates": updates,
+                    "total_steps": total_steps, "skipped_steps": skipped_steps,
+                    "spec": self.spec.to_dict(), "mesh": mesh}
+            (partial / META).write_text(json.dumps(meta, indent=2))
+            final = self.directory / str(step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            for old in self.steps()[self.keep:]:
+                shutil.rmtree(self.directory / str(old))
+        dist.barrier()
+        self.last_saved = step
+
+    def restore_latest(self, model, optimizer) -> dict | None:
+        """Load the newest checkpoint into `model`/`optimizer` (resharded onto their layout);
+        its meta, or None when there is none."""
+        steps = self.steps()
+        if not steps:
+            return None
+        path = self.directory / str(steps[0])
+        meta = self._meta(path)
+        _check_same_model(meta["spec"], self.spec, path)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.last_saved = steps[0]
+        return meta
+
+
+def _check_same_model(saved: dict, spec: Spec, where: Path) -> None:
+    """The parts of the spec a checkpoint's arrays depend on must not have changed."""
+    current = spec.to_dict()
+    for section in ("model", "precision", "optimizer"):
+        if saved.get(section) != current[section]:
+            raise UserInputError(
+                f"{section}: differs from the checkpoint in {where} ({saved.get(section)} there, "
+                f"{current[section]} now); use another --run-dir")
