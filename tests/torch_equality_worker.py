@@ -3,7 +3,7 @@
 Run under `trainspec launch --nprocs 4 -- python torch_equality_worker.py JOB.json`: every rank runs
 each layout of the job in turn (one process group, one DeviceMesh per layout), starting from
 the JAX run's initial parameters (an .npz of the flax tree), on the same ragged batches; rank 0
-writes the loss trajectories to the job's `out` file. A layout named `mean_of_means` trains
+writes the loss and gradient-norm trajectories to the job's `out` file. A layout named `mean_of_means` trains
 with the rule the spec forbids, to show that the comparison can fail.
 """
 from __future__ import annotations
@@ -65,11 +65,13 @@ def main(job_path: str) -> None:
         kind = MeanOfMicroBatchMeans if name == "mean_of_means" else TorchStep
         step = kind(spec, adapter.build_mesh(spec), job["steps"], adapter.device, initial)
         data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), step.rows()
-        losses = []
+        trajectory = {"loss": [], "grad_norm": []}
         for i in range(job["steps"]):
             batch = {k: v[rows] for k, v in ragged_batch(data, i).items()}
-            losses.append(step(batch)["loss"])
-        trajectories[name] = losses
+            metrics = step(batch)
+            for key, values in trajectory.items():
+                values.append(metrics[key])
+        trajectories[name] = trajectory
     if adapter.is_writer():
         Path(job["out"]).write_text(json.dumps(trajectories))
     adapter.leave()

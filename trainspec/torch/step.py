@@ -73,6 +73,20 @@ def _apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, reduce_dtype: torch.d
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
+def sharded_axes(t: DTensor) -> tuple[str, ...]:
+    """The mesh axes over which `t`'s local blocks are disjoint pieces of it.
+
+    Every placement but Replicate splits the tensor: Shard, and also _StridedShard, which FSDP2
+    gives a parameter that tensor parallelism already split on the same dimension (fsdp x
+    tensor). Since torch 2.13 `_StridedShard.is_shard()` is False and it no longer subclasses
+    Shard, so asking `is_shard()` dropped the fsdp axis from those parameters' norms. A Partial
+    placement holds unreduced addends, whose squares do not sum to the square of their sum."""
+    if any(p.is_partial() for p in t.placements):
+        raise ValueError(f"a gradient with pending reductions ({t.placements}) has no local norm")
+    return tuple(name for name, p in zip(t.device_mesh.mesh_dim_names, t.placements)
+                 if not p.is_replicate())
+
+
 def local_block(t: torch.Tensor) -> torch.Tensor:
     """This rank's block of a parameter or gradient (all of it when not a DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -158,8 +172,7 @@ class TorchStep:
         for q in self.params:
             g, axes = q.grad, ()
             if isinstance(g, DTensor):
-                names = g.device_mesh.mesh_dim_names
-                axes = tuple(n for n, p in zip(names, g.placements) if p.is_shard())
+                axes = sharded_axes(g)
                 g = g.to_local()
             by_axes[axes] = by_axes.get(axes, 0.0) + g.float().pow(2).sum()
         total = torch.zeros((), dtype=torch.float32)
