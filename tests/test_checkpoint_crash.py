@@ -36,6 +36,12 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in records}
 
 
+def _recorded_steps(run_dir):
+    """Steps whose record is complete (a line with its newline) in metrics.jsonl, 0 before any."""
+    path = run_dir / "metrics.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
 def _complete_steps(run_dir):
     root = run_dir / "checkpoints"
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
@@ -55,10 +61,14 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference, trial):
     rng = random.Random(trial)
     proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=_env(), cwd=ROOT)
+    # A random point after the first save and well before the end: a sleep of random length
+    # after the first save let an unloaded machine finish all 24 steps before the kill came.
+    kill_after = rng.randint(INTERVAL + 1, STEPS - INTERVAL)
     deadline = time.time() + 300
-    while not _complete_steps(tmp_path) and time.time() < deadline:  # after the first save
-        time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 1.0))  # then a random point: mid-step, mid-save, ...
+    while _recorded_steps(tmp_path) < kill_after and time.time() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.02))  # then mid-step, mid-save, ...
+    assert proc.poll() is None, "the run ended before the kill: the trial tests nothing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     complete = _complete_steps(tmp_path)
