@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/collectives.md", "docs/xla_ext.md"]
 
-COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")  # hex with a digit and a letter
+# 7 to 40 hex digits with at least one letter and one digit (a short or full commit hash)
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
 CLOCK = re.compile(r"\b\d{1,2}:\d\d\b|\bUTC\b")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 HISTORY = ("before this work", "this revision", "previous handlers", "first implementation",
