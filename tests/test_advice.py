@@ -60,6 +60,37 @@ def test_compute_fit_recovers_exponent_and_predicts_extrapolation():
     assert low <= law(1e18) <= high
 
 
+
+def _sweep(root, widths, budgets):
+    """scaling.json files as `trainspec sweep` writes them, on a Chinchilla-shaped law."""
+    for n in widths:
+        for d in budgets:
+            run = root / f"n{n:g}_d{d:g}"
+            run.mkdir(parents=True)
+            loss = 1.7 + 400 / n**0.34 + 410 / d**0.28
+            (run / "scaling.json").write_text(json.dumps(
+                {"params": n, "tokens": d, "compute": 6 * n * d, "loss": loss}))
+    return root
+
+
+def test_scaling_warns_when_the_fit_is_under_determined(tmp_path, capsys):
+    """The README's sweep (2 widths x 3 budgets): 5 parameters of L(N, D) from 6 points, N at
+    2 values. Each law that the points do not pin down gets one warning line; a 4 x 3 grid
+    (every variable at >= 3 values, >= 10 points) gets none."""
+    small = _sweep(tmp_path / "small", [1e5, 4e5], [8e3, 16e3, 32e3])
+    assert main(["scaling", str(small), "--bootstrap", "10", "--json", str(tmp_path / "s.json")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("trainspec: warning: ") for line in err), err
+    assert "L(C) is under-determined: 6 points for 3 parameters" in err[0] and "≥ 7 points" in err[0]
+    assert "L(N, D) is under-determined: params takes 2 distinct values" in err[1]
+    assert "6 points for 5 parameters" in err[1] and "≥ 10 points" in err[1]
+    assert json.loads((tmp_path / "s.json").read_text())["warnings"] == [e[20:] for e in err]
+
+    grid = _sweep(tmp_path / "grid", [1e5, 4e5, 1.6e6, 6.4e6], [8e3, 16e3, 32e3])
+    assert main(["scaling", str(grid), "--bootstrap", "10"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "params_tokens: " in out
+
 def _records(path, gns_values, steps=(5, 10, 15, 20)):
     base = {"schema": SCHEMA_ID, "loss": 3.0, "step_time_s": 0.1, "n_devices": 8,
             "batch_tokens": 32 * 128, "gns_source": "replicas"}

@@ -61,6 +61,25 @@ def test_report_compares_runs_with_table_html_and_plots(runs, tmp_path, capsys):
     assert f"{os.cpu_count()} cores" in page  # the machine
 
 
+
+def test_report_refuses_to_replace_an_earlier_report(runs, tmp_path, capsys):
+    """`--out` defaults to `report`, the same directory every time: a second report into it is
+    refused in one line naming --out, and the first is left as it was; --force replaces it."""
+    out = tmp_path / "report"
+    assert main(["report", str(runs[0]), "--out", str(out)]) == 0
+    first = (out / "index.html").read_bytes()
+    capsys.readouterr()
+    assert main(["report", str(runs[1]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainspec: error: --out: ") and "--force" in err
+    assert (out / "index.html").read_bytes() == first
+    assert main(["report", str(runs[1]), "--out", str(out), "--force"]) == 0
+    assert "trainspec report: fsdp</h1>" in (out / "index.html").read_text()
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert main(["report", str(runs[0]), "--out", str(a_file)]) == 2
+    assert "--out: " in capsys.readouterr().err and a_file.read_text() == ""
+
 def _synthetic_run(path, template, marks):
     """A metrics file of 8 records (steps 1..8) from a real record, with `marks` (step ->
     extra fields) as the trainer writes them on resumes and checkpoints."""

@@ -3,6 +3,8 @@
 A linear model with a squared loss: its per-micro-batch gradients are exact in float64 NumPy,
 so the step's update can be compared with `core.accumulation.token_weighted` directly.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from flax.training.train_state import TrainState
 
 from trainspec.jax import build_mesh, loss_step, wrap
 from trainspec.core.accumulation import interleaved_micro_batches, mean_of_means, token_weighted
+from trainspec.core.errors import UserInputError
 from trainspec.core.spec import load_spec
 
 BATCH, SEQ, DIM, K = 8, 5, 3, 4
@@ -43,10 +46,10 @@ def _reference_parts(w, batch):
     return parts
 
 
-def _wrapped(nan_guard=True, micro=BATCH // K):
+def _wrapped(nan_guard=True, micro=BATCH // K, loss_fn=_loss_fn):
     spec = load_spec({"mesh": {"axes": {"data": {"size": 2}}},
                       "batch": {"global_batch": BATCH, "micro_batch": micro, "seq_len": SEQ}})
-    step = wrap(loss_step(_loss_fn), spec, build_mesh(spec, jax.devices()[:2]), nan_guard=nan_guard)
+    step = wrap(loss_step(loss_fn), spec, build_mesh(spec, jax.devices()[:2]), nan_guard=nan_guard)
     init = lambda w: TrainState.create(apply_fn=None, params={"w": w}, tx=SGD)  # noqa: E731
     return step, init
 
@@ -93,3 +96,23 @@ def test_cost_analysis_sees_every_micro_batch():
     looped = step.lower(state, _batch()).cost_analysis()["flops"]
     whole = step.lower_for_cost_analysis(state, _batch()).cost_analysis()["flops"]
     assert whole > 2 * looped
+
+
+@pytest.mark.parametrize("loss_fn, returned", [
+    (lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), r"it returned float32\[\]"),  # a bare mean
+    (lambda p, b: (jnp.sum(b["x"] @ p["w"]), b["y"].size, {}), "its valid_tokens is int"),
+    (lambda p, b: (b["x"] @ p["w"], jnp.sum(b["mask"]), {}), r"its loss_sum is float32\[\d,5\]"),
+    (lambda p, b: (jnp.sum(b["x"] @ p["w"]), jnp.sum(b["mask"])), "it returned tuple of 2"),
+])
+def test_a_wrong_loss_fn_return_is_one_line_saying_what_is_expected(loss_fn, returned):
+    """Called directly (no trainspec) and wrapped alike: one line naming the expected
+    (loss_sum, valid_tokens, aux) and what came back, instead of an AttributeError or
+    TypeError from inside the accumulation."""
+    wrapped, init = _wrapped(loss_fn=loss_fn)
+    state = init(np.ones(DIM, np.float32))
+    for call, first in ((loss_step(loss_fn), state), (wrapped, wrapped.init(init, state.params["w"]))):
+        with pytest.raises(UserInputError) as err:
+            call(first, _batch())
+        message = str(err.value)
+        assert "\n" not in message and re.search(f"; {returned}$", message), message
+        assert message.startswith("loss_fn(params, batch) must return (loss_sum, valid_tokens, aux)")

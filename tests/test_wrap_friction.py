@@ -1,6 +1,8 @@
 """What a new user of wrap() meets, each with a one-line error or a documented behaviour
 (docs/wrapping.md, "What wrap() checks and does")."""
+import re
 import warnings
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -9,9 +11,11 @@ import numpy as np
 import optax
 import pytest
 from flax.training.train_state import TrainState
+from jax.sharding import PartitionSpec as P
 
 from trainspec.jax import default_spec, load_spec, wrap
 from trainspec.core.errors import UserInputError
+from trainspec.core.layout_rules import DEFAULT_ROLE_RULES
 
 ROWS, FEATURES, OUT = 16, 4, 8
 DENSE_NAMES = ("embed", "mlp")
@@ -19,12 +23,13 @@ DENSE_NAMES = ("embed", "mlp")
 
 class Dense(nn.Module):
     boxed: bool = True  # kernel carries logical axis names (nn.with_logical_partitioning)
+    names: tuple[str, str] = DENSE_NAMES
 
     @nn.compact
     def __call__(self, x):
         init = nn.initializers.lecun_normal()
         if self.boxed:
-            init = nn.with_logical_partitioning(init, DENSE_NAMES)
+            init = nn.with_logical_partitioning(init, self.names)
         return nn.Dense(OUT, kernel_init=init)(x)
 
 
@@ -81,6 +86,37 @@ def test_fresh_objects_inside_init_fn_name_the_static_field():
         wrap(_step, _spec()).init(init_building_everything, jax.random.key(0))
     message = _one_line(err)
     assert "state.apply_fn" in message and "outside init_fn" in message
+
+
+def test_an_unknown_logical_axis_names_the_leaf_and_the_known_axes():
+    """A kernel annotated ("embed", "hidden"): "hidden" has no rule. One line naming the
+    leaf, the axis and the known ones (it was a traceback from inside the layout code); the
+    rule the message suggests makes it work."""
+    model = Dense(names=("embed", "hidden"))
+
+    def init_fn(key):
+        params = model.init(key, jnp.zeros((1, FEATURES)))["params"]
+        return TrainState.create(apply_fn=model.apply, params=params, tx=SGD)
+
+    with pytest.raises(UserInputError) as err:
+        wrap(_step, _spec(tensor=2)).plan(init_fn, jax.random.key(0))
+    assert _one_line(err) == (
+        "state.params['Dense_0']['kernel']: logical axis 'hidden' has no rule (known: batch, "
+        "length, embed, mlp, heads, kv, vocab, layers); add it to layout.rules, e.g. "
+        "layout.rules.hidden = []")
+    step = wrap(_step, load_spec(_spec(tensor=2), ['layout.rules.hidden = ["tensor"]']))
+    state = step.init(init_fn, jax.random.key(0))
+    assert state.params["Dense_0"]["kernel"].sharding.spec == P(None, "tensor")
+
+
+def test_wrapping_doc_lists_every_default_logical_axis_and_its_mesh_axes():
+    """docs/wrapping.md's table of logical axis names is the default rule set, row for row."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "wrapping.md").read_text()
+    assert "\n## Logical axis names\n" in doc
+    section = doc.split("\n## Logical axis names\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|$", section, re.M)
+    listed = {name: tuple(re.findall(r"`(\w+)`", axes)) for name, axes in rows}
+    assert list(listed.items()) == list(DEFAULT_ROLE_RULES.items())
 
 
 def test_default_spec_wraps_an_opaque_step():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from trainspec.cli.options import add_outputs
@@ -34,7 +35,11 @@ def run(args) -> int:
     if compute is None and args.predict_params is not None:
         compute = 6.0 * args.predict_params * args.predict_tokens  # 6 N D when only N, D given
     prediction = scaling.predict(fits, args.predict_params, args.predict_tokens, compute)
-    result = {"points": points, "fits": scaling.describe(fits), "prediction": prediction}
+    warnings = scaling.caveats(points, fits)
+    for line in warnings:
+        print(f"trainspec: warning: {line}", file=sys.stderr)
+    result = {"points": points, "fits": scaling.describe(fits), "prediction": prediction,
+              "warnings": warnings}
     for key, coefs in result["fits"].items():
         print(f"{key}: " + ", ".join(f"{k} {v['value']:.4g} [{v['ci95'][0]:.4g}, {v['ci95'][1]:.4g}]"
                                      for k, v in coefs.items() if k != "rms_log_residual")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 
 # Which roles each conventional logical axis is sharded over by default (docs/spec.md).
@@ -44,7 +45,8 @@ def dim_axes(rules: Mapping[str, tuple[str, ...]], logical: str | None, dim_size
     if logical is None:
         return ()
     if logical not in rules:
-        raise ValueError(f"logical axis '{logical}' has no rule; add it to layout.rules")
+        raise UserInputError(f"logical axis '{logical}' has no rule (known: {', '.join(rules)}); "
+                             f"add it to layout.rules, e.g. layout.rules.{logical} = []")
     axes = tuple(a for a in rules[logical] if a not in used and mesh_shape[a] > 1)
     if not axes or dim_size % math.prod(mesh_shape[a] for a in axes):
         return ()

@@ -137,6 +137,49 @@ def fit(names: tuple[str, ...], x: np.ndarray, loss: np.ndarray, n_boot: int = 1
     return Fit(tuple(names), theta, log_ref, residuals, boot, rng.choice(residuals, n_boot))
 
 
+def n_parameters(n_variables: int) -> int:
+    """The irreducible term, then a coefficient and an exponent per variable."""
+    return 1 + 2 * n_variables
+
+
 def min_points(n_variables: int) -> int:
     """Points needed for a fit with one degree of freedom left: 1 + 2k parameters, plus one."""
-    return 2 * n_variables + 2
+    return n_parameters(n_variables) + 1
+
+
+def distinct_in_resample(n: int) -> float:
+    """Expected number of distinct points in a bootstrap resample of n points (n draws with
+    replacement): n·(1 − (1 − 1/n)^n), about 0.63·n."""
+    return n * (1 - (1 - 1 / n) ** n)
+
+
+def points_for_intervals(n_variables: int) -> int:
+    """The fewest points whose bootstrap resamples hold, on average, `min_points` distinct
+    ones, the rule the fit itself follows: 7 for L(C), 10 for L(N, D)."""
+    n = min_points(n_variables)
+    while distinct_in_resample(n) < min_points(n_variables):
+        n += 1
+    return n
+
+
+MIN_DISTINCT_VALUES = 3  # a·x^(−α) beside the irreducible term: two values give one difference
+
+
+def underdetermined(names: tuple[str, ...], x: np.ndarray) -> str | None:
+    """Why points x (n, k) do not pin down the law over `names`, or None. Two tests, each a
+    count the data can be checked against before trusting the fit:
+    - every variable takes at least 3 distinct values: with 2, its power law's coefficient
+      and exponent rest on one difference of losses, which any exponent can fit;
+    - the bootstrap, whose percentiles are the reported intervals, refits resamples that hold
+      ~63% distinct points (`distinct_in_resample`); below `points_for_intervals` most
+      resamples are themselves under-determined and the intervals mean little."""
+    x = np.asarray(x).reshape(len(x), len(names))
+    reasons = [f"{name} takes {len(set(x[:, i]))} distinct values (each power law needs "
+               f"≥ {MIN_DISTINCT_VALUES})" for i, name in enumerate(names)
+               if len(set(x[:, i])) < MIN_DISTINCT_VALUES]
+    need = points_for_intervals(len(names))
+    if len(x) < need:
+        reasons.append(f"{len(x)} points for {n_parameters(len(names))} parameters: a bootstrap "
+                       f"resample holds {distinct_in_resample(len(x)):.1f} distinct points on "
+                       f"average, so the 95% intervals need ≥ {need} points")
+    return "; ".join(reasons) or None

@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from trainspec.core.errors import UserInputError
 from trainspec.core.layout_rules import DEFAULT_ROLE_RULES, dim_axes, logical_rules  # noqa: F401
 from trainspec.core.spec import Spec
 
@@ -120,12 +121,15 @@ def state_partition_specs(abstract_boxed_state, spec: Spec, mesh: Mesh):
     rules = logical_rules(spec)
     logical = nn.get_partition_spec(abstract_boxed_state)
     shapes = strip_boxes(abstract_boxed_state)
-    pspecs = jax.tree.map(
-        lambda lg, leaf: to_partition_spec(lg, leaf.shape, rules, mesh),
-        logical,
-        shapes,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+
+    def leaf_spec(path, lg, leaf):
+        try:
+            return to_partition_spec(lg, leaf.shape, rules, mesh)
+        except UserInputError as err:  # say which leaf names the axis
+            raise UserInputError(f"state{jax.tree_util.keystr(path)}: {err}") from None
+
+    pspecs = jax.tree_util.tree_map_with_path(leaf_spec, logical, shapes,
+                                              is_leaf=lambda x: isinstance(x, P))
     if spec.layout.optimizer_state == "shard_over_data" and hasattr(pspecs, "opt_state"):
         data_axes = spec.mesh.axes_with_role("data")
         opt = jax.tree.map(

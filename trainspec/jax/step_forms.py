@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from trainspec.core.accumulation import interleaved_micro_batches
+from trainspec.core.errors import UserInputError
 from trainspec.jax.metrics import gns
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, jax.Array, Any]]
@@ -80,6 +82,35 @@ class Precision:
     grad_reduce: Any = jnp.float32
 
 
+LOSS_FN_RETURNS = ("loss_fn(params, batch) must return (loss_sum, valid_tokens, aux): the sum of "
+                   "per-token losses and the count of valid tokens as scalar arrays, aux a pytree "
+                   "(or {})")
+
+
+def _kind(value) -> str:
+    """What a returned value is, as the error shows it: `float32[8,5]`, `int`, `tuple of 2`."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return f"{value.dtype}[{','.join(map(str, np.shape(value)))}]"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def loss_parts(returned):
+    """`loss_fn`'s return checked at trace time: a wrong one is one line saying what was
+    expected and what came back (a bare mean, a Python count), not an error from deep in
+    the accumulation. A Python number is refused too: a count taken from shapes includes
+    padding, which the token-weighted rule must not count."""
+    if not isinstance(returned, (tuple, list)) or len(returned) != 3:
+        raise UserInputError(f"{LOSS_FN_RETURNS}; it returned {_kind(returned)}")
+    for name, value in zip(("loss_sum", "valid_tokens"), returned[:2]):
+        if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or np.shape(value) != ():
+            raise UserInputError(f"{LOSS_FN_RETURNS}; its {name} is {_kind(value)}")
+    if not jnp.issubdtype(returned[0].dtype, jnp.floating):
+        raise UserInputError(f"{LOSS_FN_RETURNS}; its loss_sum is {_kind(returned[0])}")
+    return returned
+
+
 def accumulate(loss_fn, params, micro_batches, precision: Precision,
                 micro_constraint: Callable = lambda b: b, micro_gns: bool = False):
     """Sums over micro-batches: (gradient of the loss sum, loss sum, valid tokens, aux), and
@@ -87,7 +118,7 @@ def accumulate(loss_fn, params, micro_batches, precision: Precision,
 
     def grads_of(params, batch):
         def loss(p):
-            loss_sum, tokens, aux = loss_fn(cast_floats(p, precision.compute), batch)
+            loss_sum, tokens, aux = loss_parts(loss_fn(cast_floats(p, precision.compute), batch))
             return loss_sum.astype(jnp.float32), (tokens.astype(jnp.float32), aux)
 
         (loss_sum, (tokens, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)

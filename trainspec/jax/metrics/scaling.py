@@ -52,6 +52,20 @@ def fit_points(points: list[dict], n_boot: int = 100) -> dict[str, scaling.Fit]:
     return fits
 
 
+LAWS = {"compute": "L(C)", "params_tokens": "L(N, D)"}  # fit_points' keys, as printed
+
+
+def caveats(points: list[dict], fits: dict[str, scaling.Fit]) -> list[str]:
+    """One line per fit the points do not pin down (scaling.underdetermined says why)."""
+    lines = []
+    for key, f in fits.items():
+        why = scaling.underdetermined(f.names, np.array([[p[n] for n in f.names] for p in points]))
+        if why:
+            lines.append(f"{LAWS[key]} is under-determined: {why}; its coefficients, intervals "
+                         "and predictions are not to be relied on")
+    return lines
+
+
 def describe(fits: dict[str, scaling.Fit]) -> dict:
     out = {}
     for key, f in fits.items():
