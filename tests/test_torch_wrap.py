@@ -2,7 +2,8 @@
 own loss and AdamW groups, on 4 gloo ranks: under data=4, fsdp=4 and fsdp=4 with 2 micro-batches
 its losses are those of a single-process plain torch loop (same initial parameters, same ragged
 batches, float32) to rtol 1e-5; killed with kill -9 after its step-4 checkpoint, it resumes on
-2 ranks under fsdp=2 and follows the uninterrupted run to 1e-4."""
+2 ranks under fsdp=2 and follows the uninterrupted run to 1e-4. The example of
+docs/adapters.md ("Your own PyTorch model") runs as written on 2 ranks."""
 import json
 import os
 import signal
@@ -47,15 +48,21 @@ RTOL = 1e-5
 
 def _launch(job: dict, tmp: Path, nprocs: int, **popen):
     (tmp / "job.json").write_text(json.dumps(job))
+    return _ranks(tmp, nprocs, [str(HERE / "torch_wrap_worker.py"), str(tmp / "job.json")],
+                  **popen)
+
+
+def _ranks(cwd: Path, nprocs: int, script: list[str], **popen):
     cmd = [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", str(nprocs), "--",
-           sys.executable, str(HERE / "torch_wrap_worker.py"), str(tmp / "job.json")]
+           sys.executable, *script]
     # the worker imports gpt_model from here (the suite runs subprocesses with PYTHONSAFEPATH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
     if popen:
-        return subprocess.Popen(cmd, env=env, **popen)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        return subprocess.Popen(cmd, env=env, cwd=cwd, **popen)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 def plain_torch_losses(overrides) -> list[float]:
@@ -136,3 +143,15 @@ def test_kill_9_then_resume_on_fsdp2(tmp_path, wrapped_losses):
     assert list(resumed) == [str(s) for s in range(5, STEPS + 1)]
     want = wrapped_losses["fsdp4"][4:]
     np.testing.assert_allclose([float(v) for v in resumed.values()], want, rtol=1e-4)
+
+
+def test_the_documented_example_runs(tmp_path):
+    doc = (HERE.parent / "docs" / "adapters.md").read_text()
+    section = doc[doc.index("### Your own PyTorch model"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n\n")]
+    (tmp_path / "own_model.py").write_text(code)
+    out = _ranks(tmp_path, 2, ["own_model.py"])
+    losses = {int(line.split()[3]): float(line.split()[5])
+              for line in out.splitlines() if " step " in line}
+    assert sorted(losses) == list(range(1, 21)) and losses[20] < losses[1] - 0.5, out
+    assert sorted(p.name for p in (tmp_path / "runs/own_model/checkpoints").iterdir()) == ["10", "20"]
