@@ -154,4 +154,5 @@ def test_the_documented_example_runs(tmp_path):
     losses = {int(line.split()[3]): float(line.split()[5])
               for line in out.splitlines() if " step " in line}
     assert sorted(losses) == list(range(1, 21)) and losses[20] < losses[1] - 0.5, out
-    assert sorted(p.name for p in (tmp_path / "runs/own_model/checkpoints").iterdir()) == ["10", "20"]
+    saved = sorted(p.name for p in (tmp_path / "runs/own_model/checkpoints").iterdir())
+    assert saved == ["10", "20"]
