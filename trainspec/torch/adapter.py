@@ -164,9 +164,14 @@ class TorchAdapter(Adapter):
         return torch.from_dlpack(obj)
 
     def fingerprint(self, x) -> tuple[int, int]:
-        raw = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        low, high = fingerprint_reference(raw)
-        return int(low), int(high)
+        return fingerprint(x)
+
+
+def fingerprint(x: torch.Tensor) -> tuple[int, int]:
+    """The spec's fingerprint of a tensor's bytes (trainspec.core.fingerprint)."""
+    raw = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    low, high = fingerprint_reference(raw)
+    return int(low), int(high)
 
 
 def group_of(mesh: DeviceMesh, axes: tuple[str, ...]):

@@ -1,7 +1,11 @@
 """Checkpoints of the torch implementation through torch.distributed.checkpoint (DCP).
 
+Any model and optimizer: the reference job's (trainspec/torch/train.py) or a user's
+(trainspec.torch.wrap's `save`/`restore`).
+
 Layout: `<run_dir>/<checkpoint.dir>/<step>/` holds DCP's files and `meta.json` (step, data
-position, applied updates, the run's length, skipped steps, the spec). A save writes
+position, applied updates, the run's length, the non-finite guard's counts, the spec, every
+parameter's global shape). A save writes
 `<step>.partial/` and rank 0 renames it to `<step>/` after every rank finished, so a kill -9
 mid-save leaves no directory that looks complete. Model and optimizer state go through
 `get_state_dict`/`set_state_dict`: DCP stores every shard with its global offsets, so a
@@ -27,8 +31,11 @@ META = "meta.json"
 
 
 class TorchCheckpointer:
-    def __init__(self, spec: Spec, run_dir: Path, writer: bool):
-        self.spec, self.writer = spec, writer
+    """Checkpoints of one run directory; `writer` (default: rank 0) writes the meta and renames."""
+
+    def __init__(self, spec: Spec, run_dir: Path, writer: bool | None = None):
+        self.spec = spec
+        self.writer = dist.get_rank() == 0 if writer is None else writer
         self.directory = run_dir / spec.checkpoint.dir
         self.interval, self.keep = spec.checkpoint.interval, spec.checkpoint.keep
         self.last_saved: int | None = None
@@ -68,7 +75,7 @@ class TorchCheckpointer:
 
     # -- save and restore -----------------------------------------------------------------------
     def save(self, step: int, model, optimizer, total_steps: int, updates: int,
-             skipped_steps: int, mesh: dict[str, int]) -> None:
+             skipped_steps: int, mesh: dict[str, int], consecutive_nonfinite: int = 0) -> None:
         """Write the state after `step`; `mesh`: the axis sizes it is sharded over."""
         if self.interval <= 0 or step == self.last_saved:
             return
@@ -82,7 +89,8 @@ class TorchCheckpointer:
         if self.writer:
             meta = {"format": FORMAT, "step": step, "data_position": step, "updates": updates,
                     "total_steps": total_steps, "skipped_steps": skipped_steps,
-                    "spec": self.spec.to_dict(), "mesh": mesh}
+                    "consecutive_nonfinite": consecutive_nonfinite,
+                    "spec": self.spec.to_dict(), "mesh": mesh, "parameters": _shapes(model)}
             (partial / META).write_text(json.dumps(meta, indent=2))
             final = self.directory / str(step)
             if final.exists():
@@ -102,6 +110,7 @@ class TorchCheckpointer:
         path = self.directory / str(steps[0])
         meta = self._meta(path)
         _check_same_model(meta["spec"], self.spec, path)
+        _check_same_shapes(meta.get("parameters"), _shapes(model), path)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path))
@@ -119,3 +128,22 @@ def _check_same_model(saved: dict, spec: Spec, where: Path) -> None:
             raise UserInputError(
                 f"{section}: differs from the checkpoint in {where} ({saved.get(section)} there, "
                 f"{current[section]} now); use another --run-dir")
+
+
+def _shapes(model) -> dict[str, list[int]]:
+    """Every parameter's global shape (a DTensor's shape is the whole parameter's)."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def _check_same_shapes(saved: dict | None, current: dict, where: Path) -> None:
+    """The model must have the checkpoint's parameters: DCP would fail on the first missing
+    one with a traceback, or load a resized one partially."""
+    if saved is None:  # a meta without shapes: DCP's own checks only
+        return
+    for name in sorted(saved.keys() | current.keys()):
+        if saved.get(name) != current.get(name):
+            there = saved.get(name, "absent")
+            here = current.get(name, "absent")
+            raise UserInputError(
+                f"model: parameter {name} is {here} here and {there} in the checkpoint in "
+                f"{where}; restore it into the model that saved it, or use another run directory")

@@ -34,11 +34,29 @@ def rank_from_env() -> int:
 
 
 def check_spec(spec: Spec, world: int) -> None:
-    """Fields the torch implementation cannot honour on `world` ranks: one line naming the
-    field and why, before anything starts (never a silent fallback)."""
+    """Fields the torch implementation cannot honour for the reference model on `world` ranks:
+    one line naming the field and why, before anything starts (never a silent fallback)."""
+    sizes = check_layout(spec, world)
+    c = spec.model
+    for axis in split_axes(spec, sizes, "tensor"):
+        for field, value in (("n_heads", c.n_heads), ("d_ff", c.d_ff), ("vocab_size", c.vocab_size)):
+            if value % sizes[axis]:
+                raise UserInputError(f"model.{field}: {value} is not divisible by the "
+                                     f"{sizes[axis]} ranks of tensor axis '{axis}'")
+
+
+def split_axes(spec: Spec, sizes: dict[str, int], role: str) -> list[str]:
+    """The axes of `role` that split something (size > 1)."""
+    return [a for a in spec.mesh.axes_with_role(role) if sizes[a] > 1]
+
+
+def check_layout(spec: Spec, world: int) -> dict[str, int]:
+    """What the torch implementation cannot honour on `world` ranks whatever the model (the
+    reference one or a user's, trainspec.torch.wrap); the mesh's axis sizes when it can."""
     if spec.layout.rules:
-        raise UserInputError("layout.rules: the torch implementation lays out the reference "
-                             "model by the axis roles only (docs/adapters.md); remove the rules")
+        raise UserInputError("layout.rules: the torch implementation lays out a model by module "
+                             "names, not logical axes (trainspec.torch.wrap's fsdp_units and "
+                             "tensor_plan; docs/adapters.md); remove the rules")
     if spec.layout.optimizer_state != "like_params":
         raise UserInputError("layout.optimizer_state: the torch implementation keeps optimizer "
                              "state like its parameter (FSDP2 shards both); use like_params")
@@ -65,15 +83,10 @@ def check_spec(spec: Spec, world: int) -> None:
             "cannot leave ranks out of a started job; start fewer ranks instead")
     resolved = resolve_mesh(spec, world)
     sizes = dict(zip(resolved.names, resolved.sizes))
-    split = lambda role: [a for a in spec.mesh.axes_with_role(role) if sizes[a] > 1]  # noqa: E731
     for role in ("fsdp", "tensor"):
-        if len(split(role)) > 1:
+        if len(split_axes(spec, sizes, role)) > 1:
             raise UserInputError(f"mesh.axes: the torch implementation splits at most one "
-                                 f"{role} axis, got {', '.join(split(role))}")
-    c = spec.model
-    for axis in split("tensor"):
-        for field, value in (("n_heads", c.n_heads), ("d_ff", c.d_ff), ("vocab_size", c.vocab_size)):
-            if value % sizes[axis]:
-                raise UserInputError(f"model.{field}: {value} is not divisible by the "
-                                     f"{sizes[axis]} ranks of tensor axis '{axis}'")
-    check_batch(spec, resolved, [a for a in resolved.names if a in split("data") + split("fsdp")])
+                                 f"{role} axis, got {', '.join(split_axes(spec, sizes, role))}")
+    batch_axes = split_axes(spec, sizes, "data") + split_axes(spec, sizes, "fsdp")
+    check_batch(spec, resolved, [a for a in resolved.names if a in batch_axes])
+    return sizes

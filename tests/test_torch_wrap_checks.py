@@ -1,0 +1,195 @@
+"""trainspec.torch.wrap in one process (a one-rank job): what it refuses, in one line naming the
+argument or field; which modules its default rules pick (FSDP2 units, the tensor-parallel plan);
+the non-finite policy; autocast; a checkpoint refused by a model of other shapes. Multi-rank
+behaviour (layouts against plain torch, resume on another mesh, replica check) is in
+test_torch_wrap.py."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import trainspec.torch
+from gpt_model import GPT, GPTConfig, adamw, token_loss
+from tiny import TINY
+from trainspec.core.conformance_runner import ragged_batch
+from trainspec.core.data import ByteBatches
+from trainspec.core.errors import UserInputError
+from trainspec.core.health import HealthHalt
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.layout import default_tensor_plan, shard_units
+from trainspec.torch.model import Transformer
+
+SETS = ["batch.seq_len=16", "batch.global_batch=4", "optimizer.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_job():
+    adapter = TorchAdapter()
+    adapter.join()  # no launcher in the environment: a job of one rank
+    yield
+    adapter.leave()
+
+
+def spec(*overrides):
+    return load_spec(DEFAULT_SPEC_PATH, [*SETS, *overrides])
+
+
+def gpt(**config):
+    return lambda: GPT(GPTConfig(**config))
+
+
+def batch(step=0, s=None):
+    s = s or spec()
+    return ragged_batch(ByteBatches(s.batch.seq_len, s.batch.global_batch, s.seed), step)
+
+
+def wrap(model_fn=gpt(), loss_fn=token_loss, overrides=(), **options):
+    return trainspec.torch.wrap(model_fn, loss_fn, spec(*overrides), **options)
+
+
+def _refusal(call) -> str:
+    with pytest.raises(UserInputError) as error:
+        call()
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("call,starts", [
+    (lambda: wrap(lambda: "a model"), "model_fn: returned a str, not a torch.nn.Module"),
+    (lambda: wrap(optimizer_fn=lambda params: adamw(nn.Linear(2, 2).parameters())),
+     "optimizer_fn: 28 trainable parameters are not in its optimizer "
+     "(first: transformer.wte.weight)"),
+    (lambda: wrap(optimizer_fn=lambda params: "adamw"), "optimizer_fn: returned a str"),
+    (lambda: wrap(fsdp_units=["transformer.blocks.*"]),
+     "fsdp_units: 'transformer.blocks.*' names no module of the model"),
+    (lambda: wrap(tensor_plan={"transformer.h.*.attn.qkv": None}),
+     "tensor_plan: 'transformer.h.*.attn.qkv' names no module of the model"),
+    (lambda: wrap(overrides=["precision.param=bfloat16"]),
+     "precision.compute: float32 is wider than precision.param bfloat16"),
+    (lambda: wrap(overrides=["layout.rules.embed=[]"]), "layout.rules:"),
+    (lambda: wrap(mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("data",))),
+     "mesh: its axes {'data': 1} are not the spec's mesh.axes {'data': 1, 'fsdp': 1, 'tensor': 1}"),
+])
+def test_bad_arguments_are_refused_in_one_line(call, starts):
+    assert _refusal(call).startswith(starts)
+
+
+@pytest.mark.parametrize("bad_batch,starts", [
+    (lambda b: {k: v[:3] for k, v in b.items()}, "batch['inputs'] has 3 rows; expected "
+     "batch.global_batch = 4 (the global batch) or 4 (this rank's rows, step.rows())"),
+    (lambda b: list(b.values()), "batch: expected a dict of arrays, got a list"),
+])
+def test_a_bad_batch_is_refused_in_one_line(bad_batch, starts):
+    step = wrap()
+    assert _refusal(lambda: step(bad_batch(batch()))).startswith(starts)
+
+
+@pytest.mark.parametrize("loss_fn,got", [
+    (lambda model, b: token_loss(model, b)[0] / token_loss(model, b)[1],
+     "got a tensor of shape ()"),
+    (lambda model, b: (*token_loss(model, b), {}), "got a tuple of 3"),
+    (lambda model, b: (torch.tensor(1.0), torch.tensor(2.0)),
+     "got a tuple of 2: (a tensor of shape (), no grad, a tensor of shape (), no grad)"),
+])
+def test_a_loss_fn_of_another_form_is_refused(loss_fn, got):
+    step = wrap(loss_fn=loss_fn)
+    message = _refusal(lambda: step(batch()))
+    assert message.startswith("loss_fn: expected (loss_sum, valid_tokens)") and got in message
+
+
+def test_default_fsdp_units_are_the_outermost_module_lists_children():
+    assert shard_units(GPT(GPTConfig()), None) == ["transformer.h.0", "transformer.h.1"]
+    # rules: one fnmatch pattern per level; nested units come first (fully_shard wants them so)
+    assert shard_units(GPT(GPTConfig()), ["transformer.h.*", "transformer.h.1.mlp"]) == [
+        "transformer.h.1.mlp", "transformer.h.0", "transformer.h.1"]
+    assert shard_units(Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model), ["blocks.*"]) == [
+        "blocks.block_0"]
+
+
+def test_default_tensor_plan_pairs_linears_by_name():
+    reference = Transformer(load_spec(DEFAULT_SPEC_PATH, [*TINY, "model.n_layers=2"]).model)
+    plan = default_tensor_plan(reference, 2)
+    kinds = {name: type(style).__name__ for name, style in plan.items()}
+    block = {"query": "Colwise", "key": "Colwise", "value": "Colwise", "out": "Rowwise",
+             "mlp_in": "Colwise", "mlp_out": "Rowwise"}
+    want = {f"blocks.block_{i}.{leaf}": f"{kind}Parallel" for i in range(2)
+            for leaf, kind in block.items()}
+    assert kinds == {**want, "head": "ColwiseParallel"}
+    assert plan["head"].output_layouts[0].is_replicate()  # the logits are gathered whole
+
+
+class Unpaired(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.query, self.mlp_out = nn.Linear(8, 8), nn.Linear(16, 8)  # 8 wide into 16
+
+
+@pytest.mark.parametrize("model,ranks,starts", [
+    (GPT(GPTConfig()), 2, "tensor_plan: lm_head.weight is shared with transformer.wte (tied)"),
+    (GPT(GPTConfig(bias=False)).transformer.h[0].mlp, 2,
+     "tensor_plan: the model has no nn.Linear that the default plan knows by name"),
+    (Unpaired(), 2, "tensor_plan: the default plan splits query but finds no row-split nn.Linear"),
+    (Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model), 3,
+     "tensor_plan: blocks.block_0.query has width 32, not divisible by the 3 ranks"),
+])
+def test_default_tensor_plan_refuses_what_it_cannot_split(model, ranks, starts):
+    assert _refusal(lambda: default_tensor_plan(model, ranks)).startswith(starts)
+
+
+def _poisoned(b):
+    return {**b, "mask": np.full_like(b["mask"], np.nan)}
+
+
+def test_nonfinite_steps_are_skipped_then_halt():
+    step = wrap(overrides=["health.nan.policy=skip", "health.nan.max_consecutive_skips=1"])
+    first = step(batch(0))
+    before = {k: v.detach().clone() for k, v in step.model.state_dict().items()}
+    optimizer_before = repr(step.optimizer.state_dict())
+    skipped = step(_poisoned(batch(1)))
+    assert (skipped["nonfinite"], skipped["skipped_steps"], skipped["valid_tokens"]) == (1, 1, 0.0)
+    assert first["nonfinite"] == 0 and step.updates == 1
+    after = step.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert repr(step.optimizer.state_dict()) == optimizer_before
+    with pytest.raises(HealthHalt, match="non-finite loss, gradients or state at step 3"):
+        step(_poisoned(batch(2)))
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the last good state
+
+
+def test_halt_policy_stops_at_the_first_nonfinite_step():
+    step = wrap(overrides=["health.nan.policy=halt"])
+    with pytest.raises(HealthHalt, match="at step 1 .health.nan.policy = halt"):
+        step(_poisoned(batch(0)))
+
+
+def test_sixteen_bit_compute_is_autocast():
+    seen = []
+
+    def loss_fn(model, b):
+        loss_sum, tokens = token_loss(model, b)
+        seen.append(model.lm_head(torch.zeros(1, 32)).dtype)
+        return loss_sum, tokens
+
+    step = wrap(loss_fn=loss_fn, overrides=["precision.compute=bfloat16"])
+    losses = [step(batch(i))["loss"] for i in range(4)]
+    assert seen == [torch.bfloat16] * 4  # matmuls in the compute dtype ...
+    assert {p.dtype for p in step.params} == {torch.float32}  # ... parameters stored in param
+    assert losses[-1] < losses[0]
+
+
+def test_a_checkpoint_is_refused_by_a_model_of_other_shapes(tmp_path):
+    step = wrap()
+    step(batch())
+    step.save(trainspec.torch.TorchCheckpointer(step.spec, tmp_path), 1)
+    wider = wrap(gpt(n_embd=48))
+    checkpoints = trainspec.torch.TorchCheckpointer(wider.spec, tmp_path)
+    message = _refusal(lambda: wider.restore(checkpoints))
+    assert message.startswith("model: parameter transformer.h.0.attn.c_attn.bias is [144] here "
+                              f"and [96] in the checkpoint in {tmp_path}/checkpoints/1")
+    same = wrap()
+    assert same.restore(trainspec.torch.TorchCheckpointer(same.spec, tmp_path)) == 1
+    assert same.updates == 1
+    assert all(torch.equal(a, b) for a, b in zip(same.params, step.params))

@@ -1,0 +1,339 @@
+"""`trainspec.torch.wrap`: the spec's train step around a user's own nn.Module, with the promises
+trainspec.jax.wrap(loss_step(loss_fn), spec) makes on JAX (docs/adapters.md, "Your own PyTorch
+model"): the layout onto the spec's DeviceMesh (trainspec/torch/layout.py), token-weighted
+accumulation, the precision policy, the optimizer, schedule and clipping of `[optimizer]`, the
+non-finite policy of `[health.nan]`, replica fingerprints and DCP checkpoints.
+
+Gradients: each micro-batch's loss *sum* is back-propagated; FSDP2 reduce-scatters the sums over
+the fsdp axis once per step, the local gradients are all-reduced over the data axes once per step
+(packed into one buffer, as the JAX step fuses them), and everything is divided once by the
+valid tokens of the whole global batch (trainspec/core/accumulation.py's rule).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from trainspec.core.errors import UserInputError
+from trainspec.core.health import (
+    ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step, odd_copies)
+from trainspec.core.mesh import resolve_mesh
+from trainspec.core.spec import Spec
+from trainspec.torch.adapter import TORCH_DTYPES, TorchAdapter, axes_size, fingerprint, group_of
+from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.layout import (
+    apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block,
+    mesh_size, rows, shard_units, sharded_axes)
+from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optimizer
+from trainspec.torch.support import check_layout, split_axes
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def wrap(model_fn: Callable[[], nn.Module], loss_fn: Callable, spec: Spec, *,
+         optimizer_fn: Callable | None = None, mesh: DeviceMesh | None = None,
+         device: torch.device | None = None, **options) -> WrappedStep:
+    """The spec's train step for the model `model_fn()` builds (see WrappedStep). Without a
+    `mesh`, joins the job the environment describes (`trainspec launch`, torchrun; a one-rank
+    job when none) and lays the spec's mesh over its ranks."""
+    if mesh is None:
+        adapter = TorchAdapter(spec.collectives.timeout_s)
+        adapter.join()
+        mesh = adapter.build_mesh(spec)
+    return WrappedStep(model_fn, loss_fn, spec, optimizer_fn=optimizer_fn, mesh=mesh,
+                       device=device or TorchAdapter().device, **options)
+
+
+class WrappedStep:
+    """Model, optimizer and step of one rank.
+
+    - `model_fn()` builds the model, with torch's generator seeded by `spec.seed`; every rank
+      then takes rank 0's parameters and buffers (as DDP does), cast to `precision.param`;
+    - `loss_fn(model, batch) -> (loss_sum, valid_tokens)`: the summed per-token losses of the
+      rows it is given (a scalar tensor) and how many tokens they count;
+    - `optimizer_fn(params)` builds the optimizer over the laid-out parameters (default: the
+      spec's `optimizer.name`); the spec's schedule sets every group's `lr` before each update,
+      and gradients are clipped to `optimizer.grad_clip_norm`;
+    - `fsdp_units`: module-name rules for FSDP2 units (default: the children of the outermost
+      nn.ModuleLists); `tensor_plan`: {module name: ParallelStyle} (default: by nn.Linear names);
+    - `autocast`: the forward and the loss run under torch.autocast(`precision.compute`) when it
+      is not the parameter dtype; False for a model that applies it itself;
+    - `nan_guard`: the spec's `health.nan` policy decides each step (else every update is taken).
+
+    `step(batch)` takes a dict of arrays (NumPy or torch) holding the global batch or this
+    rank's rows of it (`step.rows()`), and returns the step's global metrics.
+    """
+
+    def __init__(self, model_fn: Callable[[], nn.Module], loss_fn: Callable, spec: Spec, *,
+                 mesh: DeviceMesh, device: torch.device, optimizer_fn: Callable | None = None,
+                 total_steps: int | None = None, fsdp_units: Sequence[str] | None = None,
+                 tensor_plan: dict | None = None, autocast: bool = True, nan_guard: bool = True):
+        sizes = check_layout(spec, mesh.size())
+        _check_mesh(mesh, sizes)
+        self.spec, self.mesh, self.device, self.loss_fn = spec, mesh, device, loss_fn
+        self.total_steps = total_steps or spec.train.steps
+        p = spec.precision
+        self.param_dtype, self.grad_dtype = TORCH_DTYPES[p.param], TORCH_DTYPES[p.grad_reduce]
+        self.compute_dtype = TORCH_DTYPES[p.compute]
+        self.autocast = autocast and self.compute_dtype != self.param_dtype
+        if self.autocast and self.compute_dtype not in SIXTEEN_BIT:
+            raise UserInputError(
+                f"precision.compute: {p.compute} is wider than precision.param {p.param}; "
+                "torch.autocast computes in a 16-bit dtype only (or wrap(autocast=False) for a "
+                "model that casts itself)")
+        self.model = self._build(model_fn)
+
+        self.data_axes, fsdp, tensor = (tuple(split_axes(spec, sizes, role))
+                                        for role in ("data", "fsdp", "tensor"))
+        self.batch_axes = tuple(a for a in mesh.mesh_dim_names if a in self.data_axes + fsdp)
+        if tensor_plan is not None:  # checked on any mesh, so a typo shows before it matters
+            check_rules_match(self.model, tensor_plan, "tensor_plan")
+        if tensor:
+            plan = tensor_plan or default_tensor_plan(self.model, sizes[tensor[0]])
+            apply_tensor_parallel(self.model, mesh[tensor[0]], plan)
+        units = shard_units(self.model, fsdp_units)  # checked on any mesh
+        if fsdp:
+            apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype)
+        self.fsdp = bool(fsdp)
+        self.data_group = group_of(mesh, self.data_axes) if self.data_axes else None
+        self.batch_group = group_of(mesh, self.batch_axes) if self.batch_axes else None
+        self.shards = axes_size(mesh, self.batch_axes)
+        self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
+
+        self.params = list(self.model.parameters())
+        if optimizer_fn is None:
+            self.optimizer = spec_optimizer(spec.optimizer, self.params)
+        else:
+            self.optimizer = optimizer_fn(self.params)
+        _check_optimizer(self.optimizer, self.model)
+        self._groups: dict[tuple[str, ...], object] = {}  # process groups of sharded axes
+        self.updates = 0  # applied updates: the schedule's count (a skipped step adds none)
+        self.nan_guard = nan_guard
+        self.guard = init_nan_guard()
+        self._loss_checked = False
+
+    def _build(self, model_fn) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.spec.seed)
+            model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise UserInputError(f"model_fn: returned a {type(model).__name__}, not a "
+                                 "torch.nn.Module")
+        model.to(device=self.device, dtype=self.param_dtype)
+        if dist.get_world_size() > 1:
+            for tensors in _by_dtype([*model.parameters(), *model.buffers()]).values():
+                _packed(tensors, lambda flat: dist.broadcast(flat, src=0))
+        return model
+
+    def rows(self) -> slice:
+        """This rank's rows of the global batch."""
+        return self._rows
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {name: mesh_size(self.mesh, name) for name in self.mesh.mesh_dim_names}
+
+    # -- the step ------------------------------------------------------------------------------
+    def __call__(self, batch: Mapping, apply: Callable[[bool], bool] | None = None) -> dict:
+        """One step. `apply(finite)`, when given, decides whether the update is taken in place
+        of the step's own guard (a loop that runs the policy itself); every rank reaches the
+        same decision from the same global loss and gradient norm. Raises HealthHalt when
+        the guard trips (the model keeps the last good step's state)."""
+        self.optimizer.zero_grad(set_to_none=False)
+        sums = self._accumulate(batch)
+        grads = [q.grad for q in self.params if q.grad is not None]
+        if self.data_group is not None:
+            _packed([local_block(g) for g in grads],
+                    lambda flat: dist.all_reduce(flat, group=self.data_group), self.grad_dtype)
+        if self.batch_group is not None:
+            dist.all_reduce(sums, group=self.batch_group)
+        loss_sum, tokens = sums.tolist()
+        denom = max(tokens, 1.0)
+        for g in grads:
+            g.div_(denom)
+        grad_norm = float(self._grad_norm(grads))
+        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+        lr = learning_rate(self.spec.optimizer, self.total_steps, self.updates)
+        taken = self._decide(finite, apply)
+        if taken:
+            clip_by_global_norm(grads, grad_norm, self.spec.optimizer.grad_clip_norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.updates += 1
+        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "learning_rate": lr,
+                   "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite)}
+        if self.nan_guard and apply is None:
+            metrics["skipped_steps"] = check_nan_guard(self.spec.health.nan, self.guard)
+        return metrics
+
+    def _decide(self, finite: bool, apply: Callable[[bool], bool] | None) -> bool:
+        if apply is not None:
+            return apply(finite)
+        if not self.nan_guard:
+            return True
+        self.guard, take = nan_guard_step(self.spec.health.nan, self.guard, np.bool_(finite))
+        return bool(take)
+
+    def _accumulate(self, batch: Mapping) -> torch.Tensor:
+        """Gradients of the summed token losses over k micro-batches (rows j, j+k, ... of this
+        rank's rows), and (loss sum, valid tokens) of this rank."""
+        k = self.spec.batch.accumulation_steps
+        local = self._local_rows(batch)
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)
+        for j in range(k):
+            if self.fsdp:  # reduce-scatter once, after the last micro-batch
+                self.model.set_requires_gradient_sync(j == k - 1)
+            with self._compute():
+                loss_sum, tokens = self._loss({key: v[j::k] for key, v in local.items()})
+            loss_sum.backward()
+            sums += torch.stack([loss_sum.detach().float(),
+                                 torch.as_tensor(tokens, device=self.device).float()])
+        return sums
+
+    def _compute(self):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _loss(self, micro: dict):
+        result = self.loss_fn(self.model, micro)
+        if not self._loss_checked:
+            ok = (isinstance(result, tuple) and len(result) == 2
+                  and isinstance(result[0], torch.Tensor) and result[0].dim() == 0
+                  and result[0].requires_grad)
+            if not ok:
+                raise UserInputError(
+                    "loss_fn: expected (loss_sum, valid_tokens), the summed per-token losses as "
+                    "a scalar tensor that requires grad and the token count; got "
+                    f"{_describe(result)}")
+            self._loss_checked = True
+        return result
+
+    def _local_rows(self, batch: Mapping) -> dict[str, torch.Tensor]:
+        if not isinstance(batch, Mapping):
+            raise UserInputError(f"batch: expected a dict of arrays, got a {type(batch).__name__}")
+        whole, per = self.spec.batch.global_batch, self._rows.stop - self._rows.start
+        local = {}
+        for key, value in batch.items():
+            t = torch.as_tensor(value)
+            n = t.shape[0] if t.dim() else 0
+            if n not in (whole, per):
+                raise UserInputError(
+                    f"batch[{key!r}] has {n} rows; expected batch.global_batch = {whole} (the "
+                    f"global batch) or {per} (this rank's rows, step.rows())")
+            local[key] = (t[self._rows] if n != per else t).to(self.device)
+        return local
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm: squares of the local blocks summed per set of mesh axes they are
+        split over, one all-reduce per set (a replicated dimension is counted once)."""
+        by_axes: dict[tuple[str, ...], torch.Tensor] = {}
+        for g in grads:
+            axes = ()
+            if isinstance(g, DTensor):
+                axes = sharded_axes(g)
+                g = g.to_local()
+            by_axes[axes] = by_axes.get(axes, 0.0) + g.float().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for axes, square in by_axes.items():
+            if axes:
+                if axes not in self._groups:
+                    self._groups[axes] = group_of(self.mesh, axes)
+                dist.all_reduce(square, group=self._groups[axes])
+            total += square
+        return torch.sqrt(total)
+
+    # -- health and checkpoints ----------------------------------------------------------------
+    def check_replicas(self, step: int, last_good_step: int = 0) -> None:
+        """Fingerprint every parameter's local block; the copies across the data axes must
+        agree. ReplicaMismatch names the first parameter whose copies differ and the ranks the
+        core's majority vote finds odd (torch cannot leave ranks out of a running job)."""
+        if self.data_group is None:
+            return
+        mine = [fingerprint(local_block(q.detach())) for q in self.params]
+        every: list = [None] * dist.get_world_size(self.data_group)
+        dist.all_gather_object(every, mine, group=self.data_group)
+        ranks = dist.get_process_group_ranks(self.data_group)
+        for i, (name, _) in enumerate(self.model.named_parameters()):
+            odd = [ranks[j] for j in odd_copies([struct.pack("<II", *c[i]) for c in every])]
+            if odd:
+                raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {name} "
+                                      f"on ranks {odd}", last_good_step, odd)
+
+    def save(self, checkpointer: TorchCheckpointer, step: int) -> None:
+        """Checkpoint the state after `step` (its data position), replicas checked first."""
+        self.check_replicas(step, checkpointer.last_saved or 0)
+        counts = nan_guard_counts(self.guard)
+        checkpointer.save(step, self.model, self.optimizer, self.total_steps, self.updates,
+                          counts["skipped_steps"], self.mesh_shape,
+                          counts["consecutive_nonfinite"])
+
+    def restore(self, checkpointer: TorchCheckpointer) -> int:
+        """Load the newest checkpoint, resharded onto this layout (any mesh); the data position
+        to continue from (0 when there is none). The schedule keeps the saved run's length."""
+        meta = checkpointer.restore_latest(self.model, self.optimizer)
+        if meta is None:
+            return 0
+        self.total_steps, self.updates = meta["total_steps"], meta["updates"]
+        self.guard = init_nan_guard(meta["data_position"], meta["skipped_steps"],
+                                    meta.get("consecutive_nonfinite", 0))
+        return meta["data_position"]
+
+
+def _check_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> None:
+    have = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+    if have != sizes:
+        raise UserInputError(f"mesh: its axes {have} are not the spec's mesh.axes {sizes} on "
+                             f"{mesh.size()} ranks")
+
+
+def _check_optimizer(optimizer, model: nn.Module) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserInputError(f"optimizer_fn: returned a {type(optimizer).__name__}, not a "
+                             "torch.optim.Optimizer")
+    held = {id(q) for group in optimizer.param_groups for q in group["params"]}
+    missing = [n for n, q in model.named_parameters() if q.requires_grad and id(q) not in held]
+    if missing:
+        raise UserInputError(
+            f"optimizer_fn: {len(missing)} trainable parameters are not in its optimizer (first: "
+            f"{missing[0]}); build it from the parameters it is given, which are laid out")
+
+
+def _describe(value) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}: ({', '.join(_describe(v) for v in value)})"
+    if isinstance(value, torch.Tensor):
+        grad = ", no grad" if not value.requires_grad else ""
+        return f"a tensor of shape {tuple(value.shape)}{grad}"
+    return f"a {type(value).__name__}"
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def _packed(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], object],
+            dtype: torch.dtype | None = None) -> None:
+    """Run `collective` in place on `tensors` packed into one flat buffer (in `dtype`, default
+    theirs): one call for all of them, the result copied back."""
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
+    collective(flat)
+    offset = 0
+    for t in tensors:
+        t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
