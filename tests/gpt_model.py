@@ -1,5 +1,5 @@
-"""A model nobody in trainspec wrote for it: nanoGPT's GPT (github.com/karpathy/nanoGPT,
-model.py) from torch.nn only, as a user brings it: fused q/k/v projection, the token embedding
+"""A model nobody in trainspec designed: a GPT in nanoGPT's architecture (github.com/karpathy/
+nanoGPT), written for these tests from torch.nn only, shaped as a user brings it: fused q/k/v projection, the token embedding
 tied to the output head, nanoGPT's initialisation and its AdamW parameter groups (weight decay
 on 2-D weights only). Shared by the wrap tests and their 4-rank worker.
 """
