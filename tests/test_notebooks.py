@@ -151,8 +151,8 @@ def test_notebook_is_stored_executed(name):
     assert stale(name, nb, nb) == []
     assert bool(figures_drawn(nb)) == EXPECTED[name][1], f"{name}: figures stored"
     # Nothing that differs from run to run but the results: no timings, no kernel's versions.
-    assert set(nb.metadata) == {"kernelspec"}
-    assert not [c for c in nb.cells if "execution" in c.metadata]
+    assert set(nb.metadata) == {"kernelspec"}, f"{name}: store it with STORE_NOTEBOOKS=1"
+    assert not [c for c in nb.cells if "execution" in c.metadata], f"{name}: timings stored"
 
 
 def _edited_copy(name: str, tmp_path: Path, edit) -> tuple[list[str], str]:
