@@ -11,6 +11,7 @@ before anything starts. `markdown` renders the tables side by side (docs/adapter
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Callable, Mapping
 
@@ -52,21 +53,27 @@ def _walk(node, parts: list[str]):
 @dataclasses.dataclass(frozen=True)
 class Refusal:
     """Values of a field the implementation refuses: `when` says which, as the table prints
-    it; `test(value, request)` finds them; `reason` (or `reason(request)`) is the line's text
-    after 'field: '."""
+    it; `test(value, request)` finds them; `reason` is the line's text after 'field: ', a
+    template of the field's `{value}` and of what `details(request)` names."""
 
     when: str
     test: Callable[[object, Request], bool]
-    reason: str | Callable[[Request], str]
+    reason: str
+    details: Callable[[Request], dict] | None = None
 
     def line(self, field: str, request: Request) -> str:
-        text = self.reason(request) if callable(self.reason) else self.reason
-        return f"{field}: {text}"
+        names = {"value": request.value(field), **(self.details(request) if self.details else {})}
+        return f"{field}: {self.reason.format(**names)}"
+
+    @property
+    def text(self) -> str:
+        """The reason as the table prints it: each name of the template as <name>."""
+        return re.sub(r"\{(\w+)[^}]*\}", r"<\1>", self.reason)
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """How a field is honoured (empty: only its default is), and the values refused."""
+    """How a field is honoured (a note, or none), and the values refused."""
 
     how: str
     refusals: tuple[Refusal, ...] = ()
@@ -74,16 +81,16 @@ class Entry:
     whole_section: bool = False
 
 
-def honoured(how: str, *refusals: Refusal) -> Entry:
+def honoured(how: str = "", *refusals: Refusal) -> Entry:
     return Entry(how, refusals)
 
 
-def refusal(when: str, test: Callable[[object], bool], reason) -> Refusal:
+def refusal(when: str, test: Callable[[object], bool], reason: str) -> Refusal:
     """A refusal that looks at the field's value only."""
     return Refusal(when, lambda value, request: test(value), reason)
 
 
-def refused(when: str, test: Callable[[object], bool], reason) -> Entry:
+def refused(when: str, test: Callable[[object], bool], reason: str) -> Entry:
     """A field honoured at its default only: refused `when`."""
     return Entry("", (refusal(when, test, reason),))
 
@@ -99,22 +106,21 @@ class Capabilities:
     def __init__(self, implementation: str, entries: Mapping[str, Entry]):
         self.implementation, self.entries = implementation, dict(entries)
 
-    def refusals(self, request: Request, flags_only: bool = False) -> list[str]:
-        """One line per refused field of `request`, in table order (of its flags only:
-        `flags_only`, where no spec is known yet)."""
+    def refusals(self, request: Request, fields: Callable[[str], bool] | None = None) -> list[str]:
+        """One line per refused field of `request` (of the `fields` chosen), in table order."""
         return [r.line(field, request) for field, entry in self.entries.items()
-                if field.startswith("--") or not flags_only
+                if fields is None or fields(field)
                 for r in entry.refusals if r.test(request.value(field), request)]
 
-    def check(self, request: Request, flags_only: bool = False) -> None:
+    def check(self, request: Request, fields: Callable[[str], bool] | None = None) -> None:
         """UserInputError with the first refusal's line, if the request has one."""
-        lines = self.refusals(request, flags_only)
+        lines = self.refusals(request, fields)
         if lines:
             raise UserInputError(lines[0])
 
     def check_flags(self, flags: Mapping[str, object]) -> None:
         """The flags of `trainspec train` alone, before a spec is loaded."""
-        self.check(Request(None, {}, flags), flags_only=True)
+        self.check(Request(None, {}, flags), lambda field: field.startswith("--"))
 
     def declares(self, field: str) -> bool:
         parts = field.split(".")
@@ -164,13 +170,13 @@ def markdown(tables: list[Capabilities], fields: list[str]) -> str:
 
 
 def _cell(table: Capabilities, field: str) -> str:
-    if not table.declares(field):
-        return "**not declared**"
+    if not table.declares(field):  # a flag: only for the implementations `train` runs
+        return "-" if field.startswith("--") else "**not declared**"
     entry = table.entries.get(field)
     if entry is None:  # a field of a section refused whole
-        return "refused with its section"
-    parts = [f"honoured: {entry.how}"] if entry.how else []
-    for r in entry.refusals:
-        reason = r.reason if isinstance(r.reason, str) else "the line names the value"
-        parts.append(f"refused {r.when}: {reason}")
+        section = next(s for s in table.entries if field.startswith(s + "."))
+        return f"refused with `{section}`: {table.entries[section].refusals[0].text}"
+    honours = f"honoured: {entry.how}" if entry.how else "honoured" if not entry.refusals else ""
+    parts = [honours] if honours else []
+    parts += [f"refused {r.when}: {r.text}" for r in entry.refusals]
     return "; ".join(parts).replace("|", "\\|")

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 from trainspec.core.capabilities import Capabilities, Refusal, honoured, refused
 
-REFERENCE = "the reference implementation"
-
-
 def _split_beside_data(r) -> list[str]:
     return [a for a in r.sizes if r.spec.mesh.role_of(a) != "data" and r.sizes[a] > 1]
 
@@ -17,18 +14,18 @@ def _split_beside_data(r) -> list[str]:
 EXT_BESIDE_XLA = Refusal(
     "ext, when a non-data axis is split",
     lambda backend, r: backend == "ext" and bool(_split_beside_data(r)),
-    lambda r: "ext needs every mesh axis but the data axes to be 1, got "
-              f"{', '.join(f'{a}={r.sizes[a]}' for a in _split_beside_data(r))}: its blocking "
-              "custom calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"")
+    "ext needs every mesh axis but the data axes to be 1, got {axes}: its blocking custom "
+    "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"",
+    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in _split_beside_data(r))})
 COMPRESSION_ON_HIERARCHICAL = Refusal(
     "unless none, with the hierarchical backend",
     lambda compression, r: compression != "none" and r.spec.collectives.backend == "hierarchical",
-    lambda r: f"{r.spec.collectives.compression} needs collectives.backend = \"xla\" or "
-              "\"ext\" (the hierarchical backend reduces float32)")
+    "{value} needs collectives.backend = \"xla\" or \"ext\" (the hierarchical backend "
+    "reduces float32)")
 
 
 def _reference(*fields: str) -> list:
-    return [(f, honoured(REFERENCE)) for f in fields]
+    return [(f, honoured()) for f in fields]
 
 
 JAX = Capabilities("jax", dict([

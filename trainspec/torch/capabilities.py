@@ -6,35 +6,26 @@ from __future__ import annotations
 from trainspec.core.capabilities import (
     Capabilities, Refusal, honoured, refusal, refused, refused_section)
 
-THE_SPEC = "as the spec defines it (the core's schema, formulas and state machines)"
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
-QUALIFIES_COMPRESSION = ("qualifies collectives.compression, which is refused unless none: no "
-                         "effect without a compression, as on every implementation")
+QUALIFIES_COMPRESSION = "no effect without a compression (refused), as on every implementation"
 
 
 def _one_split_axis(role: str) -> Refusal:
     return Refusal(f"when more than one {role} axis is split",
                    lambda value, r: len(r.split(role)) > 1,
-                   lambda r: f"the torch implementation splits at most one {role} axis, got "
-                             f"{', '.join(f'{a}={r.sizes[a]}' for a in r.split(role))}")
+                   f"the torch implementation splits at most one {role} axis, got {{axes}}",
+                   lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in r.split(role))})
 
 
-def _tensor_divides(field: str) -> Refusal:
-    name = field.split(".")[-1]
-
-    def tensor_size(r) -> int:
-        return r.sizes[r.split("tensor")[0]] if r.split("tensor") else 1
-
-    return Refusal("when the tensor axis does not divide it",
-                   lambda value, r: value % tensor_size(r) != 0,
-                   lambda r: f"{getattr(r.spec.model, name)} is not divisible by the "
-                             f"{tensor_size(r)} ranks of tensor axis '{r.split('tensor')[0]}'")
+def _tensor_axis(r) -> tuple[str, int]:
+    axes = r.split("tensor")
+    return (axes[0], r.sizes[axes[0]]) if axes else ("", 1)
 
 
-def _model(field: str, how: str = REFERENCE_MODEL) -> tuple[str, object]:
-    if field in ("model.n_heads", "model.d_ff", "model.vocab_size"):
-        return field, honoured(how, _tensor_divides(field))
-    return field, honoured(how)
+TENSOR_DIVIDES = Refusal(
+    "when the tensor axis does not divide it", lambda value, r: value % _tensor_axis(r)[1] != 0,
+    "{value} is not divisible by the {size} ranks of tensor axis '{axis}'",
+    lambda r: dict(zip(("axis", "size"), _tensor_axis(r))))
 
 
 TORCH = Capabilities("torch", dict([
@@ -70,28 +61,26 @@ TORCH = Capabilities("torch", dict([
     ("batch.global_batch", honoured("split over the data and fsdp axes, row-major")),
     ("batch.micro_batch", honoured("token-weighted accumulation: loss sums, divided once by "
                                    "the valid tokens of the whole batch")),
-    ("batch.seq_len", honoured(THE_SPEC)),
+    ("batch.seq_len", honoured()),
     ("remat.policy", refused(
         "unless none", lambda v: v != "none",
-        lambda r: f"{r.spec.remat.policy!r} has no torch counterpart here (it names jax "
-                  "checkpoint policies); use none")),
+        "{value!r} has no torch counterpart here (it names jax checkpoint policies); use none")),
     ("collectives.backend", refused(
         "unless xla", lambda v: v != "xla",
-        lambda r: f"{r.spec.collectives.backend!r} is a JAX backend; the torch implementation "
-                  "reduces through torch.distributed (leave the default)")),
+        "{value!r} is a JAX backend; the torch implementation reduces through "
+        "torch.distributed (leave the default)")),
     ("collectives.timeout_s", honoured("the process groups' timeout")),
     ("collectives.compression", refused(
         "unless none", lambda v: v != "none",
-        lambda r: f"{r.spec.collectives.compression!r} is not implemented by the torch "
-                  "implementation (its gradients are reduced in float32; docs/adapters.md); "
-                  "use none")),
+        "{value!r} is not implemented by the torch implementation (its gradients are reduced "
+        "in float32; docs/adapters.md); use none")),
     ("collectives.error_feedback", honoured(QUALIFIES_COMPRESSION)),
     ("collectives.compression_block", honoured(QUALIFIES_COMPRESSION)),
     ("metrics.sink", honoured("the core's JSONL writer, on rank 0")),
-    ("metrics.path", honoured(THE_SPEC)),
-    ("metrics.interval", honoured(THE_SPEC)),
-    ("metrics.flops_convention", honoured(THE_SPEC)),
-    ("metrics.peak_flops_per_device", honoured(THE_SPEC)),
+    ("metrics.path", honoured()),
+    ("metrics.interval", honoured()),
+    ("metrics.flops_convention", honoured()),
+    ("metrics.peak_flops_per_device", honoured()),
     ("metrics.tensorboard", refused(
         "when true", bool, "the torch implementation writes no TensorBoard scalars yet "
         "(metrics.jsonl only); set false")),
@@ -99,14 +88,17 @@ TORCH = Capabilities("torch", dict([
         "absent: not measured, the summary says why (gns_not_measured)",
         refusal("when true", bool, "the torch implementation does not measure the gradient "
                 "noise scale (its records leave the gns fields null)"))),
-    *(_model(f"model.{name}") for name in ("vocab_size", "d_model", "n_layers", "n_heads",
-                                           "d_ff")),
+    ("model.vocab_size", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
+    ("model.d_model", honoured(REFERENCE_MODEL)),
+    ("model.n_layers", honoured(REFERENCE_MODEL)),
+    ("model.n_heads", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
+    ("model.d_ff", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     *((f"optimizer.{name}", honoured("torch.optim.AdamW or SGD, stepped as optax's"))
       for name in ("name", "learning_rate", "warmup_steps", "weight_decay", "grad_clip_norm")),
-    ("train.steps", honoured(THE_SPEC)),
+    ("train.steps", honoured()),
     ("checkpoint.interval", honoured("torch.distributed.checkpoint (DCP), resharded on load")),
-    ("checkpoint.keep", honoured(THE_SPEC)),
-    ("checkpoint.dir", honoured(THE_SPEC)),
+    ("checkpoint.keep", honoured()),
+    ("checkpoint.dir", honoured()),
     ("checkpoint.async_save", honoured(
         "false: training waits for each save",
         Refusal("when true and checkpoints are written",
@@ -133,12 +125,12 @@ TORCH = Capabilities("torch", dict([
     ("semi_sync", refused_section("the torch implementation trains synchronously only; "
                                   "remove the [semi_sync] table")),
     # the flags of `trainspec train`
-    ("--spec", honoured(THE_SPEC)),
-    ("--steps", honoured(THE_SPEC)),
-    ("--run-dir", honoured(THE_SPEC)),
-    ("--set", honoured(THE_SPEC)),
-    ("--summary-json", honoured(THE_SPEC)),
-    ("--quiet", honoured(THE_SPEC)),
+    ("--spec", honoured()),
+    ("--steps", honoured()),
+    ("--run-dir", honoured()),
+    ("--set", honoured()),
+    ("--summary-json", honoured()),
+    ("--quiet", honoured()),
     ("--framework", honoured("torch")),
     ("--nprocs", honoured("the ranks to start (default 4 on CPU, one per GPU)")),
     ("--host-devices", refused(
