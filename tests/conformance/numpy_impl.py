@@ -27,13 +27,6 @@ from trainspec.core.reference_model import loss_and_grad
 from trainspec.core.simulated import SimulatedDevices
 from trainspec.core.transformer_flops import TransformerFlops
 
-NOT_MEASURED = ("hardware_flops_per_step", "xla_flops_per_step", "hfu", "memory_peak_bytes",
-                "memory_argument_bytes", "memory_output_bytes", "memory_alias_bytes",
-                "memory_temp_bytes", "memory_generated_code_bytes", "memory_xla_peak_bytes",
-                "memory_live_bytes", "comm_bytes_per_step", "comm_bus_bytes_per_step",
-                "compile_time_s", "gns_source", "gns_grad_sq", "gns_trace", "gns")
-
-
 def _unless(default, reason: str):
     shown = ("when true" if default is False else "unless empty" if default in ([], {})
              else f"unless {default}")
@@ -136,7 +129,8 @@ class NumpyAdapter(SimulatedDevices):
                  * tokens_per_step, "flops_convention": spec.metrics.flops_convention,
                  "peak_flops_per_device": peak.flops_per_device, "peak_flops_source": peak.source,
                  "n_devices": self.devices, "batch_tokens": tokens_per_step,
-                 **dict.fromkeys(NOT_MEASURED), "comm_bytes_by_kind": {}, "comm_bytes_by_axis": {}}
+                 "hardware_flops_per_step": None, "comm_bytes_by_kind": {},
+                 "comm_bytes_by_axis": {}}
         sink, guard, goodput = self.open_metrics(run_dir / spec.metrics.path), init_nan_guard(), Goodput()
         pending, tokens, start = 0, 0.0, time.perf_counter()
         for step in range(1, steps + 1):
@@ -148,7 +142,8 @@ class NumpyAdapter(SimulatedDevices):
             check_nan_guard(spec.health.nan, guard)
             wall = time.perf_counter() - start
             goodput.interval(pending, wall, 0.0)
-            sink.write({"schema": records.SCHEMA_ID, "step": step, "steps_in_interval": pending,
+            sink.write({**dict.fromkeys(records.REQUIRED),  # null: not measured here
+                        "schema": records.SCHEMA_ID, "step": step, "steps_in_interval": pending,
                         "time": time.time(), "loss": loss, "grad_norm": norm, "learning_rate": lr,
                         **records.interval_fields(facts, pending, wall, tokens, tokens_per_step,
                                                   0.0, goodput.summary())})
