@@ -131,7 +131,8 @@ class NumpyAdapter(SimulatedDevices):
                  "n_devices": self.devices, "batch_tokens": tokens_per_step,
                  "hardware_flops_per_step": None, "comm_bytes_by_kind": {},
                  "comm_bytes_by_axis": {}}
-        sink, guard, goodput = self.open_metrics(run_dir / spec.metrics.path), init_nan_guard(), Goodput()
+        sink, guard, goodput = self.open_metrics(run_dir / spec.metrics.path), init_nan_guard(), \
+            Goodput()
         pending, tokens, start = 0, 0.0, time.perf_counter()
         for step in range(1, steps + 1):
             lr = train.learning_rate(spec.optimizer, spec.train.steps, trainer.count)

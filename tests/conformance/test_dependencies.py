@@ -71,7 +71,8 @@ def test_the_torch_path_needs_the_base_dependencies_and_the_torch_extra(tmp_path
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     modules = set(json.loads(done.stdout.strip().splitlines()[-1]))
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {_name(r) for r in [*project["dependencies"], *project["optional-dependencies"]["torch"]]}
+    torch_extra = project["optional-dependencies"]["torch"]
+    declared = {_name(r) for r in [*project["dependencies"], *torch_extra]}
     installs = _closure(declared)
     owners = metadata.packages_distributions()
     third_party = modules - {"trainspec", "numpy_impl"}

@@ -32,7 +32,8 @@ def test_the_do_nothing_implementation_fails():
     rows = _rows(broken_impls.DoNothing())
     for family in ("reference trajectory", "accumulation", "metric records"):
         assert rows[family].failed > 0, family
-    assert rows["reference trajectory"].first_failure == "adamw: step 1: loss 5.5, reference 6.261992"
+    assert (rows["reference trajectory"].first_failure
+            == "adamw: step 1: loss 5.5, reference 6.261992")
     assert "learning_rate 0.001, the core gives 0.003" in rows["metric records"].first_failure
     # what it gets right: the collectives are the core's own reference
     assert not any(rows[op].failed for op in ("all_reduce", "permute", "illegal calls"))
@@ -41,7 +42,8 @@ def test_the_do_nothing_implementation_fails():
 def test_a_wrong_clip_norm_fails_the_trajectories(numpy_rows):
     rows = _rows(broken_impls.WrongClip())
     trajectory = rows["reference trajectory"]
-    assert trajectory.failed == 2 and "of its update away from the reference" in trajectory.first_failure
+    assert trajectory.failed == 2
+    assert "of its update away from the reference" in trajectory.first_failure
     assert rows["accumulation"].failed == numpy_rows["accumulation"].passed
 
 

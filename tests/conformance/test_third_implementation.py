@@ -26,7 +26,8 @@ def test_module_class_runs_the_suite():
     done = _conformance("--impl", "numpy_impl:NumpyAdapter", "--quick")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = _table(done.stdout)
-    assert rows["total"].split()[-1] == "pass" and rows["reference trajectory"].split()[:3] == ["2", "2", "0"]
+    assert rows["total"].split()[-1] == "pass"
+    assert rows["reference trajectory"].split()[:3] == ["2", "2", "0"]
     assert "4 refused by its capability table: fsdp: mesh.axes.*.size" in rows["layout invariance"]
 
 
@@ -51,7 +52,8 @@ def test_a_failing_implementation_exits_1_naming_the_case():
 @pytest.mark.parametrize("impl,message", [
     ("nosuch", "--impl nosuch: not an implementation; one of xla, ext, hierarchical, torch"),
     ("nosuch_module:X", "--impl nosuch_module:X: cannot import 'nosuch_module'"),
-    ("numpy_impl:NoSuchClass", "--impl numpy_impl:NoSuchClass: numpy_impl has no Adapter subclass 'NoSuchClass'"),
+    ("numpy_impl:NoSuchClass",
+     "--impl numpy_impl:NoSuchClass: numpy_impl has no Adapter subclass 'NoSuchClass'"),
     ("numpy_impl:NUMPY", "numpy_impl has no Adapter subclass 'NUMPY'"),
 ])
 def test_a_bad_impl_is_one_line(impl, message):

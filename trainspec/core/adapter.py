@@ -93,7 +93,8 @@ class Adapter(abc.ABC):
 
     # -- the reference job (conformance: trajectories, accumulation, layouts, records) ----------
     @abc.abstractmethod
-    def train_steps(self, spec, params: dict, batches: list[dict]) -> list[tuple[float, float, dict]]:
+    def train_steps(self, spec, params: dict,
+                    batches: list[dict]) -> list[tuple[float, float, dict]]:
         """Steps of the reference transformer under `spec`, a fresh optimizer state starting
         from `params` (the flax parameter tree of NumPy arrays, the layout every implementation
         converts from and to), one step per global batch of `batches` (NumPy

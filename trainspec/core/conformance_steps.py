@@ -96,7 +96,8 @@ def against_reference(steps: list, want: list[dict], start: dict) -> str | None:
         if not _relative(norm, w["grad_norm"]) <= NORM_RTOL:
             return f"step {i}: gradient norm {norm:.7g}, reference {w['grad_norm']:.7g}"
         if ref.leaves(params).keys() != w["digest"].keys():
-            return f"step {i}: parameters {sorted(ref.leaves(params))}, expected {sorted(w['digest'])}"
+            return (f"step {i}: parameters {sorted(ref.leaves(params))}, "
+                    f"expected {sorted(w['digest'])}")
         got = ref.digest(params, start)
         for path, digest in w["digest"].items():
             error = _update_error(got[path], digest)

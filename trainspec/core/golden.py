@@ -10,7 +10,8 @@ those parameters. The numbers come from the float64 NumPy reference
 
     python -m trainspec.core.golden [--new-batches]
 
-(the batches, once recorded, are kept). tests/conformance/test_golden.py checks that the reference still gives the shipped numbers.
+(the batches, once recorded, are kept). tests/conformance/test_golden.py checks that the
+reference still gives the shipped numbers.
 """
 from __future__ import annotations
 
