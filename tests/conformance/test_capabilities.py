@@ -15,7 +15,7 @@ from trainspec.core.errors import UserInputError
 from trainspec.core.spec import MetricsSpec, Spec
 from trainspec.jax.capabilities import JAX
 from trainspec.torch.capabilities import TORCH
-from trainspec.torch.support import check_spec
+from trainspec.torch.support import check_layout, check_run, check_spec
 from tiny import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,14 +78,26 @@ def test_refusing_flags_are_named_as_their_destinations():
 def test_torch_refuses_what_it_does_not_do_in_one_line_naming_the_field(sets, field):
     spec = tiny_spec("checkpoint.interval=0", *sets)
     with pytest.raises(UserInputError) as refused:
-        check_spec(spec, 4)
+        check_run(spec, 4)
     assert str(refused.value).startswith(f"{field}: ") and "\n" not in str(refused.value)
 
 
 def test_torch_runs_what_it_honours():
-    check_spec(tiny_spec("checkpoint.async_save=false", "health.fingerprints.policy=halt",
+    check_run(tiny_spec("checkpoint.async_save=false", "health.fingerprints.policy=halt",
                          "mesh.axes.fsdp.size=2"), 4)
-    check_spec(tiny_spec("checkpoint.interval=0"), 1)  # one rank: no replicas to compare
+    check_run(tiny_spec("checkpoint.interval=0"), 1)  # one rank: no replicas to compare
+
+
+def test_a_step_checks_the_fields_a_step_depends_on():
+    """TorchStep and wrap check the step's fields (check_spec, check_layout); how a run saves
+    or reacts to a mismatch is the run's (check_run)."""
+    spec = tiny_spec("checkpoint.interval=5")
+    check_spec(spec, 4)
+    assert check_layout(spec, 4) == {"data": 4, "fsdp": 1, "tensor": 1}
+    with pytest.raises(UserInputError, match="^checkpoint.async_save: "):
+        check_run(spec, 4)
+    with pytest.raises(UserInputError, match="^remat.policy: 'full' has no torch counterpart"):
+        check_layout(tiny_spec("remat.policy=full"), 4)
 
 
 def test_the_refusal_line_names_the_values():
