@@ -65,8 +65,8 @@ def smaller(argv: list[str]) -> list[str]:
 
 # The conformance table's families (trainspec/core/conformance_runner.py), each a row on rank 0.
 FAMILIES = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute",
-            "special values", "illegal calls", "guarantee levels", "accumulation",
-            "layout invariance", "metric records"}
+            "special values", "illegal calls", "guarantee levels", "capability table",
+            "reference trajectory", "accumulation", "layout invariance", "metric records"}
 
 
 def check_conformance_table(stdout: str) -> None:

@@ -19,7 +19,9 @@ def _blocking(tmp_path, name):
 
 
 def test_torch_training_imports_no_jax(tmp_path):
-    sets = [a for s in [*TINY, "checkpoint.interval=2"] for a in ("--set", s)]
+    spec = [*TINY, "checkpoint.interval=2", "checkpoint.async_save=false",
+            "health.fingerprints.policy=halt"]  # torch saves synchronously, halts on a mismatch
+    sets = [a for s in spec for a in ("--set", s)]
     result = subprocess.run(
         [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch", "--nprocs", "2",
          "--quiet", "--steps", "2", "--run-dir", str(tmp_path / "run"), *sets],

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
-SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=2"]
+# what the torch implementation runs (its capability table): synchronous saves, halt on a
+# replica mismatch
+SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=2",
+        "checkpoint.async_save=false", "health.fingerprints.policy=halt"]
 
 
 def _cmd(run_dir, *extra, nprocs=2, steps=STEPS):

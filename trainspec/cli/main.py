@@ -14,6 +14,9 @@ import sys
 
 from trainspec.core.errors import FfiVersionError, UserInputError
 
+# The frameworks are extras of the package (pyproject.toml): module -> the extra that has it.
+FRAMEWORK_EXTRAS = {**dict.fromkeys(("jax", "jaxlib", "flax", "optax", "orbax"), "jax"),
+                    "torch": "torch"}
 SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling",
                       "conformance", "plan", "doctor")
 
@@ -57,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     except FfiVersionError as err:
         print(f"trainspec: error: {err}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as err:  # a framework this command needs, not installed
+        extra = FRAMEWORK_EXTRAS.get((err.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"trainspec: error: this command needs {err.name}, which is not installed: "
+              f"pip install 'trainspec[{extra}]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `trainspec validate ... | head`: the reader left, nothing to say
         _silence_stdout()
         return 0

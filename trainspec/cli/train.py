@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainspec.cli.devices import ensure_host_devices
 from trainspec.cli.summary import print_summary
-from trainspec.cli.train_spec import announce, silent, spec_to_use
+from trainspec.cli.train_spec import announce, given_flags, silent, spec_to_use
 from trainspec.core.errors import UserInputError
 
 
@@ -124,9 +124,9 @@ def run(args) -> int:
         from trainspec.cli.train_torch import run as run_torch
 
         return run_torch(args)
-    if args.nprocs is not None:
-        raise UserInputError("--nprocs: only with --framework torch (JAX jobs start their "
-                             "processes with `trainspec launch`)")
+    from trainspec.jax.capabilities import JAX
+
+    JAX.check_flags(given_flags(args))
     if args.summary_json is not None and args.summary_json.is_dir():  # found before training,
         raise UserInputError(f"--summary-json {args.summary_json} is a directory; name a file")
     ensure_host_devices(args.host_devices)

@@ -21,6 +21,12 @@ def spec_to_use(args, say) -> Path:
     return saved
 
 
+def given_flags(args) -> dict[str, object]:
+    """The flags with their values, keyed as the capability tables name them
+    ('--exclude-devices': an option whose destination is its own name)."""
+    return {"--" + dest.replace("_", "-"): value for dest, value in vars(args).items()}
+
+
 def announce(line: str) -> None:
     print(f"trainspec: {line}", file=sys.stderr, flush=True)
 

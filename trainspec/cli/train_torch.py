@@ -14,21 +14,13 @@ from trainspec.core.errors import UserInputError
 DEFAULT_CPU_RANKS = 4
 
 
-def _check_flags(args) -> None:
-    if args.host_devices is not None:
-        raise UserInputError("--host-devices: a JAX flag; torch runs one device per rank "
-                             "(set the ranks with --nprocs)")
-    if args.exclude_devices:
-        raise UserInputError("--exclude-devices: the torch implementation cannot leave ranks "
-                             "out of a job; start fewer ranks with --nprocs")
-
-
 def run(args) -> int:
     from trainspec.torch.support import launched, rank_from_env
-    from trainspec.cli.train_spec import announce, silent, spec_to_use
+    from trainspec.torch.capabilities import TORCH
+    from trainspec.cli.train_spec import announce, given_flags, silent, spec_to_use
     from trainspec.core.spec import load_spec
 
-    _check_flags(args)
+    TORCH.check_flags(given_flags(args))
     spec_path = spec_to_use(args, silent if launched() else announce)  # said once, by the launcher
     spec = load_spec(Path(spec_path), args.overrides)
     if not launched():
@@ -58,12 +50,12 @@ def run(args) -> int:
 
 
 def _start_ranks(args, spec) -> int:
-    from trainspec.torch.support import check_spec
+    from trainspec.torch.support import check_run
     from trainspec.core.launch import run as launch
     from trainspec.core.run_files import refuse_foreign_checkpoints
 
     nprocs = args.nprocs or _default_ranks()
-    check_spec(spec, nprocs)  # bad input: one line here, not one per rank
+    check_run(spec, nprocs)  # bad input: one line here, not one per rank
     # The ranks would refuse another framework's checkpoints too, each in its own line.
     refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, "torch")
     argv = list(args.argv)

@@ -15,6 +15,11 @@ An implementation of trainspec (the JAX one in trainspec.jax, or another framewo
   the exceptions a guard raises (`HealthHalt`, `ReplicaMismatch`).
 - `collectives_reference`: float64 references, adjoints and tolerances of the six collectives;
   `conformance`: the layouts and cases every collectives implementation must pass.
+- `capabilities`: the capability table (what an implementation does with every spec field).
+- `reference_model`, `reference_train`: the reference job in NumPy (loss and gradient by hand,
+  initial parameters, schedule, clipping, optimizers); `golden`: the conformance suite's shipped
+  references, computed by them in float64; `conformance_runner`, `conformance_steps`: the suite;
+  `simulated`: devices simulated in one process (a NumPy implementation's, the case counts').
 - `gns`: the gradient noise scale estimator; `advice`, `scaling`: the planner's formulas.
 
 tests/test_core.py imports every module here with framework imports refused; an import-linter

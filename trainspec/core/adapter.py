@@ -14,16 +14,22 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from trainspec.core.capabilities import Capabilities
+
 GUARANTEES = ("deterministic", "nondeterministic")  # docs/spec.md, section 4
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute")
 
 
 class Adapter(abc.ABC):
-    """One implementation of the spec. Subclasses set `name` and `guarantee_levels`."""
+    """One implementation of the spec. Subclasses set `name`, `guarantee_levels` and
+    `capabilities`."""
 
     name: str
     # op -> the guarantee level the implementation declares for it (docs/spec.md, section 4)
     guarantee_levels: dict[str, str]
+    # what it does with every field of the spec (trainspec/core/capabilities.py); the
+    # conformance suite fails each field it does not declare, and counts the cases it refuses
+    capabilities: Capabilities | None = None
 
     # -- devices and processes --------------------------------------------------------------
     @abc.abstractmethod
@@ -85,17 +91,15 @@ class Adapter(abc.ABC):
         """(low, high) 32-bit words of the bytes of the local block `x`, bit-identical to
         trainspec.core.fingerprint.fingerprint_reference of the same bytes."""
 
-    # -- the reference job (conformance: accumulation, layout invariance, records) --------------
+    # -- the reference job (conformance: trajectories, accumulation, layouts, records) ----------
     @abc.abstractmethod
-    def initial_params(self, spec) -> dict:
-        """The reference job's initial parameters as the flax parameter tree of NumPy arrays
-        (the layout every implementation converts from and to)."""
-
-    @abc.abstractmethod
-    def one_step(self, spec, params: dict, batch: dict) -> tuple[float, dict]:
-        """One optimizer step of the reference transformer under `spec`, from `params` (the
-        flax parameter tree as NumPy) on the global `batch` (NumPy): (loss, parameters after,
-        same tree layout, NumPy), identical on every process."""
+    def train_steps(self, spec, params: dict,
+                    batches: list[dict]) -> list[tuple[float, float, dict]]:
+        """Steps of the reference transformer under `spec`, a fresh optimizer state starting
+        from `params` (the flax parameter tree of NumPy arrays, the layout every implementation
+        converts from and to), one step per global batch of `batches` (NumPy
+        {"inputs", "targets", "mask"}). Per step: (loss, gradient norm before clipping,
+        parameters after the step in the same tree layout, NumPy), identical on every process."""
 
     @abc.abstractmethod
     def train_run(self, spec, run_dir, steps: int) -> dict:

@@ -1,4 +1,5 @@
-"""The collectives' conformance cases: layouts, (op, shape, kwargs) cases, inputs, expectations.
+"""The collectives' conformance cases (layouts, (op, shape, kwargs) cases, inputs, expectations)
+and the suite's `Row` of results.
 
 Every implementation of the collectives runs the same cases against the same float64
 references and tolerances (collectives_reference.py). An implementation's runner builds the
@@ -18,6 +19,25 @@ from trainspec.core import collectives_reference as ref
 from trainspec.core import packed
 
 DTYPES = ["float32", "bfloat16", "float16", "float64", "int32"]
+
+
+@dataclasses.dataclass
+class Row:
+    """One family's verdict, a row of the table `trainspec conformance` prints."""
+
+    family: str
+    passed: int = 0
+    failed: int = 0
+    first_failure: str = ""
+    skipped: str = ""  # why the family does not apply to the implementation
+    refused: list[str] = dataclasses.field(default_factory=list)  # cases its table refuses
+
+    def add(self, ok: bool, what: str) -> None:
+        if ok:
+            self.passed += 1
+        else:
+            self.failed += 1
+            self.first_failure = self.first_failure or what
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,68 +13,32 @@ Families (each a row of the table `trainspec conformance --impl NAME` prints):
   implementation offers, every format and block of trainspec.core.conformance, the round trip
   within its stated bound, and the new residual exactly (x + residual) - dequantized; skipped,
   saying so, where the implementation offers none;
-- `accumulation`: one step with the batch in 4 micro-batches equals one step in 1, on ragged
-  masks (where the mean of micro-batch means would not);
-- `layout invariance`: one step under data, fsdp and tensor layouts equals the data layout's;
-- `metric records`: a short `trainspec train` writes records that validate against
-  trainspec/core/metrics.schema.json.
+- `capability table`: the implementation declares every field of the schema
+  (trainspec/core/capabilities.py): an undeclared field fails, named;
+- `reference trajectory`, `accumulation`, `layout invariance`, `metric records`: training
+  steps against the references the suite ships (trainspec/core/conformance_steps.py).
 Framework-free: it calls only the interface (trainspec/core/adapter.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
 from trainspec.core.adapter import GUARANTEES, Adapter
 from trainspec.core import conformance as cases
-from trainspec.core.records import json_schema, read_jsonl
-from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
-from trainspec.core.data import ByteBatches
+from trainspec.core.capabilities import schema_fields
+from trainspec.core.conformance import Row
+from trainspec.core.conformance_steps import records_row, step_rows
+from trainspec.core.golden import ragged_batch  # noqa: F401  (tests build batches with it)
+from trainspec.core.mesh import resolve_mesh
+from trainspec.core.records import SCHEMA_ID
+from trainspec.core.simulated import SimulatedDevices
 
-# The tiny reference job of the step families (seconds on a CPU).
-TINY = ["model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=4",
-        "batch.seq_len=16", "batch.global_batch=32", "metrics.interval=1",
-        "optimizer.warmup_steps=0", "checkpoint.interval=0"]
-STEP_RTOL, STEP_ATOL = 1e-5, 1e-7  # float32 steps whose sums differ in order only
 # `--quick`: a group of all 8 and groups of 3 of 6 devices; a 32-bit float, a 16-bit float
 # (accumulated in float32) and an integer.
 QUICK_LAYOUTS, QUICK_DTYPES = ("grid", "rows3"), ("float32", "bfloat16", "int32")
-# Layouts of one step compared with the data layout (any device count divisible by 4).
-LAYOUTS = {
-    "fsdp": ["mesh.axes.data.size=1", "mesh.axes.fsdp.size=-1"],
-    "data x fsdp": ["mesh.axes.fsdp.size=2"],
-    "data x tensor": ["mesh.axes.tensor.size=2"],
-    "fsdp x tensor": ["mesh.axes.data.size=1", "mesh.axes.fsdp.size=-1", "mesh.axes.tensor.size=2"],
-}
-
-
-@dataclasses.dataclass
-class Row:
-    family: str
-    passed: int = 0
-    failed: int = 0
-    first_failure: str = ""
-    skipped: str = ""  # why the family does not apply to the implementation
-
-    def add(self, ok: bool, what: str) -> None:
-        if ok:
-            self.passed += 1
-        else:
-            self.failed += 1
-            self.first_failure = self.first_failure or what
-
-
-def ragged_batch(data: ByteBatches, step: int) -> dict[str, np.ndarray]:
-    """Batch `step` with a ragged mask: each sequence keeps a random prefix of >= 2 tokens."""
-    batch = data.batch(step)
-    rng = np.random.default_rng([data.seed, step, 1])
-    lengths = rng.integers(2, data.seq_len + 1, data.global_batch)
-    batch["mask"] = (np.arange(data.seq_len) < lengths[:, None]).astype(np.float32)
-    return batch
 
 
 # -- collectives ------------------------------------------------------------------------------
@@ -201,64 +165,67 @@ def _compression_rows(adapter: Adapter) -> list[Row]:
     return [bounds, feedback]
 
 
-# -- the step families --------------------------------------------------------------------------
+# -- the capability table ---------------------------------------------------------------------
 
-def _close(a: dict, b: dict) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    return np.allclose(np.asarray(a), np.asarray(b), rtol=STEP_RTOL, atol=STEP_ATOL)
-
-
-def _step_rows(adapter: Adapter) -> list[Row]:
-    base = load_spec(DEFAULT_SPEC_PATH, TINY + ["batch.micro_batch=32"])
-    params = adapter.initial_params(base)
-    batch = ragged_batch(ByteBatches(base.batch.seq_len, base.batch.global_batch, base.seed), 0)
-    loss, after = adapter.one_step(base, params, batch)
-    accumulation = Row("accumulation")
-    for k in (2, 4):
-        spec = load_spec(base, [f"batch.micro_batch={32 // k}"])
-        loss_k, after_k = adapter.one_step(spec, params, batch)
-        accumulation.add(np.isclose(loss_k, loss, rtol=STEP_RTOL) and _close(after_k, after),
-                         f"{k} micro-batches: loss {loss_k} vs {loss}")
-    layouts = Row("layout invariance")
-    for name, sets in LAYOUTS.items():
-        loss_l, after_l = adapter.one_step(load_spec(base, sets), params, batch)
-        layouts.add(np.isclose(loss_l, loss, rtol=STEP_RTOL) and _close(after_l, after),
-                    f"{name}: loss {loss_l} vs {loss}")
-    return [accumulation, layouts]
-
-
-def _records_row(adapter: Adapter) -> Row:
-    import jsonschema
-
-    row = Row("metric records")
-    spec = load_spec(DEFAULT_SPEC_PATH, TINY)
-    with tempfile.TemporaryDirectory() as tmp:
-        shared = adapter.gather_objects(tmp)[0]  # one directory: process 0's (one host)
-        adapter.train_run(spec, Path(shared), steps=3)
-        if adapter.is_writer():
-            validator = jsonschema.Draft202012Validator(json_schema())
-            for record in read_jsonl(Path(shared) / spec.metrics.path):
-                errors = list(validator.iter_errors(record))
-                row.add(not errors, f"step {record.get('step')}: {errors[0].message if errors else ''}")
-        verdict = adapter.gather_objects(dataclasses.asdict(row))[0]
-    return Row(**verdict)
+def _capability_row(adapter: Adapter) -> Row:
+    row, table = Row("capability table"), getattr(adapter, "capabilities", None)
+    for field in schema_fields():
+        row.add(table is not None and table.declares(field),
+                f"{field}: not declared by {adapter.name}'s capability table")
+    return row
 
 
 def run(adapter: Adapter, quick: bool = False) -> list[Row]:
     """Every family's row; `quick` runs the collectives on QUICK_LAYOUTS and QUICK_DTYPES only."""
     return [*_collective_rows(adapter, quick), _special_row(adapter), _illegal_row(adapter),
-            _guarantee_row(adapter), *_compression_rows(adapter),
-            *_step_rows(adapter), _records_row(adapter)]
+            _guarantee_row(adapter), *_compression_rows(adapter), _capability_row(adapter),
+            *step_rows(adapter), records_row(adapter)]
+
+
+class _Counting(SimulatedDevices):
+    """Stands in for an implementation to count the suite's cases: its declarations (guarantee
+    levels, compressions, capability table), the core's answers and no training."""
+
+    def __init__(self, target: Adapter):
+        self.name, self.capabilities = target.name, target.capabilities
+        self.guarantee_levels, self.compressions = target.guarantee_levels, target.compressions
+
+    def build_mesh(self, spec):
+        return resolve_mesh(spec, self.devices)
+
+    def error_feedback(self, x, residual, compression, block):
+        return x, residual
+
+    def train_steps(self, spec, params, batches):
+        return [(0.0, 0.0, params) for _ in batches]
+
+    def train_run(self, spec, run_dir, steps):
+        sink = self.open_metrics(run_dir / spec.metrics.path)
+        for step in range(1, steps + 1):
+            sink.write({"schema": SCHEMA_ID, "step": step})
+        sink.close()
+        return {}
+
+
+def count_cases(target: Adapter, quick: bool = False) -> list[Row]:
+    """The rows the suite would give `target` on 8 devices, with every case counted as passed:
+    how many cases each family has for it (nothing of it runs)."""
+    rows = run(_Counting(target), quick)
+    return [dataclasses.replace(r, passed=r.passed + r.failed, failed=0, first_failure="")
+            for r in rows]
 
 
 def table(impl: str, rows: list[Row]) -> str:
+    """The verdicts, one line per family; a case the implementation's capability table
+    refuses is not counted, and its first refusal is named."""
     lines = [f"conformance of {impl}", f"{'family':<20} {'cases':>6} {'passed':>7} {'failed':>7}  verdict"]
     for r in rows:
         if r.skipped:
             lines.append(f"{r.family:<20} {'-':>6} {'-':>7} {'-':>7}  skipped: {r.skipped}")
             continue
         verdict = "pass" if not r.failed else f"FAIL: {r.first_failure}"
+        if r.refused:
+            verdict += f"; {len(r.refused)} refused by its capability table: {r.refused[0]}"
         lines.append(f"{r.family:<20} {r.passed + r.failed:>6} {r.passed:>7} {r.failed:>7}  {verdict}")
     total = sum(r.passed + r.failed for r in rows)
     failed = sum(r.failed for r in rows)

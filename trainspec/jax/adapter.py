@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from trainspec.jax import collectives
 from trainspec.core.adapter import OPS, Adapter
+from trainspec.jax.capabilities import JAX
 from trainspec.jax.collectives.api import GUARANTEE_LEVELS
 from trainspec.core.errors import UserInputError
 
@@ -50,6 +51,8 @@ def _error_feedback(backend: str, compression: str, block: int):
 
 
 class JaxAdapter(Adapter):
+    capabilities = JAX
+
     def __init__(self, backend: str = "xla"):
         self.name = self.backend = backend
         self.guarantee_levels = dict.fromkeys(OPS, GUARANTEE_LEVELS[backend])
@@ -111,19 +114,18 @@ class JaxAdapter(Adapter):
                                  "one process (its devices are the mesh)")
         return [obj]
 
-    def one_step(self, spec, params, batch):
+    def train_steps(self, spec, params, batches):
         from trainspec.jax.train import build_job
 
         job = build_job(spec)
-        placed = jax.device_put(params, job.step.state_shardings.params)
-        state, metrics = job.step(job.state.replace(params=placed), batch)
-        return float(metrics["loss"]), jax.device_get(state.params)
-
-    def initial_params(self, spec) -> dict:
-        """The reference job's initial parameters (the flax tree, NumPy)."""
-        from trainspec.jax.train import build_job
-
-        return jax.device_get(build_job(spec).state.params)
+        state = job.state.replace(params=jax.device_put(params, job.step.state_shardings.params))
+        steps = []
+        for batch in batches:
+            state, metrics = job.step(state, batch)
+            metrics = job.step.host_metrics(metrics)
+            steps.append((float(metrics["loss"]), float(metrics["grad_norm"]),
+                          jax.device_get(state.params)))
+        return steps
 
     def train_run(self, spec, run_dir, steps):
         from trainspec.jax.train import run

@@ -22,7 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trainspec.jax import init_checks, layout
 from trainspec.jax.batching import BatchPlacement
+from trainspec.jax.capabilities import JAX
 from trainspec.jax.collectives import compression, replica_reduce
+from trainspec.core.capabilities import Request
 from trainspec.core.errors import UserInputError
 from trainspec.core.mesh import check_batch, resolve_mesh
 from trainspec.core.spec import Spec
@@ -73,25 +75,17 @@ class WrappedStep:
                 "trainspec.jax.loss_step(loss_fn); this step's loss cannot be accumulated "
                 f"(set batch.micro_batch = {spec.batch.global_batch} to wrap it as it is)"
             )
-        # The ext custom calls hold their device threads until every member arrives; beside
-        # XLA's own collectives inside a replica (fsdp/tensor) the CPU runtime was seen to
-        # deadlock and abort after 40 s (docs/collectives.md). Refuse rather than hang.
-        split = [a for a in self.mesh.axis_names
-                 if a not in self.data_axes and self.mesh.shape[a] > 1]
-        if spec.collectives.backend == "ext" and split:
-            raise UserInputError(
-                f"collectives.backend: ext needs every mesh axis but the data axes to be 1, got "
-                f"{', '.join(f'{a}={self.mesh.shape[a]}' for a in split)}: its blocking custom "
-                "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"")
+        # What the spec asks that this implementation cannot run (its capability table): e.g.
+        # the ext custom calls beside XLA's collectives inside a replica, which the CPU runtime
+        # was seen to deadlock on (docs/collectives.md). Refused rather than hung.
+        JAX.check(Request(spec, {a: int(n) for a, n in self.mesh.shape.items()}))
         # collectives.compression: each replica's residual rides in the state (error feedback)
         self.compressed = spec.collectives.compression != "none" and bool(self.data_axes)
         self.error_feedback = self.compressed and spec.collectives.error_feedback
-        if self.compressed and (spec.collectives.backend not in ("xla", "ext")
-                                or not isinstance(step_fn, LossStep)):
+        if self.compressed and not isinstance(step_fn, LossStep):
             raise UserInputError(
-                f"collectives.compression: {spec.collectives.compression} needs "
-                "collectives.backend = \"xla\" or \"ext\" and a step built with "
-                "trainspec.jax.loss_step(loss_fn)")
+                f"collectives.compression: {spec.collectives.compression} needs a step built "
+                "with trainspec.jax.loss_step(loss_fn)")
         # metrics.gns: where the small batch comes from, or why nothing is measured
         self.gns_source, self.gns_note = gns.resolve(
             spec.metrics.gns, self.replicas, k, isinstance(step_fn, (LossStep, GradStep)))

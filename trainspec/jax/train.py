@@ -50,7 +50,7 @@ def make_schedule(spec: Spec, total_steps: int) -> optax.Schedule:
     """Learning rate by update count: linear warm-up from 0, cosine decay to a tenth."""
     o = spec.optimizer
     return optax.warmup_cosine_decay_schedule(
-        0.0, o.learning_rate, max(1, min(o.warmup_steps, total_steps - 1)), max(total_steps, 2),
+        0.0, o.learning_rate, min(o.warmup_steps, total_steps - 1), max(total_steps, 2),
         end_value=o.learning_rate * 0.1,
     )
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from trainspec.torch import collectives
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.torch.collectives import Group
+from trainspec.torch.capabilities import TORCH
 from trainspec.torch.support import env_int
 from trainspec.core.collectives_reference import to_groups
 from trainspec.core.fingerprint import fingerprint_reference
@@ -37,6 +38,7 @@ class TorchAdapter(Adapter):
     # gloo and NCCL choose their reduction algorithms (ring, tree, ...) themselves and document
     # no fixed order, so no bitwise promise can be made (docs/adapters.md).
     guarantee_levels = dict.fromkeys(OPS, "nondeterministic")
+    capabilities = TORCH
 
     def __init__(self, timeout_s: float = 120.0):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,25 +133,21 @@ class TorchAdapter(Adapter):
         return every
 
     # -- the reference job ----------------------------------------------------------------------
-    def initial_params(self, spec) -> dict:
-        from trainspec.torch.model import Transformer, to_flax
-
-        model = Transformer(spec.model)
-        model.init_weights(spec.seed)
-        return to_flax(model, model.state_dict())
-
-    def one_step(self, spec, params, batch):
+    def train_steps(self, spec, params, batches):
         from trainspec.torch.model import Transformer, from_flax, to_flax
         from trainspec.torch.step import TorchStep
 
         step = TorchStep(spec, self.build_mesh(spec), spec.train.steps, self.device,
                          from_flax(Transformer(spec.model), params))
-        loss = step({key: v[step.rows()] for key, v in batch.items()})["loss"]
         # gathering a 2-D sharded parameter is two collectives; torch warns each time
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        whole = {name: p.full_tensor() if isinstance(p, DTensor) else p
-                 for name, p in step.model.named_parameters()}
-        return loss, to_flax(step.model, whole)
+        steps = []
+        for batch in batches:
+            metrics = step({key: v[step.rows()] for key, v in batch.items()})
+            whole = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+                     for name, p in step.model.named_parameters()}
+            steps.append((metrics["loss"], metrics["grad_norm"], to_flax(step.model, whole)))
+        return steps
 
     def train_run(self, spec, run_dir, steps):
         from trainspec.torch.train import run

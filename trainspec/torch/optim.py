@@ -12,7 +12,7 @@ from trainspec.core.spec import OptimizerSpec
 def learning_rate(o: OptimizerSpec, total_steps: int, count: int) -> float:
     """The learning rate of update number `count` (0-based): linear warm-up from 0, then cosine
     decay to a tenth, exactly the schedule trainspec.jax.train.make_optimizer builds with optax."""
-    warmup = max(1, min(o.warmup_steps, total_steps - 1))
+    warmup = min(o.warmup_steps, total_steps - 1)
     decay = max(total_steps, 2)
     if count < warmup:
         return o.learning_rate * count / warmup

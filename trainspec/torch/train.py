@@ -22,6 +22,7 @@ import torch.distributed as dist
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.step import TorchStep, learning_rate, local_block
+from trainspec.torch.support import check_run
 from trainspec.core import flops, records
 from trainspec.core.goodput import Goodput
 from trainspec.core.health import (
@@ -272,6 +273,7 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
     try:
+        check_run(spec, adapter.process_count)  # every field, whoever started the ranks
         session = TorchSession(spec, run_dir, steps or spec.train.steps, adapter, progress,
                                announce)
         if session.writer:

@@ -1,0 +1,75 @@
+"""What the JAX implementation does with every field of the spec and every flag of
+`trainspec train` (the capability table, trainspec/core/capabilities.py; docs/adapters.md).
+The reference implementation: it honours every field and refuses only combinations it cannot
+run. Every field is listed by name, so that a new one is declared, not assumed. Framework-free,
+like every table."""
+from __future__ import annotations
+
+from trainspec.core.capabilities import Capabilities, Refusal, honoured, refused
+
+def _split_beside_data(r) -> list[str]:
+    return [a for a in r.sizes if r.spec.mesh.role_of(a) != "data" and r.sizes[a] > 1]
+
+
+EXT_BESIDE_XLA = Refusal(
+    "ext, when a non-data axis is split",
+    lambda backend, r: backend == "ext" and bool(_split_beside_data(r)),
+    "ext needs every mesh axis but the data axes to be 1, got {axes}: its blocking custom "
+    "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"",
+    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in _split_beside_data(r))})
+COMPRESSION_ON_HIERARCHICAL = Refusal(
+    "unless none, with the hierarchical backend",
+    lambda compression, r: compression != "none" and r.spec.collectives.backend == "hierarchical",
+    "{value} needs collectives.backend = \"xla\" or \"ext\" (the hierarchical backend "
+    "reduces float32)")
+
+
+def _reference(*fields: str) -> list:
+    return [(f, honoured()) for f in fields]
+
+
+JAX = Capabilities("jax", dict([
+    *_reference("spec_version", "seed", "mesh.axes.*.role"),
+    ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major")),
+    ("mesh.axes.*.dcn", honoured("process blocks of the hybrid mesh (trainspec.core.mesh); "
+                                 "with the hierarchical backend a data axis lies all within or "
+                                 "all across processes")),
+    ("mesh.exclude_devices", honoured("the mesh shrinks to the largest that fits the rest")),
+    ("layout.rules", honoured("flax logical axis rules over the role defaults")),
+    *_reference("layout.optimizer_state", "precision.param", "precision.compute",
+                "precision.grad_reduce", "batch.global_batch"),
+    ("batch.micro_batch", honoured("with loss_step: token-weighted accumulation")),
+    *_reference("batch.seq_len"),
+    ("remat.policy", honoured("jax.checkpoint policies per block")),
+    ("collectives.backend", honoured("xla, ext (the xla_ext custom calls) or hierarchical",
+                                     EXT_BESIDE_XLA)),
+    *_reference("collectives.timeout_s"),
+    ("collectives.compression", honoured("bf16 or int8 on the data axes, with loss_step",
+                                         COMPRESSION_ON_HIERARCHICAL)),
+    *_reference("collectives.error_feedback", "collectives.compression_block", "metrics.sink",
+                "metrics.path", "metrics.interval", "metrics.flops_convention",
+                "metrics.peak_flops_per_device"),
+    ("metrics.tensorboard", honoured("tensorboardX, else torch's writer")),
+    ("metrics.gns", honoured("from replicas or micro-batches; true where neither exists fails "
+                             "naming the field")),
+    *_reference("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
+                "model.d_ff", "optimizer.name", "optimizer.learning_rate",
+                "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip_norm",
+                "train.steps", "checkpoint.interval", "checkpoint.keep"),
+    ("checkpoint.async_save", honoured("orbax writes in the background")),
+    *_reference("checkpoint.dir"),
+    ("health.preflight", honoured("trainspec doctor's checks; failing devices excluded")),
+    *_reference("health.nan.policy", "health.nan.max_consecutive_skips",
+                "health.fingerprints.interval"),
+    ("health.fingerprints.policy", honoured("halt, or rollback on the remaining devices")),
+    *_reference("health.stragglers.window", "health.stragglers.k",
+                "health.stragglers.min_excess"),
+    *((f"semi_sync.{name}", honoured("DiLoCo, through trainspec.jax.wrap"))
+      for name in ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum")),
+    # the flags of `trainspec train`
+    *_reference("--spec", "--steps", "--run-dir", "--set", "--summary-json", "--host-devices",
+                "--exclude-devices", "--restart", "--quiet", "--framework"),
+    ("--nprocs", refused("when given", lambda v: v is not None,
+                         "only with --framework torch (JAX jobs start their processes with "
+                         "`trainspec launch`)")),
+]))

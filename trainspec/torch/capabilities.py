@@ -1,0 +1,145 @@
+"""What the torch implementation does with every field of the spec and every flag of
+`trainspec train` (the capability table, trainspec/core/capabilities.py; docs/adapters.md).
+Framework-free, so that a spec is refused in one line before any rank starts."""
+from __future__ import annotations
+
+from trainspec.core.capabilities import (
+    Capabilities, Refusal, honoured, refusal, refused, refused_section)
+
+REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
+QUALIFIES_COMPRESSION = "no effect without a compression (refused), as on every implementation"
+
+
+def _one_split_axis(role: str) -> Refusal:
+    return Refusal(f"when more than one {role} axis is split",
+                   lambda value, r: len(r.split(role)) > 1,
+                   f"the torch implementation splits at most one {role} axis, got {{axes}}",
+                   lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in r.split(role))})
+
+
+def _tensor_axis(r) -> tuple[str, int]:
+    axes = r.split("tensor")
+    return (axes[0], r.sizes[axes[0]]) if axes else ("", 1)
+
+
+TENSOR_DIVIDES = Refusal(
+    "when the tensor axis does not divide it", lambda value, r: value % _tensor_axis(r)[1] != 0,
+    "{value} is not divisible by the {size} ranks of tensor axis '{axis}'",
+    lambda r: dict(zip(("axis", "size"), _tensor_axis(r))))
+
+
+TORCH = Capabilities("torch", dict([
+    ("spec_version", honoured("validated by the core")),
+    ("seed", honoured("seeds the initialisation (torch's generator: the same distributions "
+                      "as JAX's, other numbers) and the data order (the core's ByteBatches)")),
+    ("mesh.axes.*.role", honoured("data: gradients all-reduced over the data group; fsdp: "
+                                  "FSDP2 fully_shard; tensor: DTensor column/row-wise plans")),
+    ("mesh.axes.*.size", honoured("init_device_mesh with the spec's names, sizes and row-major "
+                                  "order, one rank per device",
+                                  _one_split_axis("fsdp"), _one_split_axis("tensor"))),
+    ("mesh.axes.*.dcn", refused(
+        "unless 1", lambda dcn: any(d != 1 for d in dcn),
+        "the torch implementation lays its ranks out row-major (init_device_mesh) and applies "
+        "no cross-host factor; leave dcn = 1")),
+    ("mesh.exclude_devices", refused(
+        "unless empty", bool,
+        "the torch implementation runs one device per rank and cannot leave ranks out of a "
+        "started job; start fewer ranks instead")),
+    ("layout.rules", refused(
+        "unless empty", bool,
+        "the torch implementation lays out a model by module names, not logical axes "
+        "(trainspec.torch.wrap's fsdp_units and tensor_plan; docs/adapters.md); remove the "
+        "rules")),
+    ("layout.optimizer_state", refused(
+        "unless like_params", lambda v: v != "like_params",
+        "the torch implementation keeps optimizer state like its parameter (FSDP2 shards "
+        "both); use like_params")),
+    ("precision.param", honoured("the parameters' storage dtype")),
+    ("precision.compute", honoured("every matmul's operands cast to it")),
+    ("precision.grad_reduce", honoured("the dtype of the gradient all-reduce (FSDP2 "
+                                       "reduce_dtype)")),
+    ("batch.global_batch", honoured("split over the data and fsdp axes, row-major")),
+    ("batch.micro_batch", honoured("token-weighted accumulation: loss sums, divided once by "
+                                   "the valid tokens of the whole batch")),
+    ("batch.seq_len", honoured()),
+    ("remat.policy", refused(
+        "unless none", lambda v: v != "none",
+        "{value!r} has no torch counterpart here (it names jax checkpoint policies); use none")),
+    ("collectives.backend", refused(
+        "unless xla", lambda v: v != "xla",
+        "{value!r} is a JAX backend; the torch implementation reduces through "
+        "torch.distributed (leave the default)")),
+    ("collectives.timeout_s", honoured("the process groups' timeout")),
+    ("collectives.compression", refused(
+        "unless none", lambda v: v != "none",
+        "{value!r} is not implemented by the torch implementation (its gradients are reduced "
+        "in float32; docs/adapters.md); use none")),
+    ("collectives.error_feedback", honoured(QUALIFIES_COMPRESSION)),
+    ("collectives.compression_block", honoured(QUALIFIES_COMPRESSION)),
+    ("metrics.sink", honoured("the core's JSONL writer, on rank 0")),
+    ("metrics.path", honoured()),
+    ("metrics.interval", honoured()),
+    ("metrics.flops_convention", honoured()),
+    ("metrics.peak_flops_per_device", honoured()),
+    ("metrics.tensorboard", refused(
+        "when true", bool, "the torch implementation writes no TensorBoard scalars yet "
+        "(metrics.jsonl only); set false")),
+    ("metrics.gns", honoured(
+        "absent: not measured, the summary says why (gns_not_measured)",
+        refusal("when true", bool, "the torch implementation does not measure the gradient "
+                "noise scale (its records leave the gns fields null)"))),
+    ("model.vocab_size", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
+    ("model.d_model", honoured(REFERENCE_MODEL)),
+    ("model.n_layers", honoured(REFERENCE_MODEL)),
+    ("model.n_heads", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
+    ("model.d_ff", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
+    *((f"optimizer.{name}", honoured("torch.optim.AdamW or SGD, stepped as optax's"))
+      for name in ("name", "learning_rate", "warmup_steps", "weight_decay", "grad_clip_norm")),
+    ("train.steps", honoured()),
+    ("checkpoint.interval", honoured("torch.distributed.checkpoint (DCP), resharded on load")),
+    ("checkpoint.keep", honoured()),
+    ("checkpoint.dir", honoured()),
+    ("checkpoint.async_save", honoured(
+        "false: training waits for each save",
+        Refusal("when true and checkpoints are written",
+                lambda value, r: value and r.spec.checkpoint.interval > 0,
+                "the torch implementation saves synchronously; set "
+                "checkpoint.async_save = false"))),
+    ("health.preflight", refused(
+        "when true", bool, "the torch implementation runs no per-device preflight checks; "
+        "run `trainspec doctor` before the job, or set false")),
+    ("health.nan.policy", honoured("the core's state machine, per step")),
+    ("health.nan.max_consecutive_skips", honoured("the core's state machine, per step")),
+    ("health.fingerprints.interval", honoured("every rank fingerprints its blocks; the core "
+                                              "votes over the data group")),
+    ("health.fingerprints.policy", honoured(
+        "halt",
+        Refusal("rollback, when fingerprints are compared (interval > 0, data replicas)",
+                lambda value, r: value == "rollback" and r.spec.health.fingerprints.interval > 0
+                and bool(r.split("data")),
+                "rollback leaves the diverged ranks out, which a running torch job cannot "
+                "do; set halt (a restart on the healthy ranks resumes from the last "
+                "checkpoint)"))),
+    *((f"health.stragglers.{name}", honoured("the core's rule over every rank's step times"))
+      for name in ("window", "k", "min_excess")),
+    ("semi_sync", refused_section("the torch implementation trains synchronously only; "
+                                  "remove the [semi_sync] table")),
+    # the flags of `trainspec train`
+    ("--spec", honoured()),
+    ("--steps", honoured()),
+    ("--run-dir", honoured()),
+    ("--set", honoured()),
+    ("--summary-json", honoured()),
+    ("--quiet", honoured()),
+    ("--framework", honoured("torch")),
+    ("--nprocs", honoured("the ranks to start (default 4 on CPU, one per GPU)")),
+    ("--host-devices", refused(
+        "when given", lambda v: v is not None,
+        "a JAX flag; torch runs one device per rank (set the ranks with --nprocs)")),
+    ("--exclude-devices", refused(
+        "when given", bool, "the torch implementation cannot leave ranks out of a job; start "
+        "fewer ranks with --nprocs")),
+    ("--restart", refused(
+        "when given", bool, "the torch implementation resumes from the newest checkpoint; "
+        "move the checkpoints aside yourself, or give another --run-dir")),
+]))
