@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.peak import peak_flops
 from trainspec.torch.step import TorchStep, learning_rate, local_block
 from trainspec.torch.support import check_run
 from trainspec.core import flops, records
@@ -91,9 +92,9 @@ class TorchSession:
     def _static_fields(self) -> dict[str, Any]:
         spec = self.spec
         model = TransformerFlops(spec.model, spec.batch.seq_len, spec.remat.policy)
-        kind = torch.cuda.get_device_name() if self.adapter.device_type == "cuda" else "cpu"
-        local_ranks = int(dist.get_world_size()) if kind == "cpu" else 1  # ranks share the CPU
-        peak = flops.peak_flops(spec, kind, local_ranks)
+        cpu = self.adapter.device_type == "cpu"
+        local_ranks = int(dist.get_world_size()) if cpu else 1  # ranks share the CPU
+        peak = peak_flops(spec, self.adapter.device_type, local_ranks)
         convention = spec.metrics.flops_convention
         return {
             "model_flops_per_step": model.model_per_token(convention) * flops.tokens_per_step(spec),
