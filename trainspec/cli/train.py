@@ -144,7 +144,7 @@ def run(args) -> int:
     from trainspec.jax.health.exclusion import exclude
     from trainspec.jax.health.faults import Faults
     from trainspec.jax.checkpoint import CheckpointSaveError
-    from trainspec.jax.preemption import Preempted
+    from trainspec.core.loop import Preempted
 
     spec = load_spec(Path(spec_path), args.overrides)
     check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)

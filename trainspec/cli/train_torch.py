@@ -28,13 +28,16 @@ def run(args) -> int:
     if args.nprocs is not None:
         raise UserInputError("--nprocs: this process is already one rank of a job")
     from trainspec.torch.train import run as train
+    from trainspec.core.faults import Faults
     from trainspec.core.health import HealthHalt
+    from trainspec.core.loop import Preempted
     from trainspec.core.run_files import AlreadyTrained
 
     try:
         summary = train(spec, args.run_dir, steps=args.steps, spec_label=str(spec_path),
                         progress=not args.quiet, summary_json=args.summary_json,
-                        announce=announce)
+                        announce=announce, restart=args.restart,
+                        faults=Faults.from_env())  # nothing unless TRAINSPEC_FAULTS is set (tests)
     except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
         if rank_from_env() == 0:
             announce(str(done))
@@ -42,6 +45,10 @@ def run(args) -> int:
     except HealthHalt as halt:
         print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3
+    except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
+        if rank_from_env() == 0:
+            print(f"trainspec: stopped: {stop}", file=sys.stderr)
+        return stop.exit_status
     if rank_from_env() == 0:
         from trainspec.cli.summary import print_summary
 

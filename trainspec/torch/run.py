@@ -1,0 +1,254 @@
+"""A torch step in the run loop (trainspec.core.loop): `TorchRunStep` and `TorchRunCheckpointer`,
+the core's protocols over a step of this implementation, and `Run`, the run services for a
+user's own loop on torch:
+
+    with trainspec.torch.run.Run(spec, "runs/mine", step, steps=100) as run:
+        state = run.resume()                      # newest checkpoint loaded into the step, or as built
+        for batch in run.batches(batch_at):       # batch_at(i): this rank's rows of batch i
+            state, metrics = run.step(state, batch)
+            state = run.after_step(state, metrics)
+    print(run.summary())
+
+`step` is a torch step of one rank: `step(rows, apply)` runs one optimizer step on this rank's
+rows and asks `apply(finite)` whether to keep the update (the run's non-finite guard); it has
+`model`, `optimizer`, `params`, `mesh`, `data_group`, `updates` (applied updates) and `rows()`
+(trainspec.torch.step.TorchStep). PyTorch runs eagerly: metrics are host numbers when the step
+returns, and nothing is compiled (`compile_time_s` is null).
+"""
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainspec.core import flops
+from trainspec.core import run as core_run
+from trainspec.core.health import (
+    ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step,
+    odd_copies)
+from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.peak import peak_flops
+from trainspec.torch.step import local_block
+
+# Record fields that PyTorch's eager execution does not measure (no compiled program to
+# analyse): null, as the record format prescribes for an unknown value.
+NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile_time_s",
+                "memory_peak_bytes", "memory_argument_bytes", "memory_output_bytes",
+                "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
+                "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
+                "comm_bus_bytes_per_step", "gns_source")
+GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise scale"
+
+
+class TorchRunStep:
+    """trainspec.core.loop.Step over a torch `step` of this rank (see the module docstring);
+    the state is the step itself. `schedule(updates)`: the learning rate the records carry;
+    `model_flops`: the model's analytic FLOPs (MFU is null without them)."""
+
+    framework = "torch"
+    gns_note = GNS_NOT_MEASURED
+    local_signals = True  # every rank catches them; `stop_signal` agrees on one
+
+    def __init__(self, step, adapter: TorchAdapter, schedule=None,
+                 model_flops: flops.ModelFlops | None = None):
+        self.job, self.adapter, self.schedule, self.model_flops = step, adapter, schedule, model_flops
+        self.spec = step.spec
+        mesh = step.mesh
+        self.mesh_shape = {name: int(mesh.size(i)) for i, name in enumerate(mesh.mesh_dim_names)}
+        self.process_index, self.is_writer = adapter.process_index, adapter.is_writer()
+        self.participants = [f"rank {r}" for r in range(adapter.process_count)]
+        self.guard = init_nan_guard()
+
+    def __call__(self, state, batch):
+        return state, state(batch, apply=self._take)
+
+    def _take(self, finite: bool) -> bool:
+        """The core's non-finite state machine: whether this step's update is applied."""
+        self.guard, take = nan_guard_step(self.spec.health.nan, self.guard, np.bool_(finite))
+        return bool(take)
+
+    # -- records ---------------------------------------------------------------------------
+    def facts(self, state, batch) -> dict[str, Any]:
+        spec, tokens = self.spec, flops.tokens_per_step(self.spec)
+        local_ranks = self.adapter.process_count if self.adapter.device_type == "cpu" else 1
+        peak = peak_flops(spec, self.adapter.device_type, local_ranks)
+        convention = spec.metrics.flops_convention
+        model = self.model_flops
+        return {
+            "model_flops_per_step": model and model.model_per_token(convention) * tokens,
+            "flops_convention": convention if model else None,
+            "peak_flops_per_device": peak.flops_per_device,
+            "peak_flops_source": peak.source,
+            "n_devices": self.adapter.process_count,
+            "batch_tokens": tokens,
+            **dict.fromkeys(NOT_MEASURED),
+            "comm_bytes_by_kind": {},
+            "comm_bytes_by_axis": {},
+        }
+
+    @staticmethod
+    def per_record() -> dict:
+        return {}
+
+    @staticmethod
+    def to_host(tree):
+        return tree
+
+    @staticmethod
+    def combine_metrics(metrics: dict) -> dict:
+        return metrics
+
+    def learning_rate(self, updates: int) -> float | None:
+        return None if self.schedule is None else self.schedule(updates)
+
+    @staticmethod
+    def summary_fields() -> dict:
+        return {}
+
+    # -- health ----------------------------------------------------------------------------
+    def reset_guard(self, step: int, skipped: int, consecutive: int) -> None:
+        self.guard = init_nan_guard(step, skipped, consecutive)
+
+    def check_nonfinite(self) -> int:
+        return check_nan_guard(self.spec.health.nan, self.guard)
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        return nan_guard_counts(self.guard)
+
+    def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
+        """Fingerprint every parameter's local block; the copies across the data group must
+        agree (the core's majority vote names the odd ones). torch cannot leave ranks out of
+        a running job, so a mismatch halts under either policy (docs/adapters.md): a restart
+        with the healthy ranks resumes from the last checkpoint."""
+        group = state.data_group
+        if group is None:
+            return
+        mine = [self.adapter.fingerprint(local_block(p.detach())) for p in state.params]
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        for i, (name, _) in enumerate(state.model.named_parameters()):
+            odd = odd_copies([struct.pack("<II", *copies[i]) for copies in every])
+            if odd:
+                raise ReplicaMismatch(
+                    f"replica fingerprints differ after step {step}: {name} on ranks "
+                    f"{[ranks[j] for j in odd]} (health.fingerprints.policy = "
+                    f"{self.spec.health.fingerprints.policy}; torch halts, a restart on the "
+                    "healthy ranks resumes from the last checkpoint)",
+                    last_good_step or 0, [ranks[j] for j in odd])
+
+    def corrupt(self, state, target: int):
+        """Bit 20 of the first element of rank `target`'s copy of the first parameter."""
+        if target == self.process_index:
+            with torch.no_grad():
+                first = local_block(state.params[0]).view(-1)[:1]
+                first.view(torch.int32).bitwise_xor_(1 << 20)
+        return state
+
+    @staticmethod
+    def finish(state) -> None:
+        """Eager: every step is done when it returns."""
+
+    # -- processes ---------------------------------------------------------------------------
+    def gather_times(self, local: np.ndarray) -> np.ndarray:
+        mine = torch.from_numpy(np.asarray(local, dtype=np.float64))
+        every = [torch.empty_like(mine) for _ in self.participants]
+        dist.all_gather(every, mine)
+        return torch.stack(every).numpy()
+
+    def stop_signal(self, step: int, received: int | None) -> int | None:
+        """The largest signal number any rank caught (one all-reduce of one integer)."""
+        if len(self.participants) == 1:
+            return received
+        flag = torch.tensor([received or 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) or None
+
+
+class TorchRunCheckpointer:
+    """trainspec.core.loop.Checkpointer over TorchCheckpointer (DCP): the state is a torch
+    step; its applied-update count and skipped steps travel in the checkpoint's meta."""
+
+    def __init__(self, spec, run_dir: Path, writer: bool):
+        self.dcp = TorchCheckpointer(spec, Path(run_dir), writer)
+        self.directory, self.writer = self.dcp.directory, writer
+
+    @property
+    def last_saved(self) -> int | None:
+        return self.dcp.last_saved
+
+    @property
+    def enabled(self) -> bool:
+        return self.dcp.interval > 0
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.dcp.due(step, last_step)
+
+    def save(self, step: int, state, total_steps: int, health: dict) -> None:
+        mesh = state.mesh
+        self.dcp.save(step, state.model, state.optimizer, total_steps, state.updates,
+                      health["skipped_steps"],
+                      {name: int(mesh.size(i)) for i, name in enumerate(mesh.mesh_dim_names)})
+
+    def wait(self) -> None:
+        """Saves are synchronous."""
+
+    def restore_latest(self, target) -> tuple[Any, dict | None]:
+        meta = self.dcp.restore_latest(target.model, target.optimizer)
+        if meta is None:
+            return None, None
+        target.updates = meta["updates"]
+        return target, {**meta, "health": {"skipped_steps": meta["skipped_steps"]}}
+
+    def saved_total_steps(self) -> int | None:
+        return self.dcp.saved_total_steps()
+
+    def set_aside(self) -> list[Path]:
+        """Move every checkpoint into `<dir>-quarantine/` (rank 0; the others wait)."""
+        quarantine = self.directory.with_name(self.directory.name + "-quarantine")
+        moved = []
+        for step in self.dcp.steps():
+            target = quarantine / str(step)
+            suffix = 1
+            while target.exists():
+                target, suffix = quarantine / f"{step}.{suffix}", suffix + 1
+            if self.writer:
+                quarantine.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(self.directory / str(step)), target)
+            moved.append(target)
+        dist.barrier()
+        return moved
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Nothing is held between saves."""
+
+
+class Run(core_run.Run):
+    """The run services (trainspec.core.run.Run) for a user's own loop around `step`, a torch
+    step of this rank (see the module docstring), in a job the `adapter` has joined: DCP
+    checkpoints in `run_dir`, the spec's metrics sinks, progress, summary. `steps` defaults to
+    `train.steps`; `schedule(updates)` and `model_flops` fill the records' learning rate and
+    MFU. Other options as trainspec.core.run.Run."""
+
+    def __init__(self, spec, run_dir, step, steps: int | None = None, *,
+                 adapter: TorchAdapter | None = None, schedule=None,
+                 model_flops: flops.ModelFlops | None = None, **options):
+        adapter = adapter or TorchAdapter(spec.collectives.timeout_s)
+        super().__init__(spec, run_dir, TorchRunCheckpointer(spec, run_dir, adapter.is_writer()),
+                         steps or spec.train.steps, **options)
+        self.torch_step = TorchRunStep(step, adapter, schedule, model_flops)
+
+    def resume(self):
+        """The step, with the newest checkpoint loaded into it (resharded onto its layout), or
+        as it was built when there is none."""
+        step = self.torch_step.job
+        return self._restore(self.torch_step, step, lambda: step)
