@@ -1,6 +1,7 @@
 """The reference implementation of trainspec on JAX/XLA.
 
-The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`, `grad_step`.
+The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`, `grad_step`, and
+`Run` (the run services of `trainspec train` for your own loop).
 They are imported on first use, so that importing a framework-free module below this package
 (the compiled `_xla_ext` registration, say) does not build the whole implementation.
 """
@@ -15,6 +16,7 @@ _ENTRY_POINTS = {
     "loss_step": "trainspec.jax.step_forms",
     "grad_step": "trainspec.jax.step_forms",
     "wrap": "trainspec.jax.semi_sync",  # a WrappedStep, or a SemiSyncStep under `[semi_sync]`
+    "Run": "trainspec.jax.run",
 }
 
 __all__ = ["Spec", "UserInputError", "default_spec", "load_spec", *_ENTRY_POINTS]

@@ -23,6 +23,7 @@ from trainspec.core.run import Run
 from trainspec.core.run_files import refuse_foreign_checkpoints, write_json_atomically
 from trainspec.core.spec import Spec
 from trainspec.core.transformer_flops import for_spec as model_flops
+from trainspec.core.user_model import UserModel
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.distributed import is_writer
 from trainspec.jax.feed import local_rows
@@ -131,6 +132,17 @@ def reference_job(spec: Spec, total_steps: int):
     return step, job.abstract_state, job.init_state, lambda index: job.data.batch(index, rows)
 
 
+def user_job(spec: Spec, model: UserModel):
+    """A user's model and data (`trainspec train --model`) as the run loop takes them, its
+    loss wrapped as `loss_step`, on the largest mesh the spec allows."""
+    step = wrap(loss_step(model.loss), spec, largest_mesh(spec))
+    rng = jax.random.key(spec.seed)
+    rows = local_rows(step)
+    return (JaxStep(step, model.model_flops(spec), model.schedule),
+            abstract_state(step, model.init, rng), lambda: step.init(model.init, rng),
+            lambda index: {name: x[rows] for name, x in model.batches(index).items()})
+
+
 def run(
     spec: Spec,
     run_dir: Path,
@@ -141,6 +153,7 @@ def run(
     faults: Faults | None = None,
     restart: bool = False,
     announce=None,
+    model: UserModel | None = None,
 ) -> dict[str, Any]:
     """Train to step `steps` (default `train.steps`), resuming from the newest good checkpoint
     in `run_dir` (or from step 0 with `restart`, the old checkpoints set aside); write metrics
@@ -154,7 +167,8 @@ def run(
     checkpoint written), UserInputError when the checkpoints are all bad or another framework's
     or a save fails, AlreadyTrained (having changed nothing) when the run is already at or past
     `steps`. Under `health.fingerprints.policy = "rollback"` diverged replicas are excluded and
-    the run goes on from the last checkpoint on the devices left."""
+    the run goes on from the last checkpoint on the devices left. `model`: train a user's
+    model and data (`trainspec train --model`) instead of the reference job."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if not restart:  # before orbax lists them (and warns that they are not its own)
         refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")
@@ -162,7 +176,7 @@ def run(
 
     def job(spec: Spec):
         t0 = time.perf_counter()
-        built = reference_job(spec, loop.total_steps)
+        built = reference_job(spec, loop.total_steps) if model is None else user_job(spec, model)
         loop.goodput.add("initialization", time.perf_counter() - t0)
         return built
 
