@@ -106,6 +106,45 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference):
     assert _losses(tmp_path) == _losses(reference)  # bit for bit, every step
 
 
+def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp_path, reference):
+    """SIGTERM to the job: the launcher forwards it to every rank, the ranks agree on the step
+    to stop after, checkpoint it and exit 143 with one line saying where; the rerun loses no
+    step and matches the uninterrupted run bit for bit."""
+    proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, start_new_session=True)
+    deadline = time.time() + 300
+    while not _has_record_past(tmp_path, 5):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    stopped_at = max(_losses(tmp_path))
+    assert stopped_at < STEPS, "the run ended before the signal: nothing is tested"
+    assert (f"trainspec: stopped: SIGTERM after step {stopped_at}; checkpoint {stopped_at} is "
+            "in ") in out, out
+    assert (tmp_path / "checkpoints" / str(stopped_at) / "meta.json").is_file()
+    result = _run(_cmd(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"] == stopped_at
+    assert _losses(tmp_path) == _losses(reference)
+
+
+def test_restart_sets_the_checkpoints_aside_and_trains_from_step_0(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    result = _run(_cmd(run_dir, "--restart", steps=4))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == 0 and "resumed from" not in result.stdout + result.stderr
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints-quarantine").iterdir()) == [8, 12]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]
+    # Trained afresh: the reference's first losses (a 4-step schedule's first 3 updates, which
+    # the losses up to step 4 depend on, are the 12-step one's: warm-up, then the decay's start)
+    want = _losses(reference)
+    assert _losses(run_dir) == {step: want[step] for step in range(1, 5)}
+
+
 def test_resumes_on_another_world_size(tmp_path, reference):
     """The reference run's step-8 checkpoint (2 ranks) continues on 4 ranks: DCP reshards the
     state, the data position carries on; the losses follow the uninterrupted run's."""
