@@ -29,8 +29,7 @@ from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.health.faults import flip_first_param
 from trainspec.jax.health.memory import check_step
 from trainspec.jax.health.replicas import ReplicaFingerprints
-from trainspec.jax.metrics import memory
-from trainspec.jax.metrics.logger import analyze_step
+from trainspec.jax.metrics.logger import analyze_step, live_memory
 from trainspec.jax.semi_sync import SemiSyncStep
 from trainspec.jax.step import WrappedStep
 
@@ -66,9 +65,7 @@ class JaxStep:
         check_step(fields)
         return fields
 
-    @staticmethod
-    def per_record() -> dict:
-        return {"memory_live_bytes": memory.live_bytes()}
+    per_record = staticmethod(live_memory)
 
     def to_host(self, tree):
         return self.wrapped.to_host(tree)

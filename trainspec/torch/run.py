@@ -31,6 +31,7 @@ from trainspec.core import run as core_run
 from trainspec.core.health import (
     ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step,
     odd_copies)
+from trainspec.core.recorder import OnHost
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.peak import peak_flops
@@ -46,9 +47,9 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
 GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise scale"
 
 
-class TorchRunStep:
+class TorchRunStep(OnHost):
     """trainspec.core.loop.Step over a torch `step` of this rank (see the module docstring);
-    the state is the step itself. `schedule(updates)`: the learning rate the records carry;
+    the state is the step itself; its metrics are host numbers when it returns (OnHost). `schedule(updates)`: the learning rate the records carry;
     `model_flops`: the model's analytic FLOPs (MFU is null without them)."""
 
     framework = "torch"
@@ -95,14 +96,6 @@ class TorchRunStep:
     @staticmethod
     def per_record() -> dict:
         return {}
-
-    @staticmethod
-    def to_host(tree):
-        return tree
-
-    @staticmethod
-    def combine_metrics(metrics: dict) -> dict:
-        return metrics
 
     def learning_rate(self, updates: int) -> float | None:
         return None if self.schedule is None else self.schedule(updates)

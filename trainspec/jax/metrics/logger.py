@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from trainspec.core import flops
 from trainspec.core.goodput import Goodput
 from trainspec.core.recorder import Recorder, Sink
@@ -74,13 +72,13 @@ def analyze_step(wrapped_step, state, batch, model_flops: flops.ModelFlops | Non
 
 class MetricsLogger(Recorder):
     """The core Recorder over a compiled JAX step: its facts from `analyze_step`, live memory
-    per record, the step's own reading of its metrics onto the host."""
+    per record, the wrapped step's own reading of its metrics onto the host."""
 
-    def __init__(self, spec, sinks: list[Sink], analysis: StepAnalysis, total_steps: int,
-                 goodput: Goodput | None = None, first_step: int = 1, wrapped_step=None):
+    def __init__(self, spec, wrapped_step, sinks: list[Sink], analysis: StepAnalysis,
+                 total_steps: int, goodput: Goodput | None = None, first_step: int = 1):
         self.analysis = analysis
         super().__init__(spec, analysis.fields, sinks, total_steps, goodput, first_step,
-                         reader=wrapped_step or OnDevice(), per_record=_live_memory)
+                         reader=wrapped_step, per_record=live_memory)
 
     @classmethod
     def for_run(cls, spec, wrapped_step, state, first_batch, run_dir: Path, total_steps: int,
@@ -92,16 +90,10 @@ class MetricsLogger(Recorder):
         knows the losses of) the records up to it, and drop those after it."""
         analysis = analyze_step(wrapped_step, state, first_batch, model_flops)
         sinks = sinks_for(spec, run_dir, is_writer(), append=resume_after is not None)
-        return cls(spec, sinks, analysis, total_steps, goodput, (resume_after or 0) + 1,
-                   wrapped_step)
+        return cls(spec, wrapped_step, sinks, analysis, total_steps, goodput,
+                   (resume_after or 0) + 1)
 
 
-class OnDevice:
-    """The reader of a step's metrics without a WrappedStep: jax.device_get."""
-
-    to_host = staticmethod(jax.device_get)
-    combine_metrics = staticmethod(lambda metrics: metrics)
-
-
-def _live_memory() -> dict:
+def live_memory() -> dict:
+    """The record's per-record memory field: what the devices hold now."""
     return {"memory_live_bytes": memory.live_bytes()}
