@@ -14,7 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from run_dirs import snapshot
+from run_dirs import signal_when, snapshot
 from trainspec.core.records import json_schema
 from tiny import TINY, tiny_spec
 
@@ -112,12 +112,7 @@ def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp
     step and matches the uninterrupted run bit for bit."""
     proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=ROOT, start_new_session=True)
-    deadline = time.time() + 300
-    while not _has_record_past(tmp_path, 5):
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = signal_when(proc, lambda: _has_record_past(tmp_path, 5))
     assert proc.returncode == 143, out
     stopped_at = max(_losses(tmp_path))
     assert stopped_at < STEPS, "the run ended before the signal: nothing is tested"
