@@ -1,8 +1,9 @@
 """A user's own model and loop get the run services of `trainspec train` (issue 34 §5):
-`trainspec train --model tests/own_jax_model.py:make` trains a model that is not the reference
+`trainspec train --model examples/own_model.py:make` trains a model that is not the reference
 job; an own JAX loop through `trainspec.jax.Run` writes schema-valid metrics.jsonl and
 checkpoints and resumes them (the CLI's as well as its own) to the uninterrupted losses, bit for
 bit; `trainspec validate --model` shows the user's layout; a bad --model is one line."""
+import importlib.util
 import re
 from pathlib import Path
 
@@ -10,13 +11,18 @@ import jax
 import jsonschema
 import pytest
 
-from own_jax_model import FEATURES, HIDDEN, make
 from tiny import LAYOUTS, TINY, tiny_spec
 from trainspec.cli.main import main
 from trainspec.core.records import json_schema, read_jsonl
 from trainspec.jax import Run, loss_step, wrap
 
-MODEL = f"{Path(__file__).with_name('own_jax_model.py')}:make"
+ROOT = Path(__file__).resolve().parents[1]
+FILE = ROOT / "examples" / "own_model.py"
+MODEL = f"{FILE}:make"
+_found = importlib.util.spec_from_file_location("own_model", FILE)
+own_model = importlib.util.module_from_spec(_found)
+_found.loader.exec_module(own_model)
+FEATURES, HIDDEN = own_model.FEATURES, own_model.HIDDEN
 SETS = ["checkpoint.interval=2", "checkpoint.keep=2", "checkpoint.async_save=false",
         "metrics.interval=2", "batch.micro_batch=8"]  # two micro-batches per step
 LAYOUT = "fsdp2"
@@ -30,7 +36,7 @@ def _spec():
 def _own_loop(run_dir, steps, announce=None):
     """The loop docs/wrapping.md shows, around the user's loss and data."""
     spec = _spec()
-    model = make(spec)
+    model = own_model.make(spec)
     step = wrap(loss_step(model.loss), spec)
     with Run(spec, run_dir, step, steps, model_flops=model.model_flops(spec),
              schedule=model.schedule, progress=False, announce=announce) as run:
@@ -87,7 +93,7 @@ def test_the_cli_trains_the_model_and_an_own_loop_resumes_it_bitwise(uninterrupt
 
 
 def test_validate_shows_the_users_layout(capsys):
-    assert main(["validate", str(Path(__file__).parents[1] / "trainspec" / "default.toml"),
+    assert main(["validate", str(ROOT / "trainspec" / "default.toml"),
                  "--model", MODEL, *CLI_SETS]) == 0
     out = capsys.readouterr().out
     assert "mesh: data=4 x fsdp=2 x tensor=1" in out
@@ -98,8 +104,8 @@ def test_validate_shows_the_users_layout(capsys):
 
 @pytest.mark.parametrize("reference,says", [
     ("no_such_file.py:make", "--model: no such file no_such_file.py"),
-    (f"{MODEL[:-len(':make')]}:unmade", "has no function 'unmade'"),
-    (f"{MODEL[:-len(':make')]}", "--model: expected MODULE:FUNCTION"),
+    (f"{FILE}:unmade", "has no function 'unmade'"),
+    (str(FILE), "--model: expected MODULE:FUNCTION"),
     ("builtins:repr", "--model: builtins:repr returned str, expected a"),
 ])
 def test_a_bad_model_is_one_line(tmp_path, capsys, reference, says):

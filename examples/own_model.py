@@ -1,6 +1,7 @@
-"""A user's own JAX model and data for `trainspec train --model tests/own_jax_model.py:make`
-(and `trainspec validate --model`): a flax MLP regressing a fixed smooth function of 8 inputs,
-its kernels named for the layout rules (docs/wrapping.md). Nothing of the reference job."""
+"""Your own JAX model and data, trained by `trainspec train --model examples/own_model.py:make`
+(and laid out by `trainspec validate SPEC --model examples/own_model.py:make`): a flax MLP
+regressing a fixed smooth function of 8 inputs, its kernels named for the layout rules
+(docs/wrapping.md). Nothing of the reference job; tests/test_own_loop.py trains it."""
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
