@@ -13,7 +13,8 @@ from trainspec.core.health import HealthHalt
 from trainspec.jax.train import make_optimizer
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.run import Run
-from trainspec.torch.step import TorchStep, learning_rate
+from trainspec.torch.optim import learning_rate
+from trainspec.torch.step import TorchStep
 from tiny import tiny_spec
 
 
@@ -49,8 +50,7 @@ def _own_loop(spec, run_dir, steps, adapter, poison=False):
         with torch.no_grad():
             job.model.head.weight.fill_(float("nan"))
     data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), job.rows()
-    run = Run(spec, run_dir, job, steps, adapter=adapter, progress=False,
-              schedule=lambda n: learning_rate(spec.optimizer, steps, n))
+    run = Run(spec, run_dir, job, steps, progress=False)
     with run:
         state = run.resume()
         for batch in run.batches(lambda index: data.batch(index, rows)):

@@ -24,15 +24,21 @@ class UserModel:
     """What `fn(spec)` returns.
 
     - `init`: JAX: `init(rng) -> state`, a flax TrainState (anything with `.params` and
-      `.apply_gradients`), built under the spec's layout as `WrappedStep.init` builds it.
+      `.apply_gradients`), built under the spec's layout as `WrappedStep.init` builds it;
+      torch: `init() -> nn.Module`, the `model_fn` of `trainspec.torch.wrap`.
     - `loss`: JAX: `loss(params, batch) -> (loss_sum, valid_tokens, aux)`, as for
-      `trainspec.jax.loss_step` (the step accumulates micro-batches and weights by tokens).
+      `trainspec.jax.loss_step`; torch: `loss(model, batch) -> (loss_sum, valid_tokens)`, as
+      for `trainspec.torch.wrap`. Either way the step accumulates micro-batches and weights by
+      tokens.
+    - `optimizer`: torch only, optional: `optimizer(params) -> torch.optim.Optimizer` (default:
+      the spec's `[optimizer]`); on JAX the optimizer is the state's.
     - `batches(index) -> {name: NumPy array}`: the whole global batch number `index` (0-based),
       a pure function of it, so that a resume continues with exactly the next batch; dimension 0
       is the batch (`batch.global_batch` rows), dimension 1 the sequence where there is one.
     - `flops_per_step`: the model's FLOPs of one optimizer step over the whole global batch
       (forward + backward), for MFU; None: MFU is null (XLA's count still gives HFU on JAX).
-    - `schedule(updates) -> learning rate` for the records; None: null.
+    - `schedule(updates) -> learning rate` for the records on JAX; None: null (torch sets and
+      records the spec's schedule itself).
     """
 
     init: Callable[..., Any]
@@ -40,6 +46,7 @@ class UserModel:
     batches: Callable[[int], dict]
     flops_per_step: float | None = None
     schedule: Callable[[int], float] | None = None
+    optimizer: Callable | None = None
 
     def model_flops(self, spec):
         """The records' FLOPs formula (trainspec.core.flops.ModelFlops), or None."""

@@ -1,7 +1,8 @@
-"""A torch step in the run loop (trainspec.core.loop): `TorchRunStep` and `TorchRunCheckpointer`,
-the core's protocols over a step of this implementation, and `Run`, the run services for a
-user's own loop on torch:
+"""A wrapped torch step in the run loop (trainspec.core.loop): `TorchRunStep` and
+`TorchRunCheckpointer`, the core's protocols over a `trainspec.torch.wrap` step of one rank, and
+`Run`, the run services for a user's own loop on torch:
 
+    step = trainspec.torch.wrap(model_fn, loss_fn, spec)
     with trainspec.torch.run.Run(spec, "runs/mine", step, steps=100) as run:
         state = run.resume()                      # newest checkpoint loaded into the step, or as built
         for batch in run.batches(batch_at):       # batch_at(i): this rank's rows of batch i
@@ -9,16 +10,14 @@ user's own loop on torch:
             state = run.after_step(state, metrics)
     print(run.summary())
 
-`step` is a torch step of one rank: `step(rows, apply)` runs one optimizer step on this rank's
-rows and asks `apply(finite)` whether to keep the update (the run's non-finite guard); it has
-`model`, `optimizer`, `params`, `mesh`, `data_group`, `updates` (applied updates) and `rows()`
-(trainspec.torch.step.TorchStep). PyTorch runs eagerly: metrics are host numbers when the step
-returns, and nothing is compiled (`compile_time_s` is null).
+`run.step(state, batch)` is the wrapped step with the run's non-finite guard deciding each
+update (`step(rows, apply)`), so that the guard's counts travel with the run's checkpoints.
+PyTorch runs eagerly: metrics are host numbers when the step returns, and nothing is compiled
+(`compile_time_s` is null).
 """
 from __future__ import annotations
 
 import shutil
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,14 @@ import torch.distributed as dist
 from trainspec.core import flops
 from trainspec.core import run as core_run
 from trainspec.core.health import (
-    ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step,
-    odd_copies)
+    check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step)
 from trainspec.core.recorder import OnHost
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.layout import local_block
+from trainspec.torch.optim import learning_rate
 from trainspec.torch.peak import peak_flops
-from trainspec.torch.step import local_block
+from trainspec.torch.wrapped import WrappedStep
 
 # Record fields that PyTorch's eager execution does not measure (no compiled program to
 # analyse): null, as the record format prescribes for an unknown value.
@@ -48,20 +48,18 @@ GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise
 
 
 class TorchRunStep(OnHost):
-    """trainspec.core.loop.Step over a torch `step` of this rank (see the module docstring);
-    the state is the step itself; its metrics are host numbers when it returns (OnHost). `schedule(updates)`: the learning rate the records carry;
-    `model_flops`: the model's analytic FLOPs (MFU is null without them)."""
+    """trainspec.core.loop.Step over a wrapped torch `step` of this rank; the state is the step
+    itself; its metrics are host numbers when it returns (OnHost). `model_flops`: the model's
+    analytic FLOPs (MFU is null without them)."""
 
     framework = "torch"
     gns_note = GNS_NOT_MEASURED
     local_signals = True  # every rank catches them; `stop_signal` agrees on one
 
-    def __init__(self, step, adapter: TorchAdapter, schedule=None,
+    def __init__(self, step: WrappedStep, adapter: TorchAdapter,
                  model_flops: flops.ModelFlops | None = None):
-        self.job, self.adapter, self.schedule, self.model_flops = step, adapter, schedule, model_flops
-        self.spec = step.spec
-        mesh = step.mesh
-        self.mesh_shape = {name: int(mesh.size(i)) for i, name in enumerate(mesh.mesh_dim_names)}
+        self.job, self.adapter, self.model_flops = step, adapter, model_flops
+        self.spec, self.mesh_shape = step.spec, step.mesh_shape
         self.process_index, self.is_writer = adapter.process_index, adapter.is_writer()
         self.participants = [f"rank {r}" for r in range(adapter.process_count)]
         self.guard = init_nan_guard()
@@ -97,8 +95,9 @@ class TorchRunStep(OnHost):
     def per_record() -> dict:
         return {}
 
-    def learning_rate(self, updates: int) -> float | None:
-        return None if self.schedule is None else self.schedule(updates)
+    def learning_rate(self, updates: int) -> float:
+        """The spec's schedule over the step's run length (a resumed run keeps its own)."""
+        return learning_rate(self.spec.optimizer, self.job.total_steps, updates)
 
     @staticmethod
     def summary_fields() -> dict:
@@ -114,27 +113,12 @@ class TorchRunStep(OnHost):
     def nonfinite_counts(self) -> dict[str, int]:
         return nan_guard_counts(self.guard)
 
-    def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
-        """Fingerprint every parameter's local block; the copies across the data group must
-        agree (the core's majority vote names the odd ones). torch cannot leave ranks out of
+    @staticmethod
+    def check_replicas(state, step: int, last_good_step: int | None) -> None:
+        """The wrapped step's vote over the data axes' copies. torch cannot leave ranks out of
         a running job, so a mismatch halts under either policy (docs/adapters.md): a restart
         with the healthy ranks resumes from the last checkpoint."""
-        group = state.data_group
-        if group is None:
-            return
-        mine = [self.adapter.fingerprint(local_block(p.detach())) for p in state.params]
-        every: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, mine, group=group)
-        ranks = dist.get_process_group_ranks(group)
-        for i, (name, _) in enumerate(state.model.named_parameters()):
-            odd = odd_copies([struct.pack("<II", *copies[i]) for copies in every])
-            if odd:
-                raise ReplicaMismatch(
-                    f"replica fingerprints differ after step {step}: {name} on ranks "
-                    f"{[ranks[j] for j in odd]} (health.fingerprints.policy = "
-                    f"{self.spec.health.fingerprints.policy}; torch halts, a restart on the "
-                    "healthy ranks resumes from the last checkpoint)",
-                    last_good_step or 0, [ranks[j] for j in odd])
+        state.check_replicas(step, last_good_step or 0)
 
     def corrupt(self, state, target: int):
         """Bit 20 of the first element of rank `target`'s copy of the first parameter."""
@@ -184,10 +168,8 @@ class TorchRunCheckpointer:
         return self.dcp.due(step, last_step)
 
     def save(self, step: int, state, total_steps: int, health: dict) -> None:
-        mesh = state.mesh
         self.dcp.save(step, state.model, state.optimizer, total_steps, state.updates,
-                      health["skipped_steps"],
-                      {name: int(mesh.size(i)) for i, name in enumerate(mesh.mesh_dim_names)})
+                      health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"])
 
     def wait(self) -> None:
         """Saves are synchronous."""
@@ -196,8 +178,10 @@ class TorchRunCheckpointer:
         meta = self.dcp.restore_latest(target.model, target.optimizer)
         if meta is None:
             return None, None
-        target.updates = meta["updates"]
-        return target, {**meta, "health": {"skipped_steps": meta["skipped_steps"]}}
+        target.total_steps, target.updates = meta["total_steps"], meta["updates"]
+        return target, {**meta, "health": {
+            "skipped_steps": meta["skipped_steps"],
+            "consecutive_nonfinite": meta.get("consecutive_nonfinite", 0)}}
 
     def saved_total_steps(self) -> int | None:
         return self.dcp.saved_total_steps()
@@ -226,19 +210,17 @@ class TorchRunCheckpointer:
 
 
 class Run(core_run.Run):
-    """The run services (trainspec.core.run.Run) for a user's own loop around `step`, a torch
-    step of this rank (see the module docstring), in a job the `adapter` has joined: DCP
-    checkpoints in `run_dir`, the spec's metrics sinks, progress, summary. `steps` defaults to
-    `train.steps`; `schedule(updates)` and `model_flops` fill the records' learning rate and
-    MFU. Other options as trainspec.core.run.Run."""
+    """The run services (trainspec.core.run.Run) for a user's own loop around `step`, a
+    `trainspec.torch.wrap` step of this rank, in the job it joined: DCP checkpoints in
+    `run_dir`, the spec's metrics sinks, progress, summary. `steps` defaults to `train.steps`;
+    `model_flops` fills the records' MFU. Other options as trainspec.core.run.Run."""
 
-    def __init__(self, spec, run_dir, step, steps: int | None = None, *,
-                 adapter: TorchAdapter | None = None, schedule=None,
+    def __init__(self, spec, run_dir, step: WrappedStep, steps: int | None = None, *,
                  model_flops: flops.ModelFlops | None = None, **options):
-        adapter = adapter or TorchAdapter(spec.collectives.timeout_s)
+        adapter = TorchAdapter(spec.collectives.timeout_s)  # the job the step joined
         super().__init__(spec, run_dir, TorchRunCheckpointer(spec, run_dir, adapter.is_writer()),
                          steps or spec.train.steps, **options)
-        self.torch_step = TorchRunStep(step, adapter, schedule, model_flops)
+        self.torch_step = TorchRunStep(step, adapter, model_flops)
 
     def resume(self):
         """The step, with the newest checkpoint loaded into it (resharded onto its layout), or

@@ -21,42 +21,60 @@ from trainspec.core.run import Run
 from trainspec.core.run_files import write_json_atomically
 from trainspec.core.spec import Spec
 from trainspec.core.transformer_flops import for_spec
+from trainspec.core.user_model import UserModel
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.run import TorchRunCheckpointer, TorchRunStep
-from trainspec.torch.step import TorchStep, learning_rate
+from trainspec.torch.step import TorchStep
 from trainspec.torch.support import check_run
+from trainspec.torch.wrapped import WrappedStep
 
 
-def reference_job(spec: Spec, adapter: TorchAdapter, total_steps: int, goodput):
+def reference_job(spec: Spec, adapter: TorchAdapter, total_steps: int):
     """The reference job as the run loop takes it: (TorchRunStep, the step as restore target,
     init, this rank's rows of each batch)."""
-    t0 = time.perf_counter()
     job = TorchStep(spec, adapter.build_mesh(spec), total_steps, adapter.device)
-    goodput.add("initialization", time.perf_counter() - t0)
-    step = TorchRunStep(job, adapter, lambda n: learning_rate(spec.optimizer, total_steps, n),
-                        for_spec(spec))
     data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), job.rows()
-    return step, job, lambda: job, lambda index: data.batch(index, rows)
+    return (TorchRunStep(job, adapter, for_spec(spec)), job, lambda: job,
+            lambda index: data.batch(index, rows))
+
+
+def user_job(spec: Spec, model: UserModel, adapter: TorchAdapter, total_steps: int):
+    """A user's model and data (`trainspec train --framework torch --model`) as the run loop
+    takes them: `trainspec.torch.wrap` of its model and loss, this rank's rows of each batch."""
+    job = WrappedStep(model.init, model.loss, spec, mesh=adapter.build_mesh(spec),
+                      device=adapter.device, optimizer_fn=model.optimizer,
+                      total_steps=total_steps)
+    rows = job.rows()
+    return (TorchRunStep(job, adapter, model.model_flops(spec)), job, lambda: job,
+            lambda index: {name: x[rows] for name, x in model.batches(index).items()})
 
 
 def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "default",
         progress: bool = True, summary_json: Path | None = None,
         adapter: TorchAdapter | None = None, announce=None, restart: bool = False,
-        faults: Faults | None = None) -> dict[str, Any]:
+        faults: Faults | None = None, model: UserModel | None = None) -> dict[str, Any]:
     """One rank of the job: train to step `steps`, resuming from the newest checkpoint (or,
     with `restart`, from step 0, the old checkpoints set aside); saves `spec` as
     RUN_DIR/spec.toml, tells `announce(line)` where a resume starts. AlreadyTrained when the
-    run dir is at or past `steps` (nothing changed); HealthHalt, Preempted as the JAX job."""
+    run dir is at or past `steps` (nothing changed); HealthHalt, Preempted as the JAX job.
+    `model`: train a user's model and data instead of the reference job."""
     adapter = adapter or TorchAdapter(spec.collectives.timeout_s)
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
     try:
-        check_run(spec, adapter.process_count)  # every field, whoever started the ranks
+        # every field, whoever started the ranks (a user's model: all but the reference model's)
+        check_run(spec, adapter.process_count, own_model=model is not None)
         loop = Run(spec, run_dir, TorchRunCheckpointer(spec, run_dir, adapter.is_writer()),
                    steps or spec.train.steps, restart=restart, progress=progress,
                    announce=announce, faults=faults, spec_label=spec_label)
-        summary = train(loop, lambda loop: reference_job(spec, adapter, loop.total_steps,
-                                                         loop.goodput))
+        def build(loop: Run):
+            t0 = time.perf_counter()
+            built = (reference_job(spec, adapter, loop.total_steps) if model is None
+                     else user_job(spec, model, adapter, loop.total_steps))
+            loop.goodput.add("initialization", time.perf_counter() - t0)
+            return built
+
+        summary = train(loop, build)
         if summary_json is not None and adapter.is_writer():
             write_json_atomically(Path(summary_json), summary)
         return summary
