@@ -3,7 +3,7 @@
 `Run`, the run services for a user's own loop on torch:
 
     step = trainspec.torch.wrap(model_fn, loss_fn, spec)
-    with trainspec.torch.run.Run(spec, "runs/mine", step, steps=100) as run:
+    with trainspec.torch.Run(spec, "runs/mine", step, steps=100) as run:
         state = run.resume()                      # newest checkpoint loaded into the step, or as built
         for batch in run.batches(batch_at):       # batch_at(i): this rank's rows of batch i
             state, metrics = run.step(state, batch)
