@@ -28,7 +28,7 @@ from trainspec.core.records import finite_or_none
 
 CONFIDENCE = 0.90    # of the interval on B_simple
 AGREE_Z = 3.0        # older steps disagree when their mean is further than this many sd away
-MIN_WINDOW = 4       # steps: the shortest window, and the fewest that give an interval
+MIN_WINDOW = 4       # steps: the shortest candidate window (an interval needs 3)
 WINDOW_GROWTH = 1.5  # each candidate window is this much longer than the last
 MAX_WINDOW = 1024    # steps kept: a window this long is precise to a few % of one step's noise
 
@@ -141,10 +141,12 @@ def estimate(grad_sq, trace) -> Estimate:
     low = high = None
     if window >= 3:
         dg, dt = np.diff(g), np.diff(t)
-        per_step = 2 * (window - 1) * window  # successive-difference (co)variance / window
-        low, high = ratio_interval(
-            mean_g, mean_t, float(dg @ dg) / per_step, float(dt @ dt) / per_step,
-            float(dg @ dt) / per_step, t_quantile(0.5 + CONFIDENCE / 2, window - 1))
+
+        def of_mean(a, b):  # (co)variance of the means: successive-difference noise / window
+            return float(a @ b) / (2 * (window - 1) * window)
+
+        low, high = ratio_interval(mean_g, mean_t, of_mean(dg, dg), of_mean(dt, dt),
+                                   of_mean(dg, dt), t_quantile(0.5 + CONFIDENCE / 2, window - 1))
     return Estimate(mean_g, mean_t, b_simple, low, high, window, trend_limited)
 
 

@@ -132,6 +132,7 @@ class MetricsLogger:
         self.goodput.add("compilation", self.analysis.fields["compile_time_s"])
         self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
         self._pending_gns = []
+        self.noise_scale = NoiseScale()  # the window restarts from the restored state
         self._t_last = None
 
     def start(self) -> None:
