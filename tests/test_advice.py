@@ -190,3 +190,14 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         capsys, ["sweep", "--out", str(tmp_path / "s"), "--widths", "0", "--tokens", "1e4"])
     assert "--tokens" in _one_line_exit_2(
         capsys, ["sweep", "--out", str(tmp_path / "s"), "--widths", "16", "--tokens", "many"])
+
+
+def test_run_summary_gives_the_noise_scale_with_its_interval():
+    from trainspec.cli.summary import _gns
+
+    assert _gns({"gns": 11727.3, "gns_low": 8038.1, "gns_high": 21429.0,
+                 "gns_window_steps": 9}) == (
+        "11727 tokens (B_simple over the last 9 steps, 90% interval 8038-21429; "
+        "`trainspec advise` reads it)")
+    assert "interval >= 8038 (no upper bound)" in _gns(
+        {"gns": 11727.3, "gns_low": 8038.1, "gns_high": None, "gns_window_steps": 9})

@@ -32,9 +32,9 @@ def _gns(summary: dict) -> str:
         return f"not measured: {summary['gns_not_measured']}"
     if summary.get("gns") is None:
         return "- (no positive |G|^2 estimate yet)"
+    interval = interval_text(summary["gns_low"], summary["gns_high"])
     return (f"{summary['gns']:.0f} tokens (B_simple over the last {summary['gns_window_steps']} "
-            f"steps, {CONFIDENCE:.0%} interval {interval_text(summary['gns_low'], summary['gns_high'])}; "
-            "`trainspec advise` reads it)")
+            f"steps, {CONFIDENCE:.0%} interval {interval}; `trainspec advise` reads it)")
 
 
 def _comm(summary: dict) -> str:
