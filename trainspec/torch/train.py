@@ -40,7 +40,8 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
                 "memory_peak_bytes", "memory_argument_bytes", "memory_output_bytes",
                 "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
                 "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
-                "comm_bus_bytes_per_step", "gns_source", "gns_grad_sq", "gns_trace", "gns")
+                "comm_bus_bytes_per_step", "gns_source", "gns_grad_sq", "gns_trace", "gns",
+                "gns_low", "gns_high", "gns_window_steps", "gns_trend_limited")
 FAULTS_ENV = "TRAINSPEC_FAULTS"  # the JAX loop's fault-injection hook (trainspec/jax/health/faults.py)
 GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise scale"
 

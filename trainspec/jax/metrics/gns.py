@@ -6,8 +6,8 @@ the global batch's). With a single replica, the micro-batches of accumulation pl
 batch. Only squared norms are added to the step: one pass over the gradient per replica (or
 per micro-batch) and a scalar per replica; no gradient is copied or reduced twice.
 
-The per-step parts are unbiased but noisy; the host smooths them (trainspec.core.gns) when it
-writes a record, so the step itself never waits on the host.
+The per-step parts are unbiased but noisy; the host estimates the run's current state from the
+recent steps (trainspec.core.gns) when it writes a record, so the step never waits on the host.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainspec.core.gns import NoiseScale
+from trainspec.core.gns import NoiseScale, record_fields
 from trainspec.core import flops, records
 from trainspec.core.goodput import Goodput
 from trainspec.jax.metrics import comm, memory
@@ -93,7 +93,7 @@ class MetricsLogger:
         self.records: int = 0
         self._pending_tokens: list = []
         self._pending_gns: list = []  # per-step (|G|^2, tr Sigma) estimates, still on device
-        self.noise_scale = NoiseScale()  # smoothed over every step of the run
+        self.noise_scale = NoiseScale()  # the newest steps' estimates (after a resume: its own)
         self._pending_steps, self._pending_wait = 0, 0.0
         self._t_last = None
         self._seconds, self._timed_steps, self._valid_tokens = 0.0, 0, 0.0
@@ -132,6 +132,7 @@ class MetricsLogger:
         self.goodput.add("compilation", self.analysis.fields["compile_time_s"])
         self._pending_tokens, self._pending_steps, self._pending_wait = [], 0, 0.0
         self._pending_gns = []
+        self.noise_scale = NoiseScale()  # the window restarts from the restored state
         self._t_last = None
 
     def start(self) -> None:
@@ -189,7 +190,7 @@ class MetricsLogger:
             **records.interval_fields(self.analysis.fields, n, wall, valid, self.tokens_per_step,
                                       self._pending_wait, self.goodput.summary(now)),
             "memory_live_bytes": memory.live_bytes(),
-            **self._gns_fields(),
+            **record_fields(self.noise_scale.estimate()),
             **extra_fields,
         }
         for sink in self.sinks:
@@ -202,19 +203,13 @@ class MetricsLogger:
         self._t_last = time.perf_counter()  # writing the record is not step time
         return record
 
-    def _gns_fields(self) -> dict:
-        ns = self.noise_scale
-        return {"gns_grad_sq": records.finite_or_none(ns.grad_sq.value),
-                "gns_trace": records.finite_or_none(ns.trace.value),
-                "gns": records.finite_or_none(ns.b_simple)}
-
     def summary(self) -> dict:
         """Run-level numbers for the loop's summary: means over every recorded step."""
         return {
             **records.run_fields(self.analysis.fields, self._seconds, self._timed_steps,
                                  self._valid_tokens, self.goodput.summary(), self.losses,
                                  self.total_steps),
-            "gns": records.finite_or_none(self.noise_scale.b_simple),
+            **record_fields(self.noise_scale.estimate()),
         }
 
     def close(self) -> None:
