@@ -20,7 +20,7 @@ import pytest
 from trainspec.cli.main import main
 from trainspec.core.errors import UserInputError
 from trainspec.core.plan.hardware import Link, calibrate, load_profile
-from trainspec.core.plan.model import fit_activation_overheads, peak_phase
+from trainspec.core.plan.memory import fit_activation_overheads, peak_phase
 from trainspec.core.plan.transformer import parameters, shape_for_params
 from trainspec.core.spec import load_spec
 from trainspec.jax.tools.plan_check import (TIME_CALIBRATION, compile_layout, fit_time, layout_of,

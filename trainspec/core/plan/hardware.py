@@ -50,6 +50,9 @@ class Profile:
     ici: Link
     dcn: Link
     sources: tuple[str, ...]
+    # The compiler whose programs the profile's memory and communication model: what it
+    # does with the step decides the buffers and the collectives (docs/plan.md).
+    backend: str
     shared_host_compute: bool = False
     host_cores: int = 1  # cores the shared host compute is spread over (CPU profile)
     # Per step: dispatch and per-operation costs that do not grow with the work (significant
@@ -66,6 +69,8 @@ class Profile:
     activation_overhead_replicated: float = 1.0  # on the rest
     # XLA:CPU lowers a reduce-scatter to an all-reduce and a slice (same S, all-reduce cost).
     reduce_scatter_as_all_reduce: bool = False
+    # XLA:CPU runs bfloat16 and float16 all-reduces in float32 (its all-reduce promotion).
+    all_reduce_promotes_16bit: bool = False
     # Attention without stored scores (flash attention); XLA:CPU materialises them.
     fused_attention: bool = False
 
@@ -120,7 +125,9 @@ def _from_dict(data: dict, origin: str) -> Profile:
             ici_domain_devices=data.get("ici_domain_devices"),
             activation_overhead=float(data.get("activation_overhead", 1.0)),
             activation_overhead_replicated=float(data.get("activation_overhead_replicated", 1.0)),
+            backend=str(data["backend"]),
             reduce_scatter_as_all_reduce=bool(data.get("reduce_scatter_as_all_reduce", False)),
+            all_reduce_promotes_16bit=bool(data.get("all_reduce_promotes_16bit", False)),
             fused_attention=bool(data.get("fused_attention", False)),
         )
     except (KeyError, TypeError, ValueError) as err:

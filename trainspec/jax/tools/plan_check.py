@@ -21,11 +21,13 @@ import jax.numpy as jnp
 from trainspec.core.data import ByteBatches
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.plan.hardware import Profile, calibrate, load_profile
-from trainspec.core.plan.model import Layout, Prediction, fit_activation_overheads, predict
+from trainspec.core.plan.memory import fit_activation_overheads
+from trainspec.core.plan.model import Prediction, predict
+from trainspec.core.plan.shards import Layout
 from trainspec.core.plan.search import all_layouts
 from trainspec.core.spec import Spec, load_spec
 from trainspec.jax.mesh import build_mesh
-from trainspec.jax.metrics import comm, memory
+from trainspec.jax.metrics import memory
 from trainspec.jax.metrics.cpu_peak import matmul_peak
 from trainspec.core.transformer_flops import for_spec
 from trainspec.jax.train import build_abstract_job, build_job
@@ -110,13 +112,15 @@ class Runner:
 
 def compile_layout(spec: Spec, n_devices: int) -> dict:
     """Compile the step on the first n devices for its abstract state (no state is made, no
-    step runs): the compiled memory and HLO comm the planner predicts."""
+    step runs): the compiled memory (the largest of the step's programs) and HLO comm the
+    planner predicts."""
     mesh = build_mesh(spec, jax.devices()[:n_devices])
     step, abstract = build_abstract_job(spec, mesh)
     compiled = step.compile(abstract, _first_batch(spec, step))
-    volume = comm.analyze_compiled(compiled, mesh)
+    volume = step.comm_volume(compiled)  # semi_sync: the outer program's, 1/H a step
     return {
-        "memory_peak_bytes": memory.compiled_memory(compiled)["memory_peak_bytes"],
+        "memory_peak_bytes": max(memory.compiled_memory(program)["memory_peak_bytes"]
+                                 for program in step.programs(compiled)),
         "comm_bytes_by_kind_and_axis": volume.by_kind_and_axis(),
         "comm_ops_by_kind": volume.ops_by_kind(),
     }
