@@ -21,9 +21,9 @@ device and micro-batch, T tokens per row, L layers, width d:
   semi_sync).
 
 Which backend runs them matters: XLA:CPU lowers a reduce-scatter to an all-reduce and a slice
-(`Profile.reduce_scatter_as_all_reduce`) and promotes 16-bit all-reduces to float32 (its
-all-reduce promotion pass, `Profile.all_reduce_promotes_16bit`), so a bfloat16 all-reduce
-moves 4 bytes an element there.
+(`Profile.reduce_scatter_as_all_reduce`), and moves 16-bit data as float32 in every collective
+of the step (`Profile.collectives_16bit_as_float32`): its all-reduce promotion pass widens the
+all-reduces, and it converts 16-bit parameters to float32 before gathering them.
 """
 from __future__ import annotations
 
@@ -64,25 +64,30 @@ class Collective:
         return self.bytes_per_step / ici * bus_factor(self.kind, self.group_dcn)
 
 
+def regathered_by_remat(p: Param, spec: Spec) -> bool:
+    """Whether a rematerialised block gathers this kernel again, for its recomputation in
+    every micro-batch: jax.checkpoint's barrier keeps the gather inside the block when the
+    kernel is used in its stored dtype (with a cast to the compute dtype, made before the
+    model, XLA gathers the stored parameter once, before the cast, outside the block)."""
+    return (p.in_block and not p.gathered_by_xla and spec.remat.policy != "none"
+            and spec.precision.compute == spec.precision.param)
+
+
 def gathers_per_step(p: Param, spec: Spec) -> int:
     """All-gathers of a parameter fsdp splits, per step. XLA hoists a gather out of the
-    micro-batch loop, once, unless jax.checkpoint's barrier keeps it inside a rematerialised
-    block: there a norm scale (gathered by XLA at each use) is gathered again for the
-    recomputation and for the backward of every micro-batch, and a kernel for the
-    recomputation when it is used in its stored dtype (with a cast to the compute dtype,
-    before the model, XLA gathers the stored parameter once, before the cast)."""
+    micro-batch loop, once, unless it stays in a rematerialised block: a norm scale (gathered
+    by XLA at each use, for the forward and for the backward) is then gathered again for the
+    recomputation and for the backward of every micro-batch, and a kernel as
+    `regathered_by_remat` says."""
     k = spec.batch.accumulation_steps
-    remat = p.in_block and spec.remat.policy != "none"
-    if p.gathered_by_xla:  # for the forward and for the backward
-        return 1 + 2 * k if remat else 2
-    if remat and spec.precision.compute == spec.precision.param:
-        return 1 + k
-    return 1
+    if p.gathered_by_xla:
+        return 1 + 2 * k if p.in_block and spec.remat.policy != "none" else 2
+    return 1 + k if regathered_by_remat(p, spec) else 1
 
 
-def element_bytes(kind: str, dtype: str, profile: Profile) -> int:
-    """Bytes one element of `dtype` moves in a collective of `kind` on the profile's backend."""
-    if kind == "all-reduce" and profile.all_reduce_promotes_16bit:
+def element_bytes(dtype: str, profile: Profile) -> int:
+    """Bytes one element of `dtype` moves in the step's collectives on the profile's backend."""
+    if profile.collectives_16bit_as_float32:
         return max(DTYPE_BYTES[dtype], 4)
     return DTYPE_BYTES[dtype]
 
@@ -96,7 +101,7 @@ def collectives(spec: Spec, layout: Layout, profile: Profile) -> list[Collective
 
     def add(kind, axes, elements, dtype, calls, ops=None, extra_bytes=0.0):
         n, n_dcn = layout.group(axes)
-        nbytes = elements * element_bytes(kind, dtype, profile) + extra_bytes
+        nbytes = elements * element_bytes(dtype, profile) + extra_bytes
         out.append(Collective(kind, axes, float(nbytes), calls, n, n_dcn,
                               calls if ops is None else ops))
 

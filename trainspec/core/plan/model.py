@@ -123,7 +123,7 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
         biggest = max(ARGUMENTS + PHASES[peak_phase(mem)], key=mem.get)
         reasons.append(
             f"memory: {mem['total'] / 1e9:.1f} GB per device exceeds the {profile.memory_bytes / 1e9:.0f} "
-            f"GB of {profile.name}; largest part {biggest} {mem[biggest] / 1e9:.1f} GB ({_remedy(biggest)})")
+            f"GB of {profile.name}; largest part {biggest} {mem[biggest] / 1e9:.1f} GB ({_remedy(biggest, profile)})")
     return Prediction(
         layout=dict(layout.sizes), dcn=dict(layout.dcn), n_devices=n, memory=mem,
         collectives=comms, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
@@ -137,6 +137,8 @@ _REMEDIES = {
     "optimizer": "layout.optimizer_state = \"shard_over_data\", or a larger fsdp size",
     "gradients": "precision.grad_reduce = \"bfloat16\", or a larger fsdp size",
     "gathered_params": "raise the tensor size",
+    "weights_in_use": "raise the tensor size",
+    "outer_state": "a larger fsdp or tensor size",
     "unreduced_gradient": "precision.grad_reduce = \"bfloat16\", or a larger tensor size",
     "reduce_scatter_output": "precision.grad_reduce = \"bfloat16\", or a larger tensor size",
     "data_reduction_buffer": "precision.grad_reduce = \"bfloat16\", or a larger fsdp size",
@@ -147,7 +149,9 @@ _REMEDIES = {
 }
 
 
-def _remedy(part: str) -> str:
+def _remedy(part: str, profile: Profile) -> str:
+    if part == "activations" and profile.backend == "XLA:CPU":  # remat saves nothing there
+        return "a smaller batch.micro_batch, or a larger tensor size"
     return _REMEDIES[part]
 
 

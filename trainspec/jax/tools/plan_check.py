@@ -4,9 +4,9 @@
 reports what the planner predicts: per-device memory (`compiled.memory_analysis()`), and the
 HLO's communication bytes by kind and mesh axis and operations by kind (trainspec.jax.metrics.comm);
 `layout_runner` places its state so that `step_time` can time it.
-`calibrate_cpu` measures this machine's matmul peak and collective alpha-beta and fits the
-activation overheads, `calibrate_time` the step-time parameters, so that `trainspec plan
---hardware cpu` predicts this machine. tests/test_plan.py and bench/plan_step_time.py use them.
+`calibrate_cpu` measures this machine's matmul peak, collective alpha-beta and memory
+bandwidth, `calibrate_time` fits the step-time parameters, so that `trainspec plan --hardware
+cpu` predicts this machine's step time. tests/test_plan.py and bench/plan_step_time.py use them.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from trainspec.core.data import ByteBatches
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.plan.hardware import Profile, calibrate, load_profile
-from trainspec.core.plan.memory import fit_activation_overheads
 from trainspec.core.plan.model import Prediction, predict
 from trainspec.core.plan.shards import Layout
 from trainspec.core.plan.search import all_layouts
@@ -174,18 +173,12 @@ def update_bandwidth(elements: int = 1 << 18, repeats: int = 20) -> float:
     return len(devices) * 7 * elements * 4 / statistics.median(times[1:])
 
 
-def calibrate_cpu(profile: Profile, memory_points: list[tuple[Spec, int, float]] | None = None,
-                  bench_rows: list[dict] | None = None, peak: float | None = None) -> Profile:
-    """The CPU profile with this machine's measured peak, links and memory bandwidth, and
-    (given compiled memory of two or more layouts with different tensor sizes) its activation
-    overheads."""
+def calibrate_cpu(profile: Profile, bench_rows: list[dict] | None = None,
+                  peak: float | None = None) -> Profile:
+    """The CPU profile with this machine's measured peak, links and memory bandwidth."""
     calibrated = calibrate(profile, bench_rows if bench_rows is not None else collective_rows(),
                            peak if peak is not None else matmul_peak())
-    calibrated = dataclasses.replace(calibrated, memory_bandwidth_Bps=update_bandwidth())
-    if memory_points:
-        calibrated = fit_activation_overheads(
-            [(s, layout_of(s, n), measured) for s, n, measured in memory_points], calibrated)
-    return calibrated
+    return dataclasses.replace(calibrated, memory_bandwidth_Bps=update_bandwidth())
 
 
 def fit_compute(profile: Profile, points) -> Profile:
