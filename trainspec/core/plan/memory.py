@@ -27,7 +27,8 @@ PHASES = {
     "micro_batches": ("gradients", "weights_in_use", "activations"),
     # fsdp > 1 on XLA:CPU, at the end of each micro-batch: its gradient, whole, and the output
     # of the all-reduce that stands for the reduce-scatter (then sliced)
-    "fsdp_reduction": ("gradients", "gathered_params", "unreduced_gradient", "reduce_scatter_output"),
+    "fsdp_reduction": ("gradients", "gathered_params", "unreduced_gradient",
+                       "reduce_scatter_output"),
     # after the loop, data > 1: the local gradient and its all-reduced copy
     "data_reduction": ("gradients", "data_reduction_buffer"),
     # the update: the NaN guard (health.nan) chooses between the old state and the new after

@@ -122,8 +122,9 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     if not reasons and mem["total"] > profile.memory_bytes:
         biggest = max(ARGUMENTS + PHASES[peak_phase(mem)], key=mem.get)
         reasons.append(
-            f"memory: {mem['total'] / 1e9:.1f} GB per device exceeds the {profile.memory_bytes / 1e9:.0f} "
-            f"GB of {profile.name}; largest part {biggest} {mem[biggest] / 1e9:.1f} GB ({_remedy(biggest, profile)})")
+            f"memory: {mem['total'] / 1e9:.1f} GB per device exceeds the "
+            f"{profile.memory_bytes / 1e9:.0f} GB of {profile.name}; largest part {biggest} "
+            f"{mem[biggest] / 1e9:.1f} GB ({_remedy(biggest, profile)})")
     return Prediction(
         layout=dict(layout.sizes), dcn=dict(layout.dcn), n_devices=n, memory=mem,
         collectives=comms, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
