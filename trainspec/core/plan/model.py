@@ -2,8 +2,9 @@
 
 Everything is a formula of the spec (model, batch, precision, remat, layout rules), the mesh
 axis sizes (with their cross-host `dcn` factors) and a hardware profile; nothing is compiled.
-docs/plan.md states each formula; tests/test_plan.py holds them against what XLA compiles and
-runs here.
+docs/plan.md states each formula; tests/test_plan_compiled.py and tests/test_plan_grid.py
+hold memory and communication to the programs XLA:CPU compiles here, bench/plan_step_time.py
+step time to the steps it runs.
 
 The parts: where the state lives (plan.shards), the collectives (plan.comm) and the memory
 (plan.memory); here they are put together with the compute into a step time.
