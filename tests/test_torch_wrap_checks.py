@@ -70,6 +70,12 @@ def _refusal(call) -> str:
     (lambda: wrap(overrides=["precision.param=bfloat16"]),
      "precision.compute: float32 is wider than precision.param bfloat16"),
     (lambda: wrap(overrides=["layout.rules.embed=[]"]), "layout.rules:"),
+    (lambda: wrap(overrides=["layout.optimizer_state=shard_over_data"],
+                  optimizer_fn=lambda params: torch.optim.Adafactor(params)),
+     "layout.optimizer_state: shard_over_data updates each data replica's slice of every "
+     "parameter, which only an element-wise optimizer allows"),
+    (lambda: wrap(overrides=["metrics.gns=true"]), "metrics.gns = true cannot be measured: one "
+     "data-parallel replica and one micro-batch give no second batch size"),
     (lambda: wrap(mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("data",))),
      "mesh: its axes {'data': 1} are not the spec's mesh.axes {'data': 1, 'fsdp': 1, 'tensor': 1}"),
 ])
@@ -178,6 +184,27 @@ def test_sixteen_bit_compute_is_autocast():
     assert seen == [torch.bfloat16] * 4  # matmuls in the compute dtype ...
     assert {p.dtype for p in step.params} == {torch.float32}  # ... parameters stored in param
     assert losses[-1] < losses[0]
+
+
+def test_micro_batches_measure_the_noise_scale_on_one_rank():
+    step = wrap(overrides=["batch.micro_batch=2"])
+    assert (step.gns_source, step.gns_note) == ("micro_batches", None)
+    metrics = step(batch())
+    assert np.isfinite(metrics["gns_grad_sq"]) and metrics["gns_trace"] > 0
+    off = wrap(overrides=["batch.micro_batch=2", "metrics.gns=false"])
+    assert off.gns_note == "metrics.gns = false" and "gns_trace" not in off(batch())
+
+
+def test_a_resume_under_another_compression_is_refused(tmp_path):
+    """What the state holds depends on it (an error-feedback residual), as on JAX."""
+    step = wrap()
+    step(batch())
+    step.save(trainspec.torch.TorchCheckpointer(step.spec, tmp_path), 1)
+    other = wrap(overrides=['collectives.compression="int8"'])
+    checkpoints = trainspec.torch.TorchCheckpointer(other.spec, tmp_path)
+    assert _refusal(lambda: other.restore(checkpoints)) == (
+        f"collectives.compression: the checkpoints in {tmp_path}/checkpoints/1 were written "
+        "with 'none', the spec says 'int8'; use another --run-dir, or the saved value")
 
 
 def test_a_checkpoint_is_refused_by_a_model_of_other_shapes(tmp_path):
