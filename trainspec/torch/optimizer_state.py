@@ -34,6 +34,16 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Adadelta)
 
 
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """shard_over_data needs an optimizer whose update of an element is its own."""
+    if type(optimizer) not in ELEMENTWISE:
+        raise UserInputError(
+            f"layout.optimizer_state: shard_over_data updates each data replica's slice of "
+            f"every parameter, which only an element-wise optimizer allows "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE)}); got "
+            f"{type(optimizer).__name__}; use like_params")
+
+
 @dataclasses.dataclass
 class ExtraState:
     """Per-parameter state kept outside the optimizer that checkpoints carry with it:
@@ -55,12 +65,7 @@ class StepOptimizer(torch.optim.Optimizer):
         self._slices: dict[nn.Parameter, Slice] = {}
         self.inner = optimizer
         if shard_group is not None:
-            if type(optimizer) not in ELEMENTWISE:
-                raise UserInputError(
-                    f"layout.optimizer_state: shard_over_data updates each data replica's slice "
-                    f"of every parameter, which only an element-wise optimizer allows "
-                    f"({', '.join(c.__name__ for c in ELEMENTWISE)}); got "
-                    f"{type(optimizer).__name__}; use like_params")
+            check_shardable(optimizer)
             self.group, self.replicas = shard_group, dist.get_world_size(shard_group)
             me = dist.get_rank(shard_group)
             for p in (p for g in optimizer.param_groups for p in g["params"]):
@@ -127,7 +132,8 @@ class StepOptimizer(torch.optim.Optimizer):
         parameter (gathered over the replicas when sharded), with the extra state's keys."""
         self._sync_hyperparameters()
         saved = self.inner.state_dict()
-        state = saved["state"]
+        # torch's state_dict holds the live per-parameter dicts: replace entries in copies
+        state = saved["state"] = {i: dict(values) for i, values in saved["state"].items()}
         params = [p for g in self.param_groups for p in g["params"]]
         if self._slices:
             keys = sorted({k for values in state.values() for k, v in values.items()

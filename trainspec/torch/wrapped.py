@@ -39,7 +39,7 @@ from trainspec.torch.layout import (
     mesh_size, rows, shard_units)
 from trainspec.torch.norms import Norms
 from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optimizer
-from trainspec.torch.optimizer_state import StepOptimizer
+from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
 from trainspec.torch.support import check_layout, split_axes
@@ -134,6 +134,8 @@ class WrappedStep:
                      else optimizer_fn(self.params))
         _check_optimizer(optimizer, self.model)
         sharded = spec.layout.optimizer_state == "shard_over_data"
+        if sharded:  # refused on any mesh, not only where it shards
+            check_shardable(optimizer)
         self.optimizer = StepOptimizer(
             optimizer, self.data_group if sharded else None,
             self.reduction.residual_state() if self.reduction else None)
