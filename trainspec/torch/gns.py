@@ -60,7 +60,8 @@ class StepNoiseScale:
         return float(per_micro.sum()) / self.k, float(tokens.sum()) / self.k
 
     # -- over replicas -----------------------------------------------------------------------
-    def _replica_small(self, grads: list[torch.Tensor], tokens: torch.Tensor) -> tuple[float, float]:
+    def _replica_small(self, grads: list[torch.Tensor],
+                       tokens: torch.Tensor) -> tuple[float, float]:
         """From this replica's gradient sum (before the data all-reduce) and this rank's
         tokens: (mean over replicas of |G_r|^2, mean replica batch in tokens)."""
         tokens = tokens.float().reshape(1).clone()
