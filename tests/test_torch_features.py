@@ -3,14 +3,15 @@ parameters on the same ragged batches as tests/test_torch_equality.py, against r
 
 - remat.policy (full, dots_with_no_batch_dims_saveable under data x fsdp, dots_saveable under
   data x tensor) gives the losses of no remat bit for bit: it changes what is kept, not the
-  arithmetic (what it recomputes: tests/test_torch_remat.py);
+  arithmetic (what it recomputes: tests/test_torch_wrap_checks.py);
 - layout.optimizer_state = "shard_over_data" gives like_params' losses bit for bit under data,
   data x fsdp and data x tensor, with 1/replicas of the optimizer state bytes on each rank; its
   checkpoint resumes under like_params on another layout;
 - collectives.compression bf16 and int8 with error feedback follow JAX's compressed runs (the
-  same packing order, chunks and int8 blocks; trainspec.torch.step.TorchStep.packing_order)
-  much closer than either follows the uncompressed run; the compressed sum of one buffer is
-  JAX's bit for bit, and the residuals' sum survives a checkpoint;
+  same packing order, chunks and int8 blocks: trainspec.torch.step.TorchStep.packing_order),
+  int8 100x closer than it follows the uncompressed run; the compressed sum of one buffer is
+  JAX's bit for bit, and the residuals' sum survives a checkpoint; a save changes nothing in
+  the run that saved;
 - metrics.gns: the per-step parts gns_grad_sq and gns_trace of JAX's step, over replicas
   (data = 4) and over micro-batches (fsdp = 4, 2 micro-batches).
 """
