@@ -90,7 +90,7 @@ def _refusal(call) -> str:
      "parameter, which only an element-wise optimizer allows"),
     (lambda: wrap(lambda: nn.Sequential(nn.Linear(16, 16)), overrides=["remat.policy=full"]),
      "remat.policy: 'full' checkpoints each repeated block, and the model has no nn.ModuleList"),
-    (lambda: wrap(overrides=["metrics.gns=true"]), "metrics.gns = true cannot be measured: one "
+    (lambda: wrap(overrides=["metrics.gns=true"]), "metrics.gns: true cannot be measured: one "
      "data-parallel replica and one micro-batch give no second batch size"),
     (lambda: wrap(mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("data",))),
      "mesh: its axes {'data': 1} are not the spec's mesh.axes {'data': 1, 'fsdp': 1, 'tensor': 1}"),
