@@ -136,9 +136,11 @@ class WrappedStep:
         sharded = spec.layout.optimizer_state == "shard_over_data"
         if sharded:  # refused on any mesh, not only where it shards
             check_shardable(optimizer)
-        self.optimizer = StepOptimizer(
-            optimizer, self.data_group if sharded else None,
-            self.reduction.residual_state() if self.reduction else None)
+        shard_group = self.data_group if sharded else None
+        residual = self.reduction.residual_state() if self.reduction else None
+        self.optimizer = optimizer  # as built, unless its state is split or has company
+        if shard_group is not None or residual is not None:
+            self.optimizer = StepOptimizer(optimizer, shard_group, residual)
         self.updates = 0  # applied updates: the schedule's count (a skipped step adds none)
         self.nan_guard = nan_guard
         self.guard = init_nan_guard()
