@@ -9,8 +9,8 @@ step measures them (trainspec/jax/metrics/gns.py; the estimator: trainspec/core/
   micro-batch is otherwise never whole), and keeps the previous sum of this rank's shard to
   take each micro-batch's part as the difference.
 
-The step's records carry the per-step parts `gns_grad_sq` and `gns_trace`; the run smooths
-them (trainspec.core.gns.NoiseScale).
+The step's metrics carry the per-step parts `gns_grad_sq` and `gns_trace`; the run estimates
+the current noise scale from the recent steps' parts (trainspec.core.gns.NoiseScale).
 """
 from __future__ import annotations
 
