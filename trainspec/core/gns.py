@@ -24,7 +24,11 @@ import statistics
 
 import numpy as np
 
+from trainspec.core.errors import UserInputError
 from trainspec.core.records import finite_or_none
+
+# Where the small batch comes from (`gns_source` in records).
+REPLICAS, MICRO_BATCHES = "replicas", "micro_batches"
 
 CONFIDENCE = 0.90    # of the interval on B_simple
 AGREE_Z = 3.0        # older steps disagree when their mean is further than this many sd away
@@ -176,3 +180,26 @@ def record_fields(est: Estimate | None) -> dict:
             "gns": finite_or_none(est.b_simple), "gns_low": finite_or_none(est.low),
             "gns_high": finite_or_none(est.high), "gns_window_steps": est.window,
             "gns_trend_limited": est.trend_limited}
+
+
+def resolve(setting: bool | None, replicas: int, micro_batches: int,
+            gradient_visible: bool) -> tuple[str | None, str | None]:
+    """(where the step's small batch comes from, or None; why not, in one line, or None).
+
+    `setting` is `metrics.gns` (None = on when possible). Asking for it where it cannot be
+    measured is an error naming the field, rather than a run that silently records nothing.
+    """
+    if setting is False:
+        return None, "metrics.gns = false"
+    if not gradient_visible:
+        why_not = ("the step is opaque (its gradient is not visible): build it with "
+                   "trainspec.jax.loss_step or trainspec.jax.grad_step")
+    elif replicas > 1:
+        return REPLICAS, None
+    elif micro_batches > 1:
+        return MICRO_BATCHES, None
+    else:
+        why_not = "one data-parallel replica and one micro-batch give no second batch size"
+    if setting:
+        raise UserInputError(f"metrics.gns = true cannot be measured: {why_not}")
+    return None, why_not

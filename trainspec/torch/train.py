@@ -24,6 +24,7 @@ from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.step import TorchStep, learning_rate, local_block
 from trainspec.torch.support import check_run
 from trainspec.core import flops, records
+from trainspec.core.gns import NoiseScale, record_fields
 from trainspec.core.goodput import Goodput
 from trainspec.core.health import (
     HealthHalt, ReplicaMismatch, StragglerDetector, check_nan_guard, init_nan_guard, nan_guard_step,
@@ -40,10 +41,8 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
                 "memory_peak_bytes", "memory_argument_bytes", "memory_output_bytes",
                 "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
                 "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
-                "comm_bus_bytes_per_step", "gns_source", "gns_grad_sq", "gns_trace", "gns",
-                "gns_low", "gns_high", "gns_window_steps", "gns_trend_limited")
+                "comm_bus_bytes_per_step")
 FAULTS_ENV = "TRAINSPEC_FAULTS"  # the JAX loop's fault-injection hook (trainspec/jax/health/faults.py)
-GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise scale"
 
 
 class TorchSession:
@@ -52,6 +51,7 @@ class TorchSession:
     def __init__(self, spec: Spec, run_dir: Path, steps: int, adapter: TorchAdapter,
                  progress: bool, announce=None):
         self.goodput = Goodput()
+        self.noise_scale = NoiseScale()  # the step's gns parts, estimated as the JAX logger does
         self.spec, self.steps, self.adapter = spec, steps, adapter
         self.writer = adapter.is_writer()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +104,7 @@ class TorchSession:
             "n_devices": self.adapter.process_count,
             "batch_tokens": flops.tokens_per_step(spec),
             **dict.fromkeys(NOT_MEASURED),
+            "gns_source": self.job.gns_source,
             "comm_bytes_by_kind": {},
             "comm_bytes_by_axis": {},
         }
@@ -196,6 +197,9 @@ class TorchSession:
         self.pending += 1
         self.pending_wait += waited
         self.pending_tokens += metrics["valid_tokens"]
+        parts = (metrics.get("gns_grad_sq"), metrics.get("gns_trace"))
+        if None not in parts and np.isfinite(parts).all():  # not on a skipped step
+            self.noise_scale.update(*parts)
         checkpointing = self.ckpt.due(self.step, self.steps)
         if not (self.step == self.start + 1 or self.step % self.spec.metrics.interval == 0
                 or self.step == self.steps or checkpointing):
@@ -238,6 +242,7 @@ class TorchSession:
                                       self.goodput.summary(now)),
             "skipped_steps": self.skipped_before + int(self.guard["skipped"]),
             "stragglers": self.stragglers.stragglers(),
+            **record_fields(self.noise_scale.estimate()),
             "framework": "torch",
             **(self.resume_mark or {}),
             **({"checkpoint_saved": True} if checkpointing else {}),
@@ -253,7 +258,8 @@ class TorchSession:
         return {
             **records.run_fields(self.facts, self.seconds, self.timed_steps, self.valid_tokens,
                                  self.goodput.summary(), self.losses, self.steps),
-            "gns": None, "gns_not_measured": GNS_NOT_MEASURED,
+            **record_fields(self.noise_scale.estimate()),
+            "gns_not_measured": self.job.gns_note,  # None when measured
             "steps": self.steps, "resumed_from": self.start,
             "last_checkpoint": self.ckpt.last_saved, "rollbacks": [], "excluded_devices": [],
             "skipped_steps": self.skipped_before + int(self.guard["skipped"]),
