@@ -91,11 +91,16 @@ def test_scaling_warns_when_the_fit_is_under_determined(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err == "" and "params_tokens: " in out
 
-def _records(path, gns_values, steps=(5, 10, 15, 20)):
+
+def _records(path, gns_values, steps=(5, 10, 15, 20), spread=1.2, trend_limited=False,
+             source="replicas"):
+    """Records whose gns interval is gns / spread to gns * spread, over the last 5 steps."""
     base = {"schema": SCHEMA_ID, "loss": 3.0, "step_time_s": 0.1, "n_devices": 8,
-            "batch_tokens": 32 * 128, "gns_source": "replicas"}
-    path.write_text("".join(json.dumps({**base, "step": s, "gns": g}) + "\n"
-                            for s, g in zip(steps, gns_values)))
+            "batch_tokens": 32 * 128, "gns_source": source, "gns_window_steps": 5,
+            "gns_trend_limited": trend_limited}
+    path.write_text("".join(json.dumps({
+        **base, "step": s, "gns": g, "gns_low": g and g / spread, "gns_high": g and g * spread})
+        + "\n" for s, g in zip(steps, gns_values)))
     return path
 
 
@@ -111,10 +116,34 @@ def test_advise_prints_plots_and_writes_json(tmp_path, capsys):
     assert rec["steps"] == pytest.approx(2 * advice["s_min"], rel=0.05)  # near B_crit
     assert advice["current"]["steps"] == pytest.approx(20.0)  # the curve goes through the run
     assert "critical batch B_crit = 8000 tokens" in out and (tmp_path / "a.png").stat().st_size
+    assert "90% interval 6667-9600, from the last 5 steps" in out
+    assert advice["reliable"] and "reliability: steady over the 5 steps measured" in out
+    assert advice["recommended_range"] == [56, 72]  # 52 and 75 rows: 7 and 9 per replica
     assert advice["note"] is None
     small = _records(tmp_path / "small.jsonl", [500.0] * 4)  # under 8 replicas x 128 tokens
     assert main(["advise", str(small)]) == 0
     assert "note: B_crit is below one sequence per replica" in capsys.readouterr().out
+
+
+def test_advise_says_when_the_trend_makes_any_single_number_unreliable(tmp_path, capsys):
+    """An interval wider than x2 over a window that older steps disagree with: the trend, not
+    the noise, keeps B_crit from being pinned, and advise says so instead of one batch size."""
+    moving = _records(tmp_path / "moving.jsonl", [2000.0, 4000.0, 6000.0, 8000.0], spread=2.0,
+                      trend_limited=True)
+    assert main(["advise", str(moving), "--json", str(tmp_path / "a.json")]) == 0
+    out = capsys.readouterr().out
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert not advice["reliable"] and advice["critical_batch_interval"] == [4000.0, 16000.0]
+    assert "reliability: unreliable: B_crit moves faster than it can be measured" in out
+    assert "No single batch size fits this run" in out
+    assert "a global batch of 32 to 128" in out
+    steady = _records(tmp_path / "steady.jsonl", [8000.0] * 4, spread=2.0)
+    assert main(["advise", str(steady)]) == 0
+    assert "reliability: uncertain: the 5 steps measured pin B_crit only within 4000-16000" in (
+        capsys.readouterr().out)
+    narrow = _records(tmp_path / "narrow.jsonl", [8000.0] * 4, trend_limited=True)
+    assert main(["advise", str(narrow)]) == 0
+    assert "reliability: B_crit is moving" in capsys.readouterr().out
 
 
 def test_advise_reads_the_spec_its_run_dir_was_trained_under(tmp_path, capsys):
@@ -142,8 +171,11 @@ def _one_line_exit_2(capsys, argv):
 
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     no_gns = tmp_path / "no_gns.jsonl"
-    _records(no_gns, [None] * 4)
+    _records(no_gns, [None] * 4, source=None)
     assert "no gns records" in _one_line_exit_2(capsys, ["advise", str(no_gns)])
+    _records(no_gns, [4000.0, None])  # the last record: |G|^2 not above 0 over its window
+    assert "no B_crit at step 10: over the last 5 steps |G|^2 is not above 0" in (
+        _one_line_exit_2(capsys, ["advise", str(no_gns)]))
     assert "no metrics file" in _one_line_exit_2(capsys, ["advise", str(tmp_path / "missing")])
     assert "not a directory" in _one_line_exit_2(capsys, ["scaling", str(tmp_path / "missing")])
     assert "no scaling.json" in _one_line_exit_2(capsys, ["scaling", str(tmp_path)])
@@ -158,3 +190,14 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         capsys, ["sweep", "--out", str(tmp_path / "s"), "--widths", "0", "--tokens", "1e4"])
     assert "--tokens" in _one_line_exit_2(
         capsys, ["sweep", "--out", str(tmp_path / "s"), "--widths", "16", "--tokens", "many"])
+
+
+def test_run_summary_gives_the_noise_scale_with_its_interval():
+    from trainspec.cli.summary import _gns
+
+    assert _gns({"gns": 11727.3, "gns_low": 8038.1, "gns_high": 21429.0,
+                 "gns_window_steps": 9}) == (
+        "11727 tokens (B_simple over the last 9 steps, 90% interval 8038-21429; "
+        "`trainspec advise` reads it)")
+    assert "interval >= 8038 (no upper bound)" in _gns(
+        {"gns": 11727.3, "gns_low": 8038.1, "gns_high": None, "gns_window_steps": 9})

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/collectives.md", "docs/xla_ext.md"]
+DOCS = ["README.md", "docs/collectives.md", "docs/xla_ext.md", "docs/plan.md"]
 
 # 7 to 40 hex digits with at least one letter and one digit (a short or full commit hash)
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")

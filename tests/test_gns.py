@@ -13,9 +13,12 @@ import pytest
 from flax.training.train_state import TrainState
 
 from trainspec.jax import grad_step, loss_step, wrap
-from trainspec.core.gns import NoiseScale, unbiased_parts
+from trainspec.core import gns
+from trainspec.core.gns import unbiased_parts
 from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
+from trainspec.jax.metrics.advice import advise
+from trainspec.jax.metrics.logger import MetricsLogger
 from trainspec.jax.models.transformer import Transformer, next_token_loss
 from trainspec.core.spec import ModelSpec, load_spec
 
@@ -165,13 +168,102 @@ def test_noise_scale_is_invariant_to_layout():
     assert 0.5 < ratio < 2.0, ratio  # noise-limited (40 steps); the parts are checked above
 
 
-def test_noise_scale_ema_is_bias_corrected():
-    ns = NoiseScale()
-    ns.update(2.0, 10.0)
-    assert ns.grad_sq.value == pytest.approx(2.0) and ns.b_simple == pytest.approx(5.0)
-    for _ in range(200):
-        ns.update(4.0, 10.0)
-    assert ns.b_simple == pytest.approx(2.5, rel=1e-3)
+# -- the estimate of the current state from the per-step parts (trainspec.core.gns).
+def _noisy_parts(rng, grad_sq, trace=10.0):
+    """Per-step part estimates around the given |G|^2 series and a steady tr Sigma, noisy as
+    the default job's late steps are (sd 0.8 x the final |G|^2 and 0.3 x tr Sigma) and
+    anti-correlated as the two-batch estimator makes them."""
+    e = rng.multivariate_normal([0, 0], [[1, -0.5], [-0.5, 1]], size=len(grad_sq))
+    return grad_sq + 0.8 * grad_sq[-1] * e[:, 0], trace + 0.3 * trace * e[:, 1]
+
+
+def _holds(estimate, b_simple):
+    """Whether the estimate's interval (None: no bound that side) holds `b_simple`."""
+    return (estimate.low or 0.0) <= b_simple <= (estimate.high or np.inf)
+
+
+def test_interval_holds_the_truth_at_its_confidence_and_steady_runs_keep_every_step():
+    rng = np.random.default_rng(0)
+    runs = [gns.estimate(*_noisy_parts(rng, np.ones(60))) for _ in range(400)]
+    covered = np.mean([_holds(e, 10.0) for e in runs])
+    # 400 draws of a 90% interval: binomial sd 1.5 %, so [0.85, 0.95] is over 3 sd each side
+    assert 0.85 <= covered <= 0.95, covered
+    full = np.mean([e.window == 60 and not e.trend_limited for e in runs])
+    assert full >= 0.9, full  # a steady state is rarely cut short (AGREE_Z = 3 per test)
+
+
+def test_window_stops_where_the_state_moved():
+    """|G|^2 fell 10x 40 steps ago: the window stays within the 40 (the candidates are 32 and
+    48), older steps are reported to disagree, and the interval holds the final state's 10/1
+    about as often as its confidence says."""
+    rng = np.random.default_rng(1)
+    grad_sq = np.r_[np.full(100, 10.0), np.ones(40)]
+    runs = [gns.estimate(*_noisy_parts(rng, grad_sq)) for _ in range(200)]
+    assert all(e.trend_limited and e.window <= 40 for e in runs)
+    assert np.median([e.window for e in runs]) == 32
+    assert np.mean([_holds(e, 10.0) for e in runs]) >= 0.8
+
+
+def test_t_quantile_matches_scipy():
+    from scipy import stats
+
+    for dof in (2, 3, 5, 10, 40, 1000):
+        assert gns.t_quantile(0.95, dof) == pytest.approx(stats.t.ppf(0.95, dof), rel=0.015)
+    for dof in (5, 10, 40):  # the window test's tail (AGREE_Z = 3 sd), from 6 steps on
+        assert gns.t_quantile(0.99865, dof) == pytest.approx(stats.t.ppf(0.99865, dof), rel=0.015)
+
+
+# -- |G|^2 falling 1000x: advise must read the run's final state, not its history.
+# Per row the loss |w - x|^2 / 2 with x ~ N(mu, I): the per-row gradient is w - x, so G = w - mu
+# and tr Sigma = d at every w. SGD at rate LR multiplies |G|^2 by (1 - LR)^2 a step down to its
+# floor E|G|^2 = LR d / (B (2 - LR)): from 1000x the floor it falls 1000x in 12 steps, and stays
+# near B_simple = B (2 - LR) / LR = 7 batches. d is large so |G|^2 of one state is within a few %
+# of the floor (a chi-square of d degrees): the final state is then typical of the last steps.
+D_MEAN, LR, FALL_RUN, HELD_OUT = 2048, 0.25, 80, 8192
+SGD = optax.sgd(LR)  # one optimizer object: init_fn is called twice (docs/wrapping.md)
+
+
+def _mean_loss(params, batch):
+    return 0.5 * jnp.sum((params["w"] - batch["x"]) ** 2), jnp.float32(batch["x"].shape[0]), {}
+
+
+def _held_out_b_simple(w, mu, rng):
+    """tr Sigma / |G|^2 from per-row gradients at w on HELD_OUT fresh rows: the per-row
+    covariance's trace, and |mean|^2 less its expected excess tr Sigma / N."""
+    total, sq = np.zeros(D_MEAN), 0.0
+    for _ in range(HELD_OUT // 1024):
+        grads = w - (mu + rng.standard_normal((1024, D_MEAN)))
+        total += grads.sum(axis=0)
+        sq += np.sum(grads**2)
+    mean = total / HELD_OUT
+    trace = (sq - HELD_OUT * mean @ mean) / (HELD_OUT - 1)
+    return trace / (mean @ mean - trace / HELD_OUT)
+
+
+def test_advise_reads_the_final_state_after_the_gradient_falls_1000x(tmp_path):
+    rng = np.random.default_rng(0)
+    mu = rng.standard_normal(D_MEAN)
+    delta = rng.standard_normal(D_MEAN)
+    delta *= np.sqrt(1000 * LR * D_MEAN / (ROWS * (2 - LR))) / np.linalg.norm(delta)
+    spec = load_spec({"mesh": {"axes": {"data": {"size": 8}}},
+                      "batch": {"global_batch": ROWS, "seq_len": 1}})  # the unit is a row
+    step = wrap(loss_step(_mean_loss), spec)
+    state = step.init(lambda: TrainState.create(
+        apply_fn=None, params={"w": jnp.asarray(mu + delta, jnp.float32)}, tx=SGD))
+    batches = [{"x": (mu + rng.standard_normal((ROWS, D_MEAN))).astype(np.float32)}
+               for _ in range(FALL_RUN)]
+    logger = MetricsLogger.for_run(spec, step, state, batches[0], tmp_path, FALL_RUN)
+    for i, batch in enumerate(batches, 1):
+        state, metrics = step(state, batch)
+        logger.after_step(i, metrics)
+    logger.close()
+    w = np.asarray(jax.device_get(state.params["w"]), np.float64)
+    assert delta @ delta / np.sum((w - mu) ** 2) > 500  # |G|^2 did fall ~1000x
+    reference = _held_out_b_simple(w, mu, rng)
+    assert reference == pytest.approx(D_MEAN / np.sum((w - mu) ** 2), rel=0.05)  # closed form
+    result = advise(tmp_path, spec)
+    assert result["critical_batch_tokens"] == pytest.approx(reference, rel=0.3), reference
+    assert result["window_steps"] <= FALL_RUN - 12  # the fall is outside the window
 
 
 def test_gns_true_without_a_second_batch_size_is_one_line_error():

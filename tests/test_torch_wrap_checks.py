@@ -1,13 +1,18 @@
 """trainspec.torch.wrap in one process (a one-rank job): what it refuses, in one line naming the
 argument or field; which modules its default rules pick (FSDP2 units, the tensor-parallel plan);
-the non-finite policy; autocast; a checkpoint refused by a model of other shapes. Multi-rank
-behaviour (layouts against plain torch, resume on another mesh, replica check) is in
-test_torch_wrap.py."""
+the non-finite policy; autocast; what each remat.policy recomputes, counted by operator in the
+backward pass, and that it changes no number; the noise scale over micro-batches; checkpoints
+refused by a model of other shapes or another compression. Multi-rank behaviour (layouts
+against plain torch, resume on another mesh, replica check) is in test_torch_wrap.py; remat,
+ZeRO-1, compression and GNS against references in test_torch_features.py."""
+import collections
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainspec.torch
 from gpt_model import GPT, GPTConfig, adamw, token_loss
@@ -22,6 +27,15 @@ from trainspec.torch.layout import default_tensor_plan, shard_units
 from trainspec.torch.model import Transformer
 
 SETS = ["batch.seq_len=16", "batch.global_batch=4", "optimizer.warmup_steps=1"]
+
+MATMUL, ATTENTION, GELU = "addmm", "_scaled_dot_product_flash_attention_for_cpu", "gelu"
+# which of a block's forward operators the backward pass runs again, per remat.policy
+RECOMPUTED = {
+    "none": set(),
+    "full": {MATMUL, ATTENTION, GELU},
+    "dots_saveable": {GELU},  # matmuls and the fused attention kept
+    "dots_with_no_batch_dims_saveable": {ATTENTION, GELU},  # attention has batch dimensions
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,6 +84,14 @@ def _refusal(call) -> str:
     (lambda: wrap(overrides=["precision.param=bfloat16"]),
      "precision.compute: float32 is wider than precision.param bfloat16"),
     (lambda: wrap(overrides=["layout.rules.embed=[]"]), "layout.rules:"),
+    (lambda: wrap(overrides=["layout.optimizer_state=shard_over_data"],
+                  optimizer_fn=lambda params: torch.optim.Adafactor(params)),
+     "layout.optimizer_state: shard_over_data updates each data replica's slice of every "
+     "parameter, which only an element-wise optimizer allows"),
+    (lambda: wrap(lambda: nn.Sequential(nn.Linear(16, 16)), overrides=["remat.policy=full"]),
+     "remat.policy: 'full' checkpoints each repeated block, and the model has no nn.ModuleList"),
+    (lambda: wrap(overrides=["metrics.gns=true"]), "metrics.gns: true cannot be measured: one "
+     "data-parallel replica and one micro-batch give no second batch size"),
     (lambda: wrap(mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("data",))),
      "mesh: its axes {'data': 1} are not the spec's mesh.axes {'data': 1, 'fsdp': 1, 'tensor': 1}"),
 ])
@@ -178,6 +200,78 @@ def test_sixteen_bit_compute_is_autocast():
     assert seen == [torch.bfloat16] * 4  # matmuls in the compute dtype ...
     assert {p.dtype for p in step.params} == {torch.float32}  # ... parameters stored in param
     assert losses[-1] < losses[0]
+
+
+class BackwardOps(TorchDispatchMode):
+    """Counts the operators run once `loss_fn` has returned: the backward pass (and the
+    optimizer's, which runs no matmul, attention or gelu)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backward, self.counts = False, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.backward:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def remat_steps():
+    """policy -> (metrics of one step, parameters after it, backward operator counts)."""
+    out = {}
+    for policy in RECOMPUTED:
+        ops = BackwardOps()
+
+        def loss_fn(model, b, ops=ops):
+            result = token_loss(model, b)
+            ops.backward = True
+            return result
+
+        step = wrap(loss_fn=loss_fn, overrides=[f"remat.policy={policy}"])
+        with ops:
+            metrics = step(batch())
+        out[policy] = metrics, [p.detach().clone() for p in step.params], ops.counts
+    return out
+
+
+@pytest.mark.parametrize("policy", list(RECOMPUTED))
+def test_each_policy_recomputes_what_it_names(remat_steps, policy):
+    counts = remat_steps[policy][2]
+    recomputed = {op for op in (MATMUL, ATTENTION, GELU) if counts[op]}
+    assert recomputed == RECOMPUTED[policy], dict(counts)
+    if ATTENTION in recomputed:  # once per block: every block is a unit
+        assert counts[ATTENTION] == GPTConfig().n_layer
+
+
+@pytest.mark.parametrize("policy", [p for p in RECOMPUTED if p != "none"])
+def test_remat_changes_no_number(remat_steps, policy):
+    metrics, params, _ = remat_steps[policy]
+    want_metrics, want_params, _ = remat_steps["none"]
+    assert (metrics["loss"], metrics["grad_norm"]) == (want_metrics["loss"],
+                                                       want_metrics["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+
+
+def test_micro_batches_measure_the_noise_scale_on_one_rank():
+    step = wrap(overrides=["batch.micro_batch=2"])
+    assert (step.gns_source, step.gns_note) == ("micro_batches", None)
+    metrics = step(batch())
+    assert np.isfinite(metrics["gns_grad_sq"]) and metrics["gns_trace"] > 0
+    off = wrap(overrides=["batch.micro_batch=2", "metrics.gns=false"])
+    assert off.gns_note == "metrics.gns = false" and "gns_trace" not in off(batch())
+
+
+def test_a_resume_under_another_compression_is_refused(tmp_path):
+    """What the state holds depends on it (an error-feedback residual), as on JAX."""
+    step = wrap()
+    step(batch())
+    step.save(trainspec.torch.TorchCheckpointer(step.spec, tmp_path), 1)
+    other = wrap(overrides=['collectives.compression="int8"'])
+    checkpoints = trainspec.torch.TorchCheckpointer(other.spec, tmp_path)
+    assert _refusal(lambda: other.restore(checkpoints)) == (
+        f"collectives.compression: the checkpoints in {tmp_path}/checkpoints/1 were written "
+        "with 'none', the spec says 'int8'; use another --run-dir, or the saved value")
 
 
 def test_a_checkpoint_is_refused_by_a_model_of_other_shapes(tmp_path):

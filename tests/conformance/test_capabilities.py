@@ -73,6 +73,7 @@ def test_refusing_flags_are_named_as_their_destinations():
     (["mesh.axes.data.dcn=2"], "mesh.axes.*.dcn"),
     (["semi_sync.inner_steps=4", "health.fingerprints.policy=halt"], "semi_sync"),
     (["mesh.axes.tensor.size=2", "model.n_heads=3", "model.d_model=33"], "model.n_heads"),
+    (["mesh.axes.data.size=1", "mesh.axes.fsdp.size=-1", "metrics.gns=true"], "metrics.gns"),
 ])
 def test_torch_refuses_what_it_does_not_do_in_one_line_naming_the_field(sets, field):
     spec = tiny_spec("checkpoint.interval=0", *sets)
@@ -96,8 +97,8 @@ def test_a_step_checks_the_fields_a_step_depends_on():
     assert check_layout(spec, 4) == {"data": 4, "fsdp": 1, "tensor": 1}
     with pytest.raises(UserInputError, match="^checkpoint.async_save: "):
         check_run(spec, 4)
-    with pytest.raises(UserInputError, match="^remat.policy: 'full' has no torch counterpart"):
-        check_layout(tiny_spec("remat.policy=full"), 4)
+    with pytest.raises(UserInputError, match="^layout.rules: the torch implementation lays"):
+        check_layout(tiny_spec("layout.rules.embed=[]"), 4)
 
 
 def test_the_refusal_line_names_the_values():

@@ -134,7 +134,8 @@ def table(preds, profile, spec) -> str:
 
     m = spec.model
     n_params = sum(p.size for p in parameters(m))
-    lines = [f"# trainspec plan: {profile.name} ({profile.description}); model {n_params:.3g} params, L={m.n_layers} "
+    lines = [f"# trainspec plan: {profile.name} ({profile.description}); memory and collectives as "
+             f"{profile.backend} compiles the step; model {n_params:.3g} params, L={m.n_layers} "
              f"d={m.d_model} H={m.n_heads} d_ff={m.d_ff} V={m.vocab_size}; batch "
              f"{spec.batch.global_batch}x{spec.batch.seq_len} "
              f"({plural(spec.batch.accumulation_steps, 'micro-batch', 'micro-batches')}); {spec.precision.compute} compute; remat {spec.remat.policy}",

@@ -1,6 +1,8 @@
 """The summary `trainspec train` prints, whichever implementation trained (framework-free)."""
 from __future__ import annotations
 
+from trainspec.core.advice import interval_text
+from trainspec.core.gns import CONFIDENCE
 from trainspec.core.mesh import mesh_text
 
 
@@ -38,7 +40,9 @@ def _gns(summary: dict) -> str:
         return f"not measured: {summary['gns_not_measured']}"
     if summary.get("gns") is None:
         return "- (no positive |G|^2 estimate yet)"
-    return f"{summary['gns']:.0f} tokens (B_simple; `trainspec advise` reads it)"
+    interval = interval_text(summary["gns_low"], summary["gns_high"])
+    return (f"{summary['gns']:.0f} tokens (B_simple over the last {summary['gns_window_steps']} "
+            f"steps, {CONFIDENCE:.0%} interval {interval}; `trainspec advise` reads it)")
 
 
 def _comm(summary: dict) -> str:

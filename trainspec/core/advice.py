@@ -74,3 +74,39 @@ def trend(steps: list[float], values: list[float]) -> float | None:
         return None
     slope = sum((s - ms) * (v - mv) for s, v in points) / var
     return math.exp(slope * (points[-1][0] - points[0][0]))
+
+
+# An interval on B_crit wider than this factor leaves the recommended batch open by as much.
+UNRELIABLE_SPREAD = 2.0
+
+
+def interval_text(low: float | None, high: float | None) -> str:
+    if low is None and high is None:
+        return "no bound"
+    if high is None:
+        return f">= {low:.0f} (no upper bound)"
+    return f"{low or 0:.0f}-{high:.0f}"
+
+
+def reliability(low: float | None, high: float | None, window: int | None,
+                trend_limited: bool | None) -> tuple[bool, str]:
+    """(reliable, one line): whether the estimate pins B_crit within UNRELIABLE_SPREAD, and why
+    not. `trend_limited`: older steps disagreed with the window (gns_trend_limited)."""
+    if window is None:
+        return False, "unknown: the records give no interval on B_crit"
+    spread = high / low if low and high else math.inf
+    interval = interval_text(low, high)
+    if spread > UNRELIABLE_SPREAD and trend_limited:
+        return False, (
+            f"unreliable: B_crit moves faster than it can be measured: the steps before the "
+            f"last {window} disagree with them (the noise scale grows as the loss falls), and "
+            f"{window} steps pin it only within {interval} tokens. No single batch size fits "
+            "this run; train further and advise again, or grow the batch with B_crit")
+    if spread > UNRELIABLE_SPREAD:
+        return False, (f"uncertain: the {window} steps measured pin B_crit only within "
+                       f"{interval} tokens; a longer run narrows it")
+    if trend_limited:
+        return True, (f"B_crit is moving: older steps disagree with the last {window}, which "
+                      f"agree within their noise (interval x{spread:.2f}); the estimate is their "
+                      "average, and lags B_crit while it moves")
+    return True, f"steady over the {window} steps measured (interval x{spread:.2f})"

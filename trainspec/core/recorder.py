@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from trainspec.core import flops, records
-from trainspec.core.gns import NoiseScale
+from trainspec.core.gns import NoiseScale, record_fields
 from trainspec.core.goodput import Goodput
 
 
@@ -65,7 +65,6 @@ class Recorder:
         self.last: dict | None = None
         self.losses: dict[int, float] = {}  # recorded losses by step, a resumed run's included
         self.records: int = 0
-        self.noise_scale = NoiseScale()  # smoothed over every step of the run
         self._seconds, self._timed_steps, self._valid_tokens = 0.0, 0, 0.0
         self.restart(facts, first_step)
 
@@ -76,6 +75,7 @@ class Recorder:
         if facts.get("compile_time_s"):
             self.goodput.add("compilation", facts["compile_time_s"])
         self.rewind(first_step - 1)
+        self.noise_scale = NoiseScale()  # the window of the newest steps restarts from here
         self._pending_tokens: list = []
         self._pending_gns: list = []  # per-step (|G|^2, tr Sigma) estimates, still on device
         self._pending_steps, self._pending_wait = 0, 0.0
@@ -138,7 +138,7 @@ class Recorder:
             **records.interval_fields(self.facts, n, wall, valid, self.tokens_per_step,
                                       self._pending_wait, self.goodput.summary(now)),
             **self.per_record(),
-            **self._gns_fields(),
+            **record_fields(self.noise_scale.estimate()),
             **extra_fields,
         }
         for sink in self.sinks:
@@ -151,19 +151,13 @@ class Recorder:
         self._t_last = time.perf_counter()  # writing the record is not step time
         return record
 
-    def _gns_fields(self) -> dict:
-        ns = self.noise_scale
-        return {"gns_grad_sq": records.finite_or_none(ns.grad_sq.value),
-                "gns_trace": records.finite_or_none(ns.trace.value),
-                "gns": records.finite_or_none(ns.b_simple)}
-
     def summary(self) -> dict:
         """Run-level numbers for the loop's summary: means over every recorded step."""
         return {
             **records.run_fields(self.facts, self._seconds, self._timed_steps,
                                  self._valid_tokens, self.goodput.summary(), self.losses,
                                  self.total_steps),
-            "gns": records.finite_or_none(self.noise_scale.b_simple),
+            **record_fields(self.noise_scale.estimate()),
         }
 
     def close(self) -> None:

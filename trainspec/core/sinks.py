@@ -28,6 +28,8 @@ def _summary_writer_class():
 PER_RECORD = {
     "loss": "loss/loss", "grad_norm": "loss/grad_norm", "learning_rate": "loss/learning_rate",
     "gns": "loss/gns", "gns_grad_sq": "loss/gns_grad_sq", "gns_trace": "loss/gns_trace",
+    "gns_low": "loss/gns_low", "gns_high": "loss/gns_high",
+    "gns_window_steps": "loss/gns_window_steps", "gns_trend_limited": "loss/gns_trend_limited",
     "skipped_steps": "loss/skipped_steps",  # health: steps not applied (non-finite)
     "step_time_s": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s",
     "padded_tokens_per_s": "perf/padded_tokens_per_s", "mfu": "perf/mfu", "hfu": "perf/hfu",
@@ -56,9 +58,11 @@ def _number(value) -> bool:
 
 
 def _scalars(tag: str, value) -> dict[str, float]:
-    """A number as one scalar; a {name: number} map as one per name (`tag/name`)."""
+    """A number (or flag) as one scalar; a {name: number} map as one per name (`tag/name`)."""
     if isinstance(value, dict):
         return {f"{tag}/{k}": v for k, v in value.items() if _number(v)}
+    if isinstance(value, bool):  # a flag plots as 0/1
+        return {tag: float(value)}
     return {tag: value} if _number(value) else {}
 
 

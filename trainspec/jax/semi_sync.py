@@ -276,6 +276,10 @@ class SemiSyncStep(WrappedStep):
             inner.collectives + [c.repeated(1 / self.inner_steps) for c in outer.collectives],
             inner.unknown_trip_counts + outer.unknown_trip_counts)
 
+    def programs(self, compiled) -> list:
+        """The inner program and, once compiled, the outer one."""
+        return [compiled] + ([self._outer_compiled] if self._outer_compiled is not None else [])
+
     # -- running ------------------------------------------------------------------------------
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
         """Every group's guard starts from these counts (a checkpoint keeps the largest)."""

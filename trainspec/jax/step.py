@@ -362,6 +362,10 @@ class WrappedStep:
         """Collectives per step of `compiled` (this step's program), from its HLO."""
         return comm.analyze_compiled(compiled, self.mesh)
 
+    def programs(self, compiled) -> list:
+        """Every program the step runs, `compiled` (from `compile`) first."""
+        return [compiled]
+
     def _prepare(self, batch) -> None:
         if self.state_shardings is None:
             raise RuntimeError("call init() first: the state's shardings come from it")

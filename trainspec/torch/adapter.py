@@ -39,6 +39,7 @@ class TorchAdapter(Adapter):
     # no fixed order, so no bitwise promise can be made (docs/adapters.md).
     guarantee_levels = dict.fromkeys(OPS, "nondeterministic")
     capabilities = TORCH
+    compressions = ("bf16", "int8")  # trainspec/torch/compression.py
 
     def __init__(self, timeout_s: float = 120.0):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,6 +127,14 @@ class TorchAdapter(Adapter):
     def round_trip(self, x: np.ndarray, dtype: str) -> np.ndarray:
         wide = torch.int64 if dtype == "int32" else torch.float64
         return torch.from_numpy(np.asarray(x)).to(TORCH_DTYPES[dtype]).to(wide).numpy()
+
+    def error_feedback(self, x, residual, compression, block):
+        from trainspec.torch.compression import decode, encode
+
+        corrected = torch.from_numpy(np.asarray(x, np.float32) + np.asarray(residual, np.float32))
+        sent = decode(encode(corrected[None], compression, block), compression, block,
+                      corrected.numel())[0]
+        return sent.numpy(), (corrected - sent).numpy()
 
     def gather_objects(self, obj) -> list:
         every: list = [None] * self.process_count

@@ -4,10 +4,10 @@ Framework-free, so that a spec is refused in one line before any rank starts."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    Capabilities, Refusal, honoured, refusal, refused, refused_section)
+    Capabilities, Refusal, honoured, refused, refused_section)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
-QUALIFIES_COMPRESSION = "no effect without a compression (refused), as on every implementation"
+QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
 
 
 def _one_split_axis(role: str) -> Refusal:
@@ -26,6 +26,13 @@ TENSOR_DIVIDES = Refusal(
     "when the tensor axis does not divide it", lambda value, r: value % _tensor_axis(r)[1] != 0,
     "{value} is not divisible by the {size} ranks of tensor axis '{axis}'",
     lambda r: dict(zip(("axis", "size"), _tensor_axis(r))))
+
+
+NOTHING_TO_MEASURE_GNS = Refusal(
+    "when true with one replica and one micro-batch",
+    lambda value, r: value is True and not r.split("data") and r.spec.batch.accumulation_steps == 1,
+    "true cannot be measured: one data-parallel replica and one micro-batch give no second "
+    "batch size")
 
 
 TORCH = Capabilities("torch", dict([
@@ -47,13 +54,13 @@ TORCH = Capabilities("torch", dict([
         "started job; start fewer ranks instead")),
     ("layout.rules", refused(
         "unless empty", bool,
-        "the torch implementation lays out a model by module names, not logical axes "
-        "(trainspec.torch.wrap's fsdp_units and tensor_plan; docs/adapters.md); remove the "
-        "rules")),
-    ("layout.optimizer_state", refused(
-        "unless like_params", lambda v: v != "like_params",
-        "the torch implementation keeps optimizer state like its parameter (FSDP2 shards "
-        "both); use like_params")),
+        "the torch implementation lays a model out by module names (FSDP2 units, a DTensor "
+        "plan: trainspec.torch.wrap's fsdp_units and tensor_plan), not by logical axes, which "
+        "torch modules do not carry; remove the rules")),
+    ("layout.optimizer_state", honoured(
+        "like_params: FSDP2 and DTensor lay the state out like its parameter; shard_over_data: "
+        "ZeRO-1, each data replica steps its flat slice of every local block and all-gathers "
+        "them (element-wise torch optimizers)")),
     ("precision.param", honoured("the parameters' storage dtype")),
     ("precision.compute", honoured("every matmul's operands cast to it")),
     ("precision.grad_reduce", honoured("the dtype of the gradient all-reduce (FSDP2 "
@@ -62,18 +69,17 @@ TORCH = Capabilities("torch", dict([
     ("batch.micro_batch", honoured("token-weighted accumulation: loss sums, divided once by "
                                    "the valid tokens of the whole batch")),
     ("batch.seq_len", honoured()),
-    ("remat.policy", refused(
-        "unless none", lambda v: v != "none",
-        "{value!r} has no torch counterpart here (it names jax checkpoint policies); use none")),
+    ("remat.policy", honoured(
+        "torch's checkpoint of every block (the FSDP2 units); the dots policies as selective "
+        "activation checkpointing that keeps matmul (and fused attention) outputs")),
     ("collectives.backend", refused(
         "unless xla", lambda v: v != "xla",
         "{value!r} is a JAX backend; the torch implementation reduces through "
         "torch.distributed (leave the default)")),
     ("collectives.timeout_s", honoured("the process groups' timeout")),
-    ("collectives.compression", refused(
-        "unless none", lambda v: v != "none",
-        "{value!r} is not implemented by the torch implementation (its gradients are reduced "
-        "in float32; docs/adapters.md); use none")),
+    ("collectives.compression", honoured(
+        "bf16 or int8 on the data axes: core.compression's two stages (all-to-all, all-gather) "
+        "of core.packed buffers, in the JAX step's order for the reference model")),
     ("collectives.error_feedback", honoured(QUALIFIES_COMPRESSION)),
     ("collectives.compression_block", honoured(QUALIFIES_COMPRESSION)),
     ("metrics.sink", honoured("the core's JSONL writer, on rank 0")),
@@ -83,9 +89,7 @@ TORCH = Capabilities("torch", dict([
     ("metrics.peak_flops_per_device", honoured()),
     ("metrics.tensorboard", honoured("the core's sinks (tensorboardX), on rank 0")),
     ("metrics.gns", honoured(
-        "absent: not measured, the summary says why (gns_not_measured)",
-        refusal("when true", bool, "the torch implementation does not measure the gradient "
-                "noise scale (its records leave the gns fields null)"))),
+        "from replicas or micro-batches, as the JAX step", NOTHING_TO_MEASURE_GNS)),
     ("model.vocab_size", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.d_model", honoured(REFERENCE_MODEL)),
     ("model.n_layers", honoured(REFERENCE_MODEL)),

@@ -121,13 +121,22 @@ class TorchCheckpointer:
 
 
 def _check_same_model(saved: dict, spec: Spec, where: Path) -> None:
-    """The parts of the spec a checkpoint's arrays depend on must not have changed."""
+    """The parts of the spec a checkpoint's arrays depend on must not have changed: the model,
+    its precision and optimizer, and whether the state holds an error-feedback residual."""
     current = spec.to_dict()
     for section in ("model", "precision", "optimizer"):
         if saved.get(section) != current[section]:
             raise UserInputError(
                 f"{section}: differs from the checkpoint in {where} ({saved.get(section)} there, "
                 f"{current[section]} now); use another --run-dir")
+    keys = ("compression", "error_feedback") if spec.collectives.compression != "none" else (
+        "compression",)  # without a compression, error_feedback changes nothing
+    for key in keys:
+        was, now = saved["collectives"][key], current["collectives"][key]
+        if was != now:
+            raise UserInputError(
+                f"collectives.{key}: the checkpoints in {where} were written with {was!r}, the "
+                f"spec says {now!r}; use another --run-dir, or the saved value")
 
 
 def _shapes(model) -> dict[str, list[int]]:

@@ -114,7 +114,7 @@ def next_token_loss(logits, targets, mask):
 # -- the flax <-> torch parameter correspondence ------------------------------------------------
 
 
-def _flax_path(name: str) -> tuple[str, ...]:
+def flax_path(name: str) -> tuple[str, ...]:
     """torch parameter name -> flax parameter path."""
     parts = [p for p in name.split(".") if p != "blocks"]
     if parts[-1] == "weight":
@@ -133,7 +133,7 @@ def from_flax(model: Transformer, flax_params) -> dict[str, torch.Tensor]:
     state = {}
     for name, p in model.named_parameters():
         node = flax_params
-        for part in _flax_path(name):
+        for part in flax_path(name):
             node = node[part]
         value = np.asarray(node)
         if name.endswith("weight"):
@@ -150,7 +150,7 @@ def to_flax(model: Transformer, state: dict[str, torch.Tensor]) -> dict:
               "value": (c.d_model, c.n_heads, hd), "out": (c.n_heads, hd, c.d_model)}
     tree: dict = {}
     for name, tensor in state.items():
-        path = _flax_path(name)
+        path = flax_path(name)
         value = tensor.detach().cpu().float().numpy()
         if name.endswith("weight"):
             value = value.T.reshape(shapes.get(path[-2], value.T.shape))

@@ -43,8 +43,7 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
                 "memory_peak_bytes", "memory_argument_bytes", "memory_output_bytes",
                 "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
                 "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
-                "comm_bus_bytes_per_step", "gns_source")
-GNS_NOT_MEASURED = "the torch implementation does not measure the gradient noise scale"
+                "comm_bus_bytes_per_step")
 
 
 class TorchRunStep(OnHost):
@@ -53,13 +52,13 @@ class TorchRunStep(OnHost):
     analytic FLOPs (MFU is null without them)."""
 
     framework = "torch"
-    gns_note = GNS_NOT_MEASURED
     local_signals = True  # every rank catches them; `stop_signal` agrees on one
 
     def __init__(self, step: WrappedStep, adapter: TorchAdapter,
                  model_flops: flops.ModelFlops | None = None):
         self.job, self.adapter, self.model_flops = step, adapter, model_flops
         self.spec, self.mesh_shape = step.spec, step.mesh_shape
+        self.gns_note = step.gns_note  # None when the step measures the noise scale
         self.process_index, self.is_writer = adapter.process_index, adapter.is_writer()
         self.participants = [f"rank {r}" for r in range(adapter.process_count)]
         self.guard = init_nan_guard()
@@ -88,6 +87,7 @@ class TorchRunStep(OnHost):
             "n_devices": self.adapter.process_count,
             "batch_tokens": tokens,
             **dict.fromkeys(NOT_MEASURED),
+            "gns_source": self.job.gns_source,
             "comm_bytes_by_kind": {},
             "comm_bytes_by_axis": {},
         }

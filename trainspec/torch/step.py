@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainspec.core.spec import Spec
 from trainspec.torch.adapter import TORCH_DTYPES as DTYPES
-from trainspec.torch.model import Transformer, next_token_loss
+from trainspec.torch.model import Transformer, flax_path, next_token_loss
 from trainspec.torch.support import check_spec
 from trainspec.torch.wrapped import WrappedStep
 
@@ -52,6 +52,15 @@ class TorchStep(WrappedStep):
         super().__init__(build, reference_loss, spec, mesh=mesh, device=device,
                          total_steps=total_steps, fsdp_units=("blocks.*",), autocast=False,
                          nan_guard=False)
+
+    @staticmethod
+    def packing_order(named: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The data all-reduce's buffer in the JAX step's order: parameters by their flax path
+        (sorted, as jax flattens the tree), kernels in the flax layout (in, out), i.e. the
+        nn.Linear weights transposed. A compressed reduction then cuts the same int8 blocks
+        and chunks as JAX's when the local blocks are whole parameters (the data layout)."""
+        ordered = sorted(named, key=lambda pair: flax_path(pair[0]))
+        return [block.t() if name.endswith("weight") else block for name, block in ordered]
 
     def __call__(self, rows: dict[str, np.ndarray],
                  apply: Callable[[bool], bool] = bool) -> dict[str, float]:

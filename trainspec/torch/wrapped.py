@@ -6,8 +6,12 @@ non-finite policy of `[health.nan]`, replica fingerprints and DCP checkpoints.
 
 Gradients: each micro-batch's loss *sum* is back-propagated; FSDP2 reduce-scatters the sums over
 the fsdp axis once per step, the local gradients are all-reduced over the data axes once per step
-(packed into one buffer, as the JAX step fuses them), and everything is divided once by the
-valid tokens of the whole global batch (trainspec/core/accumulation.py's rule).
+(trainspec/torch/reduction.py: packed into one buffer, as the JAX step fuses them; compressed with
+error feedback under `collectives.compression`), and everything is divided once by the valid
+tokens of the whole global batch (trainspec/core/accumulation.py's rule). `remat.policy`
+checkpoints the units (trainspec/torch/remat.py), `layout.optimizer_state` may split the
+optimizer state over the data replicas (trainspec/torch/optimizer_state.py), and `metrics.gns`
+adds the gradient noise scale's parts to the metrics (trainspec/torch/gns.py).
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import (
@@ -30,10 +33,15 @@ from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import Spec
 from trainspec.torch.adapter import TORCH_DTYPES, TorchAdapter, axes_size, fingerprint, group_of
 from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.gns import StepNoiseScale
 from trainspec.torch.layout import (
     apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block,
-    mesh_size, rows, shard_units, sharded_axes)
+    mesh_size, rows, shard_units)
+from trainspec.torch.norms import Norms
 from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optimizer
+from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
+from trainspec.torch.reduction import DataReduction, model_order, packed
+from trainspec.torch.remat import apply_remat
 from trainspec.torch.support import check_layout, split_axes
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -101,6 +109,7 @@ class WrappedStep:
             plan = tensor_plan or default_tensor_plan(self.model, sizes[tensor[0]])
             apply_tensor_parallel(self.model, mesh[tensor[0]], plan)
         units = shard_units(self.model, fsdp_units)  # checked on any mesh
+        apply_remat(self.model, units, spec.remat.policy)  # inside FSDP2's hooks
         if fsdp:
             apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype)
         self.fsdp = bool(fsdp)
@@ -108,14 +117,30 @@ class WrappedStep:
         self.batch_group = group_of(mesh, self.batch_axes) if self.batch_axes else None
         self.shards = axes_size(mesh, self.batch_axes)
         self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
+        self.norms = Norms(mesh, device)
+        # metrics.gns: a replica's batch shards are its rows' other axes (fsdp)
+        replica_axes = tuple(a for a in self.batch_axes if a not in self.data_axes)
+        self.noise_scale = StepNoiseScale(
+            spec.metrics.gns, axes_size(mesh, self.data_axes), spec.batch.accumulation_steps,
+            self.norms, self.data_group,
+            group_of(mesh, replica_axes) if replica_axes else None)
 
         self.params = list(self.model.parameters())
-        if optimizer_fn is None:
-            self.optimizer = spec_optimizer(spec.optimizer, self.params)
-        else:
-            self.optimizer = optimizer_fn(self.params)
-        _check_optimizer(self.optimizer, self.model)
-        self._groups: dict[tuple[str, ...], object] = {}  # process groups of sharded axes
+        self.reduction = None
+        if self.data_group is not None:
+            self.reduction = DataReduction(spec.collectives, self.data_group, self.grad_dtype,
+                                           self.model.named_parameters(), self.packing_order)
+        optimizer = (spec_optimizer(spec.optimizer, self.params) if optimizer_fn is None
+                     else optimizer_fn(self.params))
+        _check_optimizer(optimizer, self.model)
+        sharded = spec.layout.optimizer_state == "shard_over_data"
+        if sharded:  # refused on any mesh, not only where it shards
+            check_shardable(optimizer)
+        shard_group = self.data_group if sharded else None
+        residual = self.reduction.residual_state() if self.reduction else None
+        self.optimizer = optimizer  # as built, unless its state is split or has company
+        if shard_group is not None or residual is not None:
+            self.optimizer = StepOptimizer(optimizer, shard_group, residual)
         self.updates = 0  # applied updates: the schedule's count (a skipped step adds none)
         self.nan_guard = nan_guard
         self.guard = init_nan_guard()
@@ -131,12 +156,26 @@ class WrappedStep:
         model.to(device=self.device, dtype=self.param_dtype)
         if dist.get_world_size() > 1:
             for tensors in _by_dtype([*model.parameters(), *model.buffers()]).values():
-                _packed(tensors, lambda flat: dist.broadcast(flat, src=0))
+                packed(tensors, lambda flat: dist.broadcast(flat, src=0))
         return model
+
+    # The order of the data all-reduce's buffer (trainspec/torch/reduction.py); compression's
+    # blocks and chunks are cut in it.
+    packing_order = staticmethod(model_order)
 
     def rows(self) -> slice:
         """This rank's rows of the global batch."""
         return self._rows
+
+    @property
+    def gns_source(self) -> str | None:
+        """Where metrics.gns's small batch comes from (`gns_source` in records), or None."""
+        return self.noise_scale.source
+
+    @property
+    def gns_note(self) -> str | None:
+        """Why the gradient noise scale is not measured (None when it is)."""
+        return self.noise_scale.note
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -151,16 +190,16 @@ class WrappedStep:
         self.optimizer.zero_grad(set_to_none=False)
         sums = self._accumulate(batch)
         grads = [q.grad for q in self.params if q.grad is not None]
-        if self.data_group is not None:
-            _packed([local_block(g) for g in grads],
-                    lambda flat: dist.all_reduce(flat, group=self.data_group), self.grad_dtype)
+        small_batch = self.noise_scale.small_batch(grads, sums[1])  # before the reduction
+        if self.reduction is not None:
+            self.reduction()
         if self.batch_group is not None:
             dist.all_reduce(sums, group=self.batch_group)
         loss_sum, tokens = sums.tolist()
         denom = max(tokens, 1.0)
         for g in grads:
             g.div_(denom)
-        grad_norm = float(self._grad_norm(grads))
+        grad_norm = self.norms.norm(grads)
         finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
         lr = learning_rate(self.spec.optimizer, self.total_steps, self.updates)
         taken = self._decide(finite, apply)
@@ -169,9 +208,12 @@ class WrappedStep:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if self.reduction is not None:
+                self.reduction.commit()
             self.updates += 1
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "learning_rate": lr,
-                   "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite)}
+                   "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite),
+                   **self.noise_scale.parts(small_batch, grad_norm, tokens)}
         if self.nan_guard and apply is None:
             metrics["skipped_steps"] = check_nan_guard(self.spec.health.nan, self.guard)
         return metrics
@@ -190,14 +232,18 @@ class WrappedStep:
         k = self.spec.batch.accumulation_steps
         local = self._local_rows(batch)
         sums = torch.zeros(2, dtype=torch.float32, device=self.device)
+        every = self.noise_scale.every_micro_batch
         for j in range(k):
-            if self.fsdp:  # reduce-scatter once, after the last micro-batch
-                self.model.set_requires_gradient_sync(j == k - 1)
+            if self.fsdp:  # reduce-scatter once, after the last micro-batch (or after each)
+                self.model.set_requires_gradient_sync(every or j == k - 1)
             with self._compute():
                 loss_sum, tokens = self._loss({key: v[j::k] for key, v in local.items()})
             loss_sum.backward()
-            sums += torch.stack([loss_sum.detach().float(),
-                                 torch.as_tensor(tokens, device=self.device).float()])
+            tokens = torch.as_tensor(tokens, device=self.device).float()
+            sums += torch.stack([loss_sum.detach().float(), tokens])
+            if every:
+                self.noise_scale.after_micro_batch(
+                    [q.grad for q in self.params if q.grad is not None], tokens)
         return sums
 
     def _compute(self):
@@ -233,25 +279,6 @@ class WrappedStep:
                     f"global batch) or {per} (this rank's rows, step.rows())")
             local[key] = (t[self._rows] if n != per else t).to(self.device)
         return local
-
-    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Global L2 norm: squares of the local blocks summed per set of mesh axes they are
-        split over, one all-reduce per set (a replicated dimension is counted once)."""
-        by_axes: dict[tuple[str, ...], torch.Tensor] = {}
-        for g in grads:
-            axes = ()
-            if isinstance(g, DTensor):
-                axes = sharded_axes(g)
-                g = g.to_local()
-            by_axes[axes] = by_axes.get(axes, 0.0) + g.float().pow(2).sum()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for axes, square in by_axes.items():
-            if axes:
-                if axes not in self._groups:
-                    self._groups[axes] = group_of(self.mesh, axes)
-                dist.all_reduce(square, group=self._groups[axes])
-            total += square
-        return torch.sqrt(total)
 
     # -- health and checkpoints ----------------------------------------------------------------
     def check_replicas(self, step: int, last_good_step: int = 0) -> None:
@@ -323,17 +350,3 @@ def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tenso
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     return groups
-
-
-def _packed(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], object],
-            dtype: torch.dtype | None = None) -> None:
-    """Run `collective` in place on `tensors` packed into one flat buffer (in `dtype`, default
-    theirs): one call for all of them, the result copied back."""
-    if not tensors:
-        return
-    flat = torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
-    collective(flat)
-    offset = 0
-    for t in tensors:
-        t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
-        offset += t.numel()

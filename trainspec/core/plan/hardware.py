@@ -50,6 +50,9 @@ class Profile:
     ici: Link
     dcn: Link
     sources: tuple[str, ...]
+    # The compiler whose programs the profile's memory and communication model: what it
+    # does with the step decides the buffers and the collectives (docs/plan.md).
+    backend: str
     shared_host_compute: bool = False
     host_cores: int = 1  # cores the shared host compute is spread over (CPU profile)
     # Per step: dispatch and per-operation costs that do not grow with the work (significant
@@ -61,11 +64,11 @@ class Profile:
     # share); 0 leaves the optimizer update's memory traffic out of the step time.
     memory_bandwidth_Bps: float = 0.0
     ici_domain_devices: int | None = None  # devices one ICI domain spans (default: a host)
-    # What the compiler keeps beyond the counted activations (docs/plan.md); 1 = the count.
-    activation_overhead: float = 1.0             # on the tensor-split activations
-    activation_overhead_replicated: float = 1.0  # on the rest
     # XLA:CPU lowers a reduce-scatter to an all-reduce and a slice (same S, all-reduce cost).
     reduce_scatter_as_all_reduce: bool = False
+    # XLA:CPU moves 16-bit data as float32 in the step's collectives: its all-reduce
+    # promotion widens the all-reduces, and it converts 16-bit parameters before gathering.
+    collectives_16bit_as_float32: bool = False
     # Attention without stored scores (flash attention); XLA:CPU materialises them.
     fused_attention: bool = False
 
@@ -118,9 +121,9 @@ def _from_dict(data: dict, origin: str) -> Profile:
             program_overhead_s=float(data.get("program_overhead_s", 0.0)),
             memory_bandwidth_Bps=float(data.get("memory_bandwidth_Bps", 0.0)),
             ici_domain_devices=data.get("ici_domain_devices"),
-            activation_overhead=float(data.get("activation_overhead", 1.0)),
-            activation_overhead_replicated=float(data.get("activation_overhead_replicated", 1.0)),
+            backend=str(data["backend"]),
             reduce_scatter_as_all_reduce=bool(data.get("reduce_scatter_as_all_reduce", False)),
+            collectives_16bit_as_float32=bool(data.get("collectives_16bit_as_float32", False)),
             fused_attention=bool(data.get("fused_attention", False)),
         )
     except (KeyError, TypeError, ValueError) as err:

@@ -6,7 +6,8 @@ import math
 from collections.abc import Callable
 
 from trainspec.core.plan.hardware import Profile
-from trainspec.core.plan.model import Layout, Prediction
+from trainspec.core.plan.model import Prediction
+from trainspec.core.plan.shards import Layout
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 

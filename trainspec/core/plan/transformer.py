@@ -17,10 +17,9 @@ class Param:
     path: str
     shape: tuple[int, ...]
     logical: tuple[str, ...]
-    # All-gathers of it per step when fsdp splits it: the model gathers its kernels and the
-    # embedding once, explicitly (trainspec.jax.layout.gathered_for_use); it leaves the norm
-    # scales to XLA, which gathers them once for the forward and again for the backward.
-    gathers: int = 1
+    # Who gathers it when fsdp splits it: the model its kernels and the embedding, explicitly
+    # (trainspec.jax.layout.gathered_for_use); XLA the norm scales, at each use (plan.comm).
+    gathered_by_xla: bool = False
 
     @property
     def size(self) -> int:
@@ -28,6 +27,11 @@ class Param:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def in_block(self) -> bool:
+        """Part of a transformer block (what remat recomputes)."""
+        return self.path.startswith("block_")
 
 
 def parameters(m: ModelSpec) -> list[Param]:
@@ -37,15 +41,15 @@ def parameters(m: ModelSpec) -> list[Param]:
     for i in range(m.n_layers):
         b = f"block_{i}"
         params += [
-            Param(f"{b}/attn_norm/scale", (d,), ("embed",), gathers=2),
+            Param(f"{b}/attn_norm/scale", (d,), ("embed",), gathered_by_xla=True),
             *(Param(f"{b}/{n}/kernel", (d, h, dh), ("embed", "heads", "kv"))
               for n in ("query", "key", "value")),
             Param(f"{b}/out/kernel", (h, dh, d), ("heads", "kv", "embed")),
-            Param(f"{b}/mlp_norm/scale", (d,), ("embed",), gathers=2),
+            Param(f"{b}/mlp_norm/scale", (d,), ("embed",), gathered_by_xla=True),
             Param(f"{b}/mlp_in/kernel", (d, f), ("embed", "mlp")),
             Param(f"{b}/mlp_out/kernel", (f, d), ("mlp", "embed")),
         ]
-    params += [Param("final_norm/scale", (d,), ("embed",), gathers=2),
+    params += [Param("final_norm/scale", (d,), ("embed",), gathered_by_xla=True),
                Param("head/kernel", (d, v), ("embed", "vocab"))]
     return params
 

@@ -1,6 +1,7 @@
 """`trainspec advise`: batch-size advice from a run's measured noise scale (docs/advice.md §2).
 
-Reads the run's metric records (the last record's smoothed `gns` is the estimate), applies the
+Reads the run's metric records (the last record's `gns`, over the recent steps that agree with
+the run's current state, is the estimate; its interval says how far to trust it), applies the
 steps/tokens trade-off through the observed run, and lays the critical batch out on the spec's
 devices. Time per step at another batch on the same devices is scaled by tokens per step (the
 per-token cost measured by the run, compute-bound); docs/advice.md states this assumption.
@@ -11,8 +12,10 @@ import json
 import statistics
 from pathlib import Path
 
-from trainspec.core.advice import Layout, TradeOff, recommend_layout, trend
+from trainspec.core.advice import (
+    Layout, TradeOff, interval_text, recommend_layout, reliability, trend)
 from trainspec.core.errors import UserInputError
+from trainspec.core.gns import CONFIDENCE
 from trainspec.report import plots
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.records import read_jsonl
@@ -32,11 +35,19 @@ def metrics_file(path: Path, spec: Spec) -> Path:
 
 
 def gns_records(path: Path) -> list[dict]:
-    records = [r for r in read_jsonl(path) if r.get("gns") is not None]
+    """The records that measured the noise scale; the last must have an estimate (an older one
+    would describe another state)."""
+    records = [r for r in read_jsonl(path) if r.get("gns_source") is not None]
     if not records:
         raise UserInputError(
             f"{path}: no gns records (metrics.gns was off, or the run had one data-parallel "
             "replica and one micro-batch)")
+    last = records[-1]
+    if last["gns"] is None:
+        raise UserInputError(
+            f"{path}: no B_crit at step {last['step']}: over the last "
+            f"{last.get('gns_window_steps')} steps |G|^2 is not above 0 within the noise "
+            "(B_crit far above the batch, or too few steps); train longer")
     return records
 
 
@@ -65,8 +76,13 @@ def advise(path: Path, spec: Spec) -> dict:
     trade = TradeOff.from_run(b_noise, batch_tokens, steps)
     step_time = statistics.median(r["step_time_s"] for r in records if r["step_time_s"])
     current = Layout(spec.batch.global_batch, spec.batch.micro, replicas)
-    recommended = recommend_layout(b_noise, seq_len, replicas,
-                                   max(1, spec.batch.micro // replicas))
+
+    def layout(b_crit):
+        return recommend_layout(b_crit, seq_len, replicas, max(1, spec.batch.micro // replicas))
+
+    low, high = last.get("gns_low"), last.get("gns_high")
+    reliable, reliability_note = reliability(low, high, last.get("gns_window_steps"),
+                                             last.get("gns_trend_limited"))
     return {
         "run": str(path),
         "steps": steps,
@@ -74,11 +90,17 @@ def advise(path: Path, spec: Spec) -> dict:
         "gns_source": last["gns_source"],
         "critical_batch_tokens": b_noise,
         "critical_batch_sequences": b_noise / seq_len,
+        "critical_batch_interval": [low, high],  # CONFIDENCE interval; None: no bound
+        "window_steps": last.get("gns_window_steps"),
+        "reliable": reliable,
+        "reliability": reliability_note,
         "s_min": trade.s_min,
         "e_min_tokens": trade.e_min,
         "n_devices": last["n_devices"],
         "current": _plan(current, trade, seq_len, step_time, batch_tokens),
-        "recommended": _plan(recommended, trade, seq_len, step_time, batch_tokens),
+        "recommended": _plan(layout(b_noise), trade, seq_len, step_time, batch_tokens),
+        # global batches the interval's ends would recommend (None: no bound)
+        "recommended_range": [layout(b).global_batch if b else None for b in (low, high)],
         "trade_off": [{"batch_tokens": b, "steps": trade.steps(b), "tokens": trade.tokens(b)}
                       for b in (b_noise / 4, b_noise / 2, b_noise, 2 * b_noise, 4 * b_noise)],
         "trend": _trend(records),
@@ -95,6 +117,7 @@ def _note(b_noise: float, replicas: int, seq_len: int) -> str | None:
 
 
 def _trend(records: list[dict]) -> dict:
+    records = [r for r in records if r["gns"] is not None]
     steps, values = [r["step"] for r in records], [r["gns"] for r in records]
     factor = trend(steps, values)
     if factor is None:
@@ -106,7 +129,8 @@ def _trend(records: list[dict]) -> dict:
     else:
         note = f"GNS steady (x{factor:.2f} from step {steps[0]} to {steps[-1]})"
     return {"factor": factor, "from_step": steps[0], "to_step": steps[-1], "note": note,
-            "steps": steps, "gns": values}
+            "steps": steps, "gns": values,
+            "interval": [[r.get("gns_low"), r.get("gns_high")] for r in records]}
 
 
 def text(advice: dict) -> str:
@@ -121,16 +145,25 @@ def text(advice: dict) -> str:
         f"run {advice['run']}: {advice['steps']} steps, loss {advice['loss']:.4f}, "
         f"GNS from {advice['gns_source']}",
         f"critical batch B_crit = {advice['critical_batch_tokens']:.0f} tokens "
-        f"({advice['critical_batch_sequences']:.1f} sequences)",
+        f"({advice['critical_batch_sequences']:.1f} sequences); "
+        f"{CONFIDENCE:.0%} interval {interval_text(*advice['critical_batch_interval'])}, "
+        f"from the last {advice['window_steps']} steps",
         f"trade-off to this loss: S = {advice['s_min']:.1f} (1 + B_crit/B) steps, "
         f"E = {advice['e_min_tokens']:.3g} (1 + B/B_crit) tokens",
         f"  {'':<12}{'global':>8} {'micro':>8} {'dp':>6} {'tokens/st':>10} {'steps':>9} "
         f"{'tokens':>12} {'time s':>9}",
         row("current", cur),
         row("recommended", rec),
+        f"  the interval's ends recommend a global batch of {_batch_range(advice)}",
+        f"reliability: {advice['reliability']}",
         f"trend: {advice['trend']['note']}",
         *([f"note: {advice['note']}"] if advice["note"] else []),
     ])
+
+
+def _batch_range(advice: dict) -> str:
+    low, high = advice["recommended_range"]
+    return f"{low or 'any'} to {high or 'any'}"
 
 
 def plot(advice: dict, out: Path) -> Path:
@@ -139,9 +172,13 @@ def plot(advice: dict, out: Path) -> Path:
 
     trade = TradeOff(advice["critical_batch_tokens"], advice["s_min"], advice["e_min_tokens"])
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_t.plot(advice["trend"]["steps"], advice["trend"]["gns"], marker="o")
+    steps = advice["trend"]["steps"]
+    ax_t.plot(steps, advice["trend"]["gns"], marker="o")
+    low, high = np.array(advice["trend"]["interval"], dtype=float).T  # None (no bound): a gap
+    ax_t.fill_between(steps, low, high, alpha=0.2, label=f"{CONFIDENCE:.0%} interval")
     ax_t.axhline(advice["current"]["batch_tokens"], ls="--", c="gray", label="run's batch")
-    ax_t.set(xlabel="step", ylabel="GNS B_simple (tokens)", title="noise scale during training")
+    ax_t.set(xlabel="step", ylabel="GNS B_simple (tokens)", title="noise scale during training",
+             yscale="log")  # it grows by orders of magnitude
     ax_t.legend()
     b = np.geomspace(trade.b_noise / 30, trade.b_noise * 30, 200)
     ax_b.loglog(trade.tokens(b), trade.steps(b), label="(S/S_min-1)(E/E_min-1)=1")

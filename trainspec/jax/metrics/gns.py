@@ -6,19 +6,15 @@ the global batch's). With a single replica, the micro-batches of accumulation pl
 batch. Only squared norms are added to the step: one pass over the gradient per replica (or
 per micro-batch) and a scalar per replica; no gradient is copied or reduced twice.
 
-The per-step parts are unbiased but noisy; the host smooths them (trainspec.core.gns) when it
-writes a record, so the step itself never waits on the host.
+The per-step parts are unbiased but noisy; the host estimates the run's current state from the
+recent steps (trainspec.core.gns) when it writes a record, so the step never waits on the host.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from trainspec.core.gns import unbiased_parts
-from trainspec.core.errors import UserInputError
-
-# Where the small batch comes from (`gns_source` in records).
-REPLICAS, MICRO_BATCHES = "replicas", "micro_batches"
+from trainspec.core.gns import MICRO_BATCHES, REPLICAS, resolve, unbiased_parts  # noqa: F401
 
 
 def sq_norm(tree) -> jax.Array:
@@ -58,26 +54,3 @@ def replica_parts(grad_sums, token_sums, grad_sum, tokens) -> dict[str, jax.Arra
 def micro_parts(micro_sq_sum, k: int, grad_sum, tokens) -> dict[str, jax.Array]:
     """`micro_sq_sum`: the sum over the k micro-batches of each one's `mean_sq`."""
     return step_parts(micro_sq_sum / k, tokens / k, mean_sq(grad_sum, tokens), tokens)
-
-
-def resolve(setting: bool | None, replicas: int, micro_batches: int,
-            gradient_visible: bool) -> tuple[str | None, str | None]:
-    """(where the step's small batch comes from, or None; why not, in one line, or None).
-
-    `setting` is `metrics.gns` (None = on when possible). Asking for it where it cannot be
-    measured is an error naming the field, rather than a run that silently records nothing.
-    """
-    if setting is False:
-        return None, "metrics.gns = false"
-    if not gradient_visible:
-        why_not = ("the step is opaque (its gradient is not visible): build it with "
-                   "trainspec.jax.loss_step or trainspec.jax.grad_step")
-    elif replicas > 1:
-        return REPLICAS, None
-    elif micro_batches > 1:
-        return MICRO_BATCHES, None
-    else:
-        why_not = "one data-parallel replica and one micro-batch give no second batch size"
-    if setting:
-        raise UserInputError(f"metrics.gns = true cannot be measured: {why_not}")
-    return None, why_not

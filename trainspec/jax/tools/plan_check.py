@@ -4,9 +4,10 @@
 reports what the planner predicts: per-device memory (`compiled.memory_analysis()`), and the
 HLO's communication bytes by kind and mesh axis and operations by kind (trainspec.jax.metrics.comm);
 `layout_runner` places its state so that `step_time` can time it.
-`calibrate_cpu` measures this machine's matmul peak and collective alpha-beta and fits the
-activation overheads, `calibrate_time` the step-time parameters, so that `trainspec plan
---hardware cpu` predicts this machine. tests/test_plan.py and bench/plan_step_time.py use them.
+`calibrate_cpu` measures this machine's matmul peak, collective alpha-beta and memory
+bandwidth, `calibrate_time` fits the step-time parameters, so that `trainspec plan --hardware
+cpu` predicts this machine's step time. tests/test_plan*.py and bench/plan_step_time.py use
+them.
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ import jax.numpy as jnp
 from trainspec.core.data import ByteBatches
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.plan.hardware import Profile, calibrate, load_profile
-from trainspec.core.plan.model import Layout, Prediction, fit_activation_overheads, predict
+from trainspec.core.plan.model import Prediction, predict
+from trainspec.core.plan.shards import Layout
 from trainspec.core.plan.search import all_layouts
 from trainspec.core.spec import Spec, load_spec
 from trainspec.jax.mesh import build_mesh
-from trainspec.jax.metrics import comm, memory
+from trainspec.jax.metrics import memory
 from trainspec.jax.metrics.cpu_peak import matmul_peak
 from trainspec.core.transformer_flops import for_spec
 from trainspec.jax.train import build_abstract_job, build_job
@@ -110,13 +112,15 @@ class Runner:
 
 def compile_layout(spec: Spec, n_devices: int) -> dict:
     """Compile the step on the first n devices for its abstract state (no state is made, no
-    step runs): the compiled memory and HLO comm the planner predicts."""
+    step runs): the compiled memory (the largest of the step's programs) and HLO comm the
+    planner predicts."""
     mesh = build_mesh(spec, jax.devices()[:n_devices])
     step, abstract = build_abstract_job(spec, mesh)
     compiled = step.compile(abstract, _first_batch(spec, step))
-    volume = comm.analyze_compiled(compiled, mesh)
+    volume = step.comm_volume(compiled)  # semi_sync: the outer program's, 1/H a step
     return {
-        "memory_peak_bytes": memory.compiled_memory(compiled)["memory_peak_bytes"],
+        "memory_peak_bytes": max(memory.compiled_memory(program)["memory_peak_bytes"]
+                                 for program in step.programs(compiled)),
         "comm_bytes_by_kind_and_axis": volume.by_kind_and_axis(),
         "comm_ops_by_kind": volume.ops_by_kind(),
     }
@@ -170,18 +174,12 @@ def update_bandwidth(elements: int = 1 << 18, repeats: int = 20) -> float:
     return len(devices) * 7 * elements * 4 / statistics.median(times[1:])
 
 
-def calibrate_cpu(profile: Profile, memory_points: list[tuple[Spec, int, float]] | None = None,
-                  bench_rows: list[dict] | None = None, peak: float | None = None) -> Profile:
-    """The CPU profile with this machine's measured peak, links and memory bandwidth, and
-    (given compiled memory of two or more layouts with different tensor sizes) its activation
-    overheads."""
+def calibrate_cpu(profile: Profile, bench_rows: list[dict] | None = None,
+                  peak: float | None = None) -> Profile:
+    """The CPU profile with this machine's measured peak, links and memory bandwidth."""
     calibrated = calibrate(profile, bench_rows if bench_rows is not None else collective_rows(),
                            peak if peak is not None else matmul_peak())
-    calibrated = dataclasses.replace(calibrated, memory_bandwidth_Bps=update_bandwidth())
-    if memory_points:
-        calibrated = fit_activation_overheads(
-            [(s, layout_of(s, n), measured) for s, n, measured in memory_points], calibrated)
-    return calibrated
+    return dataclasses.replace(calibrated, memory_bandwidth_Bps=update_bandwidth())
 
 
 def fit_compute(profile: Profile, points) -> Profile:

@@ -1,0 +1,61 @@
+"""Squared L2 norms of tensors laid out over a DeviceMesh: the gradient norm of the step and
+the per-replica and per-micro-batch norms of the gradient noise scale (trainspec/torch/gns.py).
+
+A rank holds local blocks: whole tensors, or DTensor shards split over some mesh axes. The
+squares of the local blocks are summed per set of axes they are split over, and each set is
+all-reduced over its axes once, so a replicated dimension is counted once.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from trainspec.torch.adapter import group_of
+from trainspec.torch.layout import local_block, sharded_axes
+
+Squares = dict[tuple[str, ...], torch.Tensor]
+
+
+class Norms:
+    def __init__(self, mesh: DeviceMesh, device: torch.device):
+        self.mesh, self.device = mesh, device
+        self._groups: dict[tuple[str, ...], object] = {}
+
+    def group(self, axes: tuple[str, ...]):
+        """The process group of mesh axes `axes`, created once (every rank asks in the same
+        order, as torch.distributed requires)."""
+        if axes not in self._groups:
+            self._groups[axes] = group_of(self.mesh, axes)
+        return self._groups[axes]
+
+    @staticmethod
+    def local_squares(tensors: Sequence[torch.Tensor],
+                      blocks: Iterable[torch.Tensor] | None = None) -> Squares:
+        """This rank's sum of squares (float32) per set of axes the blocks are split over;
+        `blocks`: other local blocks laid out as `tensors` (default: theirs)."""
+        if blocks is None:
+            blocks = [local_block(t) for t in tensors]
+        by_axes: Squares = {}
+        for t, block in zip(tensors, blocks):
+            axes = sharded_axes(t) if isinstance(t, DTensor) else ()
+            square = block.float().pow(2).sum()
+            by_axes[axes] = by_axes[axes] + square if axes in by_axes else square
+        return by_axes
+
+    def total(self, by_axes: Squares) -> torch.Tensor:
+        """The global sum of squares: each set all-reduced over its axes, then added. Values
+        may be vectors (one entry per micro-batch), reduced in one call per set."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for axes, square in by_axes.items():
+            if axes:
+                dist.all_reduce(square, group=self.group(axes))
+            total = total + square
+        return total
+
+    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        """Global L2 norm of `tensors`."""
+        return float(torch.sqrt(self.total(self.local_squares(tensors))))
