@@ -1,5 +1,5 @@
 """Measure this machine's float32 matmul FLOP/s: the CPU entry of the peak table, and (with
---save) the per-machine cache that MFU on a CPU divides by (trainspec/jax/metrics/cpu_peak.py).
+--save) the per-machine cache that MFU on a CPU divides by (trainspec/core/cpu_peak.py).
 
 How: one jax CPU device (the whole process's thread pool), square float32 matmuls of several
 sizes, each timed as the best of R repetitions after a warm-up (best, because on a shared

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from run_dirs import signal_when
 from tiny import TINY
 from xla_env import without_device_count
 
@@ -92,12 +93,8 @@ def test_sigterm_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, refe
     proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=_env(), cwd=ROOT)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= INTERVAL + 2):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = signal_when(proc, lambda: metrics.exists()
+                         and len(metrics.read_text().splitlines()) >= INTERVAL + 2)
     assert proc.returncode == 143, err
     stopped_at = max(_losses(tmp_path))
     line = err.strip().splitlines()[-1]

@@ -1,12 +1,14 @@
 """The CPU peak MFU divides by: measured once per machine, cached atomically under the user's
-cache directory, keyed by CPU model, cores and jax version; its provenance is in the record's
-`peak_flops_source` and the run summary. (conftest sets TRAINSPEC_CPU_PEAK=table elsewhere.)"""
+cache directory, keyed by CPU model and cores (not by framework: jax and torch read the same
+entry); its provenance is in the record's `peak_flops_source` and the run summary. (conftest sets
+TRAINSPEC_CPU_PEAK=table elsewhere.)"""
 import json
 
 import jax
 import pytest
 
 from trainspec.cli.summary import print_summary
+from trainspec.core import cpu_peak as core_cpu_peak
 from trainspec.core import flops as core_flops
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import default_spec, load_spec
@@ -39,8 +41,9 @@ def test_measured_once_then_read_from_the_cache(cache, monkeypatch):
     assert calls == [1] and again.flops_per_device == first.flops_per_device
     assert "cached in" in again.source
 
-    # Another machine (or jax version) has its own entry: measured again, the first one kept.
-    monkeypatch.setattr(cpu_peak, "machine_key", lambda: "Other CPU | 64 cores | jax 0.0")
+    assert entry["measured_with"] == f"jax {jax.__version__}"
+    # Another machine has its own entry: measured again, the first one kept.
+    monkeypatch.setattr(core_cpu_peak, "machine_key", lambda: "Other CPU | 64 cores")
     flops.peak_flops(default_spec())
     assert calls == [1, 1] and len(json.loads(cache.read_text())) == 2
 
@@ -67,7 +70,7 @@ def test_a_corrupt_or_unwritable_cache_does_not_stop_the_run(cache, monkeypatch)
     cache.write_text("{torn")
     with pytest.warns(UserWarning, match="unreadable CPU peak cache"):
         peak = cpu_peak.process_peak()
-    assert peak.flops_per_device == 2e10 and json.loads(cache.read_text())[cpu_peak.machine_key()]
+    assert peak.flops_per_device == 2e10 and json.loads(cache.read_text())[core_cpu_peak.machine_key()]
     cache.unlink()
     cache.parent.rmdir()
     cache.parent.parent.joinpath("cache").write_text("a file where the directory should be")
@@ -85,3 +88,15 @@ def test_summary_prints_the_peak_and_its_source(capsys):
     out = capsys.readouterr().out
     assert "peak           1.8e+10 FLOP/s per device (measured on this machine: x)" in out
     assert "1 micro-batch per step" in out and "(mean over the run)" in out
+
+
+def test_torch_divides_by_the_entry_jax_measured(cache, monkeypatch):
+    """One entry per machine, whichever framework measured it: a torch rank's peak is the
+    process peak jax cached, shared by the ranks on the host (no measurement of its own)."""
+    torch_peak = pytest.importorskip("trainspec.torch.peak")
+    monkeypatch.setattr(cpu_peak, "measure", lambda: core_cpu_peak.entry({256: 3e10}, "jax x"))
+    jax_peak = flops.peak_flops(default_spec())
+    monkeypatch.setattr(torch_peak, "measure", lambda: pytest.fail("measured again"))
+    rank_peak = torch_peak.peak_flops(default_spec(), "cpu", 4)
+    assert rank_peak.flops_per_device * 4 == jax_peak.flops_per_device * jax.local_device_count()
+    assert "jax x" in rank_peak.source and "shared by 4 devices" in rank_peak.source

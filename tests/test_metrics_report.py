@@ -11,6 +11,7 @@ import pytest
 from metrics_jobs import METRICS_MODEL
 from tiny import TINY, tiny_spec
 from trainspec.cli.main import main
+from trainspec.cli.summary import print_summary
 from trainspec.core.transformer_flops import for_spec
 from trainspec.jax.metrics.logger import MetricsLogger
 from trainspec.core.records import read_jsonl
@@ -22,8 +23,8 @@ from trainspec.jax.train import build_job
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(layout, run_dir, steps=4):
-    spec = tiny_spec(*METRICS_MODEL, layout=layout)
+def _run(layout, run_dir, steps=4, *overrides):
+    spec = tiny_spec(*METRICS_MODEL, *overrides, layout=layout)
     job = build_job(spec)
     logger = MetricsLogger.for_run(spec, job.step, job.state, job.data.batch(0), run_dir, steps,
                                    for_spec(spec))
@@ -164,3 +165,26 @@ def test_bench_step_rejects_different_models(tmp_path, capsys):
     argv = ["bench", "step", "--spec", str(ROOT / "examples/data.toml"), "--spec", str(other)]
     assert main(argv) == 2
     assert "[model] sections" in capsys.readouterr().err
+
+
+def test_report_and_summary_show_payload_and_bus_bytes(tmp_path, capsys):
+    """bf16 compression swaps the gradient all-reduce for an all-to-all and an all-gather of
+    half the bytes: the same payload, half the bus bytes (docs/metrics.md, section 5). The
+    report's bus row shows the saving the payload row does not."""
+    plain = _run("data", tmp_path / "none", 2)
+    compressed = _run("data", tmp_path / "bf16", 2, 'collectives.compression="bf16"')
+    assert main(["report", str(plain), str(compressed), "--out", str(tmp_path / "r")]) == 0
+    table = capsys.readouterr().out
+    ratios = {line.split("  ")[0]: float(line.split()[-1].rstrip("x"))
+              for line in table.splitlines() if line.startswith("comm MiB/step")}
+    assert 0.95 < ratios["comm MiB/step (payload)"] < 1.05, table
+    assert 0.45 < ratios["comm MiB/step (bus)"] < 0.55, table
+
+    record = read_jsonl(compressed)[-1]
+    print_summary({"mesh": {"data": 8}, "steps": 2, "resumed_from": 0, "accumulation_steps": 2,
+                   "initial_loss": 5.0, "final_loss": 4.0, "tokens_per_s": 1.0,
+                   "step_time_s": 0.1, "spec": "s", "metrics_file": "m",
+                   **{k: record[k] for k in ("comm_bytes_per_step", "comm_bus_bytes_per_step")}})
+    comm = next(line for line in capsys.readouterr().out.splitlines() if "comm " in line)
+    assert (f"{record['comm_bytes_per_step']:,.0f} B payload, "
+            f"{record['comm_bus_bytes_per_step']:,.0f} B bus per step and device") in comm

@@ -7,8 +7,8 @@ import pytest
 
 from tiny import tiny_spec
 from trainspec.core.records import FIELDS, MARKS
-from trainspec.jax.metrics import sinks
-from trainspec.jax.metrics.sinks import TensorBoardSink
+from trainspec.core import sinks
+from trainspec.core.sinks import TensorBoardSink
 
 
 def _record(step, **changes):

@@ -227,13 +227,12 @@ class _FakeSharding:
         return {i: (slice(a, b), slice(None)) for i, (a, b) in enumerate(self.row_blocks)}
 
 
-def _job(row_blocks):
+def _step(row_blocks):
     spec = load_spec(None, ["batch.global_batch=16", "batch.seq_len=8"])
-    step = SimpleNamespace(batch_sharding=lambda ndim: _FakeSharding(row_blocks))
-    return SimpleNamespace(spec=spec, step=step)
+    return SimpleNamespace(spec=spec, batch_sharding=lambda ndim: _FakeSharding(row_blocks))
 
 
 def test_local_rows_come_from_the_batch_sharding():
-    assert local_rows(_job([(8, 10), (10, 12), (12, 16)])) == slice(8, 16)  # not block p
+    assert local_rows(_step([(8, 10), (10, 12), (12, 16)])) == slice(8, 16)  # not block p
     with pytest.raises(UserInputError, match="not one contiguous block"):
-        local_rows(_job([(0, 2), (4, 6)]))  # interleaved with another process's rows
+        local_rows(_step([(0, 2), (4, 6)]))  # interleaved with another process's rows

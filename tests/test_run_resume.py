@@ -105,7 +105,8 @@ def test_the_readme_resume_continues_on_the_spec_the_run_dir_was_trained_under(t
         "(--spec chooses another)",
         "trainspec: resumed from step 2 (mesh data=1 x fsdp=8 → data=1 x fsdp=8, unchanged)"]
     assert json.loads(summary.read_text())["mesh"] == {"data": 1, "fsdp": 8}
-    assert "trained 4 steps on mesh data=1 x fsdp=8" in out
+    # this call's steps and where the run is: not "trained 4 steps" after training 2
+    assert "trained 2 steps (resumed at step 2, the run is at step 4) on mesh data=1 x fsdp=8" in out
 
     summary.unlink()
     code, out, err = _train(capsys, "--run-dir", str(run_dir), "--steps", "3",

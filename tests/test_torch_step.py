@@ -1,17 +1,20 @@
 """The torch step in one process (a one-rank job): the learning rate follows optax's schedule,
 the non-finite policy skips then halts with the last good state checkpointed, and 16-bit
 compute runs. Multi-rank behaviour is in test_torch_train.py and test_torch_equality.py."""
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from trainspec.torch.adapter import TorchAdapter
-from trainspec.torch.step import learning_rate
-from trainspec.torch.train import TorchSession
+from trainspec.core.data import ByteBatches
 from trainspec.core.health import HealthHalt
 from trainspec.jax.train import make_optimizer
+from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.run import Run
+from trainspec.torch.optim import learning_rate
+from trainspec.torch.step import TorchStep
 from tiny import tiny_spec
 
 
@@ -40,42 +43,50 @@ def test_learning_rate_is_the_jax_optimizers(warmup, total):
                             rel_tol=1e-5, abs_tol=1e-9), count
 
 
-def _poison(session):
-    with torch.no_grad():
-        session.job.model.head.weight.fill_(float("nan"))
+def _own_loop(spec, run_dir, steps, adapter, poison=False):
+    """An own loop on one rank through the torch Run: (the step, the run, its losses)."""
+    job = TorchStep(spec, adapter.build_mesh(spec), steps, adapter.device)
+    if poison:
+        with torch.no_grad():
+            job.model.head.weight.fill_(float("nan"))
+    data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), job.rows()
+    run = Run(spec, run_dir, job, steps, progress=False)
+    with run:
+        state = run.resume()
+        for batch in run.batches(lambda index: data.batch(index, rows)):
+            state, metrics = run.step(state, batch)
+            state = run.after_step(state, metrics)
+    return job, run, run.recorder.losses
 
 
 def test_nonfinite_steps_are_skipped_then_halt(tmp_path, adapter):
     spec = tiny_spec("metrics.interval=1", "checkpoint.interval=2", "health.nan.policy=skip",
                      "health.nan.max_consecutive_skips=2")
-    session = TorchSession(spec, tmp_path, 6, adapter, progress=False)
-    before = {k: v.clone() for k, v in session.job.optimizer.state_dict()["state"].items()}
-    _poison(session)
-    with pytest.raises(HealthHalt, match="at step 3"):
-        session.train()
+    with pytest.raises(HealthHalt, match="at step 3") as halt:
+        _own_loop(spec, tmp_path, 6, adapter, poison=True)
     # steps 1-3 non-finite and dropped (no update, no optimizer state); the third is one too
-    # many in a row: halted, with the state after step 2 checkpointed
-    assert int(session.guard["skipped"]) == 3 and session.job.updates == 0
-    assert session.job.optimizer.state_dict()["state"] == before == {}
-    assert (tmp_path / "checkpoints" / "2").is_dir()
+    # many in a row: halted, with the state after step 2 checkpointed and named
+    assert f"the state after step 2 is checkpoint 2 in {tmp_path}" in str(halt.value)
+    meta = json.loads((tmp_path / "checkpoints" / "2" / "meta.json").read_text())
+    assert (meta["updates"], meta["skipped_steps"]) == (0, 2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped_steps"], r["loss"]) for r in records] == [
+        (1, 1, None), (2, 2, None)]
 
 
 def test_halt_policy_stops_at_the_first_nonfinite_step(tmp_path, adapter):
     spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0", "health.nan.policy=halt")
-    session = TorchSession(spec, tmp_path, 4, adapter, progress=False)
-    _poison(session)
     with pytest.raises(HealthHalt, match="step 1"):
-        session.train()
+        _own_loop(spec, tmp_path, 4, adapter, poison=True)
 
 
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 def test_sixteen_bit_compute_learns(tmp_path, adapter, compute):
     spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0", f"precision.compute={compute}",
                      "optimizer.warmup_steps=1")
-    session = TorchSession(spec, tmp_path, 8, adapter, progress=False)
-    assert session.job.model.head.compute == getattr(torch, compute)
-    session.train()
-    assert session.losses[8] < session.losses[1] - 0.2, session.losses
+    job, _, losses = _own_loop(spec, tmp_path, 8, adapter)
+    assert job.model.head.compute == getattr(torch, compute)
+    assert losses[8] < losses[1] - 0.2, losses
 
 
 def test_arrays_cross_frameworks_through_dlpack(adapter):

@@ -14,7 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from run_dirs import snapshot
+from run_dirs import signal_when, snapshot
 from trainspec.core.records import json_schema
 from tiny import TINY, tiny_spec
 
@@ -81,7 +81,7 @@ def test_records_validate_against_the_schema(reference):
 
 
 def test_records_carry_the_learning_rate_and_mark_the_checkpoints(reference):
-    from trainspec.torch.step import learning_rate
+    from trainspec.torch.optim import learning_rate
     from trainspec.core.spec import load_spec
 
     optimizer = load_spec(reference / "spec.toml").optimizer  # the spec the run saved
@@ -109,6 +109,64 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from"] >= 4 and "resumed from step" in result.stderr + result.stdout
     assert _losses(tmp_path) == _losses(reference)  # bit for bit, every step
+
+
+def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp_path, reference):
+    """SIGTERM to the job: the launcher forwards it to every rank, the ranks agree on the step
+    to stop after, checkpoint it and exit 143 with one line saying where; the rerun loses no
+    step and matches the uninterrupted run bit for bit."""
+    proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, start_new_session=True)
+    out, _ = signal_when(proc, lambda: _has_record_past(tmp_path, 5))
+    assert proc.returncode == 143, out
+    stopped_at = max(_losses(tmp_path))
+    assert stopped_at < STEPS, "the run ended before the signal: nothing is tested"
+    assert (f"trainspec: stopped: SIGTERM after step {stopped_at}; checkpoint {stopped_at} is "
+            "in ") in out, out
+    assert (tmp_path / "checkpoints" / str(stopped_at) / "meta.json").is_file()
+    result = _run(_cmd(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"] == stopped_at
+    assert _losses(tmp_path) == _losses(reference)
+
+
+def test_restart_sets_the_checkpoints_aside_and_trains_from_step_0(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    result = _run(_cmd(run_dir, "--restart", steps=4))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == 0 and "resumed from" not in result.stdout + result.stderr
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints-quarantine").iterdir()) == [8, 12]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]
+    # Trained afresh: the reference's first losses (a 4-step schedule's first 3 updates, which
+    # the losses up to step 4 depend on, are the 12-step one's: warm-up, then the decay's start)
+    want = _losses(reference)
+    assert _losses(run_dir) == {step: want[step] for step in range(1, 5)}
+
+
+def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
+    """`--model examples/own_torch_model.py:make`: a user's nn.Module, loss, data and optimizer
+    through trainspec.torch.wrap in the same loop; a rerun to a later step resumes it on
+    another layout (data=2 -> fsdp=2), its records follow the schema."""
+    model = ["--model", f"{ROOT / 'examples' / 'own_torch_model.py'}:make",
+             "--set", "batch.micro_batch=8"]
+    result = _run(_cmd(tmp_path, *model, steps=4))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "trained 4 steps on mesh data=2 x fsdp=1 x tensor=1 (2 micro-batches" in result.stdout
+    fsdp = ["--set", "mesh.axes.data.size=1", "--set", "mesh.axes.fsdp.size=2"]
+    result = _run(_cmd(tmp_path, *model, *fsdp, steps=8))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert ("resumed from step 4 (mesh data=2 x fsdp=1 x tensor=1 → data=1 x fsdp=2 x tensor=1)"
+            in result.stdout + result.stderr)
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    schema = json_schema()
+    for record in records:
+        jsonschema.validate(record, schema)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_loss"] < summary["initial_loss"] and summary["framework"] == "torch"
+    assert records[-1]["model_flops_per_step"] == 6 * (8 * 32 + 32) * 16  # the model's own
 
 
 def test_resumes_on_another_world_size(tmp_path, reference):

@@ -67,7 +67,6 @@ def test_refusing_flags_are_named_as_their_destinations():
 
 @pytest.mark.parametrize("sets,field", [
     (["health.preflight=true"], "health.preflight"),
-    (["metrics.tensorboard=true"], "metrics.tensorboard"),
     (["checkpoint.interval=5"], "checkpoint.async_save"),
     (["checkpoint.async_save=false", "health.fingerprints.interval=5"],
      "health.fingerprints.policy"),
@@ -85,7 +84,8 @@ def test_torch_refuses_what_it_does_not_do_in_one_line_naming_the_field(sets, fi
 
 def test_torch_runs_what_it_honours():
     check_run(tiny_spec("checkpoint.async_save=false", "health.fingerprints.policy=halt",
-                         "mesh.axes.fsdp.size=2"), 4)
+                         "mesh.axes.fsdp.size=2", "metrics.tensorboard=true"), 4,
+              {"--restart": True, "--model": "own.py:make"})
     check_run(tiny_spec("checkpoint.interval=0"), 1)  # one rank: no replicas to compare
 
 
@@ -108,7 +108,6 @@ def test_the_refusal_line_names_the_values():
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--framework", "torch", "--restart"], "--restart"),
     (["--framework", "torch", "--host-devices", "2"], "--host-devices"),
     (["--nprocs", "2"], "--nprocs"),
 ])

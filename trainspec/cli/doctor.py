@@ -145,9 +145,9 @@ def run(args) -> int:
     import jax
 
     from trainspec.jax.health import doctor
-    from trainspec.jax.health.faults import Faults
+    from trainspec.jax.health.faults import Faults, faulty_reduction
 
-    fault = Faults.from_env().faulty_reduction_fault()
+    fault = faulty_reduction(Faults.from_env())
     ids = [d.id for d in jax.local_devices()]
     rows = platform_rows() + topology_rows()
     results = doctor.quick_device_checks(ids, fault)

@@ -8,7 +8,7 @@ from trainspec.core.mesh import mesh_text
 
 def print_summary(summary: dict) -> None:
     print(
-        f"\ntrained {summary['steps']} steps on mesh {mesh_text(summary['mesh'])} "
+        f"\n{_trained(summary)} on mesh {mesh_text(summary['mesh'])} "
         f"({plural(summary['accumulation_steps'], 'micro-batch', 'micro-batches')} per step)\n"
         f"  loss           {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}\n"
         f"  tokens/s       {summary['tokens_per_s']:.0f} (mean over the run)\n"
@@ -27,6 +27,14 @@ def plural(count: int, one: str, many: str) -> str:
     return f"{count} {one if count == 1 else many}"
 
 
+def _trained(summary: dict) -> str:
+    """The steps this invocation trained and, after a resume, where the run now is."""
+    resumed = summary.get("resumed_from") or 0
+    trained = f"trained {plural(summary['steps'] - resumed, 'step', 'steps')}"
+    return (f"{trained} (resumed at step {resumed}, the run is at step {summary['steps']})"
+            if resumed else trained)
+
+
 def _gns(summary: dict) -> str:
     if summary.get("gns_not_measured"):
         return f"not measured: {summary['gns_not_measured']}"
@@ -38,14 +46,16 @@ def _gns(summary: dict) -> str:
 
 
 def _comm(summary: dict) -> str:
-    """Collective bytes per step and device; under semi_sync amortised over the round."""
-    total = summary.get("comm_bytes_per_step")
+    """Collective bytes per step and device, payload and bus (nccl-tests' factors: what a
+    compression saves shows in the bus bytes); under semi_sync amortised over the round."""
+    total, bus = summary.get("comm_bytes_per_step"), summary.get("comm_bus_bytes_per_step")
     if total is None:
         return "- (not measured)"
+    both = f"{total:,.0f} B payload, {bus:,.0f} B bus" if bus is not None else f"{total:,.0f} B"
     semi = summary.get("semi_sync")
     if not semi:
-        return f"{total:,.0f} B per step and device (docs/metrics.md)"
-    return (f"{total:,.0f} B per step and device, amortised: inner "
+        return f"{both} per step and device (docs/metrics.md)"
+    return (f"{both} per step and device, amortised: inner "
             f"{semi['inner_comm_bytes_per_step']:,.0f} + outer {semi['outer_comm_bytes']:,.0f} "
             f"/ H={semi['inner_steps']} ({semi['groups']} semi_sync groups)")
 

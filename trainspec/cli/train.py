@@ -15,7 +15,7 @@ from trainspec.core.errors import UserInputError
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train the reference model under a spec")
+    p = subparsers.add_parser("train", help="train the reference model (or yours) under a spec")
     p.add_argument("--spec", type=Path, help="spec file (TOML); default: the spec the run dir was "
                    "last trained under (RUN_DIR/spec.toml), else the built-in spec")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: train.steps)")
@@ -35,6 +35,10 @@ def register(subparsers) -> None:
     p.add_argument("--restart", action="store_true",
                    help="train from step 0: move the run's checkpoints aside (kept, into "
                    "CHECKPOINT_DIR-quarantine) instead of resuming from them")
+    p.add_argument("--model", metavar="MODULE:FN",
+                   help="train your model and data instead of the reference job: FN(spec) in "
+                   "MODULE (a .py file or a module) returns a trainspec.core.user_model.UserModel "
+                   "(docs/wrapping.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--framework", choices=("jax", "torch"), default="jax",
                    help="implementation that trains (default jax; torch: docs/adapters.md)")
@@ -140,16 +144,18 @@ def run(args) -> int:
 
     say = announce if is_writer() else silent  # once per job, not once per process
     spec_path = spec_to_use(args, say)
+    from trainspec.core import user_model
     from trainspec.core.health import HealthHalt
     from trainspec.jax.health.exclusion import exclude
     from trainspec.jax.health.faults import Faults
     from trainspec.jax.checkpoint import CheckpointSaveError
-    from trainspec.jax.preemption import Preempted
+    from trainspec.core.loop import Preempted
 
     spec = load_spec(Path(spec_path), args.overrides)
     check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)
+    model = user_model.load(args.model, spec) if args.model else None
     with _failed_save_threads_quiet():  # until the process leaves on a failed save
         try:
             summary = train(
@@ -162,6 +168,7 @@ def run(args) -> int:
                 faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
                 restart=args.restart,
                 announce=say,
+                model=model,
             )
         except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
             say(str(done))

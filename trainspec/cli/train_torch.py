@@ -18,23 +18,28 @@ def run(args) -> int:
     from trainspec.torch.support import launched, rank_from_env
     from trainspec.torch.capabilities import TORCH
     from trainspec.cli.train_spec import announce, given_flags, silent, spec_to_use
+    from trainspec.core import user_model
     from trainspec.core.spec import load_spec
 
     TORCH.check_flags(given_flags(args))
     spec_path = spec_to_use(args, silent if launched() else announce)  # said once, by the launcher
     spec = load_spec(Path(spec_path), args.overrides)
+    model = user_model.load(args.model, spec) if args.model else None  # checked before ranks
     if not launched():
-        return _start_ranks(args, spec)
+        return _start_ranks(args, spec, model)
     if args.nprocs is not None:
         raise UserInputError("--nprocs: this process is already one rank of a job")
     from trainspec.torch.train import run as train
+    from trainspec.core.faults import Faults
     from trainspec.core.health import HealthHalt
+    from trainspec.core.loop import Preempted
     from trainspec.core.run_files import AlreadyTrained
 
     try:
         summary = train(spec, args.run_dir, steps=args.steps, spec_label=str(spec_path),
                         progress=not args.quiet, summary_json=args.summary_json,
-                        announce=announce)
+                        announce=announce, restart=args.restart, model=model,
+                        faults=Faults.from_env())  # nothing unless TRAINSPEC_FAULTS is set (tests)
     except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
         if rank_from_env() == 0:
             announce(str(done))
@@ -42,6 +47,10 @@ def run(args) -> int:
     except HealthHalt as halt:
         print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3
+    except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
+        if rank_from_env() == 0:
+            print(f"trainspec: stopped: {stop}", file=sys.stderr)
+        return stop.exit_status
     if rank_from_env() == 0:
         from trainspec.cli.summary import print_summary
 
@@ -49,13 +58,13 @@ def run(args) -> int:
     return 0
 
 
-def _start_ranks(args, spec) -> int:
+def _start_ranks(args, spec, model) -> int:
     from trainspec.torch.support import check_run
     from trainspec.core.launch import run as launch
     from trainspec.core.run_files import refuse_foreign_checkpoints
 
     nprocs = args.nprocs or _default_ranks()
-    check_run(spec, nprocs)  # bad input: one line here, not one per rank
+    check_run(spec, nprocs, own_model=model is not None)  # one line here, not one per rank
     # The ranks would refuse another framework's checkpoints too, each in its own line.
     refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, "torch")
     argv = list(args.argv)

@@ -10,7 +10,12 @@ An implementation of trainspec (the JAX one in trainspec.jax, or another framewo
 - `accumulation`: the token-weighted accumulation rule and its float64 reference.
 - `data`: the default job's batches, a pure function of (seed, step).
 - `records`: the metrics record schema, `JsonlWriter` and `read_jsonl`; `flops`: FLOPs
-  conventions, peak table and `utilisation` (MFU/HFU); `goodput`: the goodput/badput account.
+  conventions, peak table and `utilisation` (MFU/HFU); `cpu_peak`: the measured CPU peak every
+  implementation divides by; `goodput`: the goodput/badput account.
+- `loop`, `run`: the training loop of every implementation (the `Step` and `Checkpointer`
+  protocols an implementation fills, and `Run`, the run services around any loop); `recorder`
+  builds the records, `sinks` writes them (JSONL, TensorBoard); `faults`: the fault hooks;
+  `user_model`: what `trainspec train --model` trains.
 - `health`: the NaN policy state machine, the replica fingerprint vote, the straggler rule, and
   the exceptions a guard raises (`HealthHalt`, `ReplicaMismatch`).
 - `collectives_reference`: float64 references, adjoints and tolerances of the six collectives;

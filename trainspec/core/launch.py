@@ -9,8 +9,8 @@ others abort in their next collective) and its status or signal, and stops the o
 (SIGTERM, then SIGKILL after the grace period), so a job never outlives a dead rank.
 
 SIGINT/SIGTERM to the launcher are forwarded to every rank as SIGTERM, the preemption notice:
-each rank finishes its step, checkpoints (all at the same step) and exits 143 (trainspec.jax.
-preemption); the launcher waits for that within the grace period (`--grace`), then exits
+each rank finishes its step, checkpoints (all at the same step) and exits 143 (trainspec.core.
+run); the launcher waits for that within the grace period (`--grace`), then exits
 128 + the signal it got. Children die with the launcher (PR_SET_PDEATHSIG) so not even a
 SIGKILL of the launcher leaves orphans.
 """

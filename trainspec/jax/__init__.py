@@ -1,11 +1,11 @@
 """The reference implementation of trainspec on JAX/XLA.
 
-The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`, `grad_step`.
+The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`, `grad_step`, and
+`Run` (the run services of `trainspec train` for your own loop).
 They are imported on first use, so that importing a framework-free module below this package
 (the compiled `_xla_ext` registration, say) does not build the whole implementation.
 """
-import importlib
-
+from trainspec.core.entry_points import on_first_use
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec, default_spec, load_spec
 
@@ -15,16 +15,8 @@ _ENTRY_POINTS = {
     "loss_step": "trainspec.jax.step_forms",
     "grad_step": "trainspec.jax.step_forms",
     "wrap": "trainspec.jax.semi_sync",  # a WrappedStep, or a SemiSyncStep under `[semi_sync]`
+    "Run": "trainspec.jax.run",
 }
 
 __all__ = ["Spec", "UserInputError", "default_spec", "load_spec", *_ENTRY_POINTS]
-
-
-def __getattr__(name: str):
-    if name not in _ENTRY_POINTS:
-        raise AttributeError(f"module 'trainspec.jax' has no attribute {name!r}")
-    return getattr(importlib.import_module(_ENTRY_POINTS[name]), name)
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = on_first_use(__name__, _ENTRY_POINTS, __all__)

@@ -49,7 +49,7 @@ JAX = Capabilities("jax", dict([
     *_reference("collectives.error_feedback", "collectives.compression_block", "metrics.sink",
                 "metrics.path", "metrics.interval", "metrics.flops_convention",
                 "metrics.peak_flops_per_device"),
-    ("metrics.tensorboard", honoured("tensorboardX, else torch's writer")),
+    ("metrics.tensorboard", honoured("the core's sinks (tensorboardX), on process 0")),
     ("metrics.gns", honoured("from replicas or micro-batches; true where neither exists fails "
                              "naming the field")),
     *_reference("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
@@ -69,6 +69,7 @@ JAX = Capabilities("jax", dict([
     # the flags of `trainspec train`
     *_reference("--spec", "--steps", "--run-dir", "--set", "--summary-json", "--host-devices",
                 "--exclude-devices", "--restart", "--quiet", "--framework"),
+    ("--model", honoured("a user's model, loss and data through wrap(loss_step(...))")),
     ("--nprocs", refused("when given", lambda v: v is not None,
                          "only with --framework torch (JAX jobs start their processes with "
                          "`trainspec launch`)")),

@@ -3,25 +3,18 @@ FSDP2 `fully_shard` and DTensor tensor parallelism. It imports no jax; it builds
 trainspec.core, as trainspec.jax does (the interface: trainspec.core.adapter, docs/adapters.md).
 
 The public entry points: `wrap` (the spec's train step around your own nn.Module),
-`WrappedStep`, `TorchCheckpointer`. They are imported on first use, so that the modules that
-decide without torch (support) do not load it.
+`WrappedStep`, `TorchCheckpointer`, and `Run` (the run services of `trainspec train` for your
+own loop). They are imported on first use, so that the modules that decide without torch
+(support) do not load it.
 """
-import importlib
+from trainspec.core.entry_points import on_first_use
 
 _ENTRY_POINTS = {
     "wrap": "trainspec.torch.wrapped",
     "WrappedStep": "trainspec.torch.wrapped",
     "TorchCheckpointer": "trainspec.torch.checkpoint",
+    "Run": "trainspec.torch.run",
 }
 
 __all__ = list(_ENTRY_POINTS)
-
-
-def __getattr__(name: str):
-    if name not in _ENTRY_POINTS:
-        raise AttributeError(f"module 'trainspec.torch' has no attribute {name!r}")
-    return getattr(importlib.import_module(_ENTRY_POINTS[name]), name)
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = on_first_use(__name__, _ENTRY_POINTS, __all__)

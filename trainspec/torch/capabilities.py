@@ -87,9 +87,7 @@ TORCH = Capabilities("torch", dict([
     ("metrics.interval", honoured()),
     ("metrics.flops_convention", honoured()),
     ("metrics.peak_flops_per_device", honoured()),
-    ("metrics.tensorboard", refused(
-        "when true", bool, "the torch implementation writes no TensorBoard scalars yet "
-        "(metrics.jsonl only); set false")),
+    ("metrics.tensorboard", honoured("the core's sinks (tensorboardX), on rank 0")),
     ("metrics.gns", honoured(
         "from replicas or micro-batches, as the JAX step", NOTHING_TO_MEASURE_GNS)),
     ("model.vocab_size", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
@@ -143,7 +141,6 @@ TORCH = Capabilities("torch", dict([
     ("--exclude-devices", refused(
         "when given", bool, "the torch implementation cannot leave ranks out of a job; start "
         "fewer ranks with --nprocs")),
-    ("--restart", refused(
-        "when given", bool, "the torch implementation resumes from the newest checkpoint; "
-        "move the checkpoints aside yourself, or give another --run-dir")),
+    ("--restart", honoured("the core's run loop: checkpoints set aside, from step 0")),
+    ("--model", honoured("a user's model, loss and data through trainspec.torch.wrap")),
 ]))

@@ -17,9 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainspec.core.spec import Spec
 from trainspec.torch.adapter import TORCH_DTYPES as DTYPES
-from trainspec.torch.layout import local_block  # noqa: F401  (the torch loop's import)
 from trainspec.torch.model import Transformer, flax_path, next_token_loss
-from trainspec.torch.optim import learning_rate  # noqa: F401  (the torch loop's import)
 from trainspec.torch.support import check_spec
 from trainspec.torch.wrapped import WrappedStep
 

@@ -63,11 +63,14 @@ def check_spec(spec: Spec, world: int) -> None:
     _check(spec, world, lambda field: field.startswith((*LAYOUT_SECTIONS, "model.")))
 
 
-def check_run(spec: Spec, world: int, flags: dict | None = None) -> None:
+def check_run(spec: Spec, world: int, flags: dict | None = None,
+              own_model: bool = False) -> None:
     """Every field of the spec (and the `flags` of `trainspec train` given) for a run of the
-    reference job on `world` ranks: one line naming the field and why, before anything starts
-    (never a silent fallback)."""
-    _check(spec, world, flags=flags)
+    reference job on `world` ranks, or of a user's model (`own_model`: the `[model]` section
+    describes the reference model only): one line naming the field and why, before anything
+    starts (never a silent fallback)."""
+    fields = (lambda field: not field.startswith("model.")) if own_model else None
+    _check(spec, world, fields, flags)
 
 
 def split_axes(spec: Spec, sizes: dict[str, int], role: str) -> list[str]:

@@ -1,85 +1,27 @@
-"""Fault injection: the train session's test hook, to prove each guard catches its fault
-(tests, notebook 04).
-
-`train.run(..., faults=Faults(...))` in process; a `trainspec train` subprocess reads the same
-fields as JSON from the TRAINSPEC_FAULTS environment variable. Nothing is injected by default.
-The session calls `delay`, `batch` and `state` at the points of the loop they name.
-"""
+"""The JAX side of fault injection (trainspec.core.faults): a bit flipped in one device's copy
+of the state, and the doctor's faulty reduction."""
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import time
-
 import jax
-import numpy as np
 
-from trainspec.core.errors import UserInputError
+from trainspec.core.faults import ENV, Faults, InjectedCrash
 from trainspec.jax.health.replicas import flip_bit
 
-ENV = "TRAINSPEC_FAULTS"
+__all__ = ["ENV", "Faults", "InjectedCrash", "faulty_reduction", "flip_first_param"]
 
 
-class InjectedCrash(RuntimeError):
-    """Raised by `Faults.crash_at`: the process dies between steps (in-process stand-in for a
-    kill; the real `kill -9` is tested on a subprocess)."""
+def faulty_reduction(faults: Faults):
+    """The doctor's Fault that `faults.faulty_reduction` asks for, or None."""
+    from trainspec.jax.health.doctor import Fault
+
+    return Fault(*faults.faulty_reduction) if faults.faulty_reduction else None
 
 
-@dataclasses.dataclass(frozen=True)
-class Faults:
-    nan_steps: frozenset[int] = frozenset()  # these steps' batches carry NaN in a float input
-    bitflip: tuple[int, int] | None = None   # (step, device id): after that step, flip one bit
-                                              # of that device's copy of the first parameter
-    delay_s: float = 0.0                      # extra host time per step ...
-    delay_process: int = 0                    # ... in this process ...
-    delay_steps: frozenset[int] | None = None  # ... at these steps (None: every step)
-    crash_at: int | None = None               # raise InjectedCrash after this step
-    faulty_reduction: tuple[int, int] | None = None  # (device id, block): doctor's and
-                                              # preflight's reductions on that device drop
-                                              # the last partial block of that many elements
-
-    @classmethod
-    def from_env(cls) -> Faults:
-        try:
-            raw = json.loads(os.environ.get(ENV, "{}"))
-            for key in ("nan_steps", "delay_steps"):
-                if raw.get(key) is not None:
-                    raw[key] = frozenset(raw[key])
-            for key in ("bitflip", "faulty_reduction"):
-                if raw.get(key) is not None:
-                    raw[key] = tuple(raw[key])
-            return cls(**raw)
-        except (ValueError, TypeError, AttributeError) as err:  # not JSON, not an object, a
-            # field that is not one of these, or a value of the wrong shape
-            fields = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise UserInputError(f"environment variable {ENV}: expected a JSON object with "
-                                 f"fields among {fields} ({err})") from None
-
-    def faulty_reduction_fault(self):
-        from trainspec.jax.health.doctor import Fault
-
-        return Fault(*self.faulty_reduction) if self.faulty_reduction else None
-
-    def batch(self, step: int, batch: dict) -> dict:
-        if step not in self.nan_steps:
-            return batch
-        return {**batch, "mask": np.full_like(batch["mask"], np.nan)}
-
-    def delay(self, step: int) -> None:
-        if self.delay_s and jax.process_index() == self.delay_process and (
-            self.delay_steps is None or step in self.delay_steps
-        ):
-            time.sleep(self.delay_s)
-
-    def state(self, step: int, state):
-        if step == self.crash_at:
-            raise InjectedCrash(f"injected crash after step {step}")
-        if self.bitflip is None or self.bitflip[0] != step:
-            return state
-        leaves, treedef = jax.tree.flatten(state.params)
-        device_ids = {d.id for d in leaves[0].sharding.device_set}
-        if self.bitflip[1] not in device_ids:  # device no longer in the mesh (excluded)
-            return state
-        leaves[0] = flip_bit(leaves[0], self.bitflip[1], bit=20)
-        return state.replace(params=jax.tree.unflatten(treedef, leaves))
+def flip_first_param(state, device_id: int):
+    """`state` with bit 20 of the first parameter flipped in `device_id`'s copy only (a device
+    no longer in the mesh, excluded, is left alone)."""
+    leaves, treedef = jax.tree.flatten(state.params)
+    if device_id not in {d.id for d in leaves[0].sharding.device_set}:
+        return state
+    leaves[0] = flip_bit(leaves[0], device_id, bit=20)
+    return state.replace(params=jax.tree.unflatten(treedef, leaves))

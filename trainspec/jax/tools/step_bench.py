@@ -42,7 +42,7 @@ def bench(specs: list[tuple[str, object]], steps: int, warmup: int = 2, rounds: 
     jobs = {}
     for label, spec in specs:
         job = build_job(spec, total_steps=warmup + steps)
-        rows = local_rows(job)
+        rows = local_rows(job.step)
         analysis = analyze_step(job.step, job.state, job.data.batch(0, rows),
                                 model_flops(spec))
         jobs[label] = {"job": job, "rows": rows, "state": job.state, "next": 0,

@@ -1,35 +1,24 @@
-"""Where records go. JSONL always (trainspec.core.records.JsonlWriter); TensorBoard when a
-writer (tensorboardX, the `tensorboard` extra, or torch's) is installed.
+"""Where records go, for every implementation. JSONL always (trainspec.core.records.JsonlWriter);
+TensorBoard under `metrics.tensorboard`, written by tensorboardX (the `tensorboard` extra, which
+needs neither TensorFlow nor a framework).
 
-A sink is any object with `write(record: dict)`, `rewind(step)` and `close()`.
+A sink is any object with `write(record: dict)`, `rewind(step)` and `close()`
+(trainspec.core.recorder.Sink).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.records import JsonlWriter
-from trainspec.jax.distributed import is_writer
-
-
-class Sink(Protocol):
-    def write(self, record: dict) -> None: ...
-    def rewind(self, step: int) -> dict[int, float]:
-        """Forget records past `step` (work about to be redone after a resume or rollback);
-        returns the losses of the records kept, by step."""
-    def close(self) -> None: ...
+from trainspec.core.recorder import Sink
 
 
 def _summary_writer_class():
     try:
         from tensorboardX import SummaryWriter
-        return SummaryWriter
-    except ImportError:
-        pass
-    try:
-        from torch.utils.tensorboard import SummaryWriter
         return SummaryWriter
     except ImportError:
         return None
@@ -120,8 +109,10 @@ class TensorBoardSink:
         self._writer.close()
 
 
-def sinks_for(spec, run_dir: Path, append: bool = False) -> list[Sink]:
-    if not is_writer():  # one writer per job (process 0): every process computes the records
+def sinks_for(spec, run_dir: Path, writer: bool, append: bool = False) -> list[Sink]:
+    """The spec's sinks under `run_dir` on the `writer` process (process 0, one per job: every
+    process computes the records); none elsewhere. `append`: keep the records there (a resume)."""
+    if not writer:
         return []
     sinks: list[Sink] = [JsonlWriter(run_dir / spec.metrics.path, append)]
     if spec.metrics.tensorboard:

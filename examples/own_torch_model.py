@@ -1,0 +1,34 @@
+"""Your own PyTorch model and data, trained by `trainspec train --framework torch --model
+examples/own_torch_model.py:make`: an MLP regressing a fixed smooth function of 8 inputs,
+wrapped by `trainspec.torch.wrap` under the spec (docs/adapters.md). The JAX counterpart is
+examples/own_model.py."""
+import numpy as np
+import torch
+from torch import nn
+
+from trainspec.core.user_model import UserModel
+
+FEATURES, HIDDEN = 8, 32
+
+
+def make(spec) -> UserModel:
+    target = np.random.default_rng(0).normal(size=FEATURES).astype(np.float32)
+
+    def model():
+        return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
+
+    def loss(model, batch):
+        error = model(batch["x"])[:, 0] - batch["y"]
+        return (error**2).sum(), error.numel()
+
+    def batches(index):
+        x = np.random.default_rng([spec.seed, index]).normal(
+            size=(spec.batch.global_batch, FEATURES)).astype(np.float32)
+        return {"x": x, "y": np.sin(x @ target)}
+
+    def optimizer(params):
+        return torch.optim.Adam(params)  # the learning rate is the spec's schedule's
+
+    # 2 FLOPs per multiply-add of the two weights, forward + backward = 3 x forward, per row
+    flops = 6 * (FEATURES * HIDDEN + HIDDEN) * spec.batch.global_batch
+    return UserModel(model, loss, batches, flops_per_step=flops, optimizer=optimizer)

@@ -1,0 +1,319 @@
+"""Run: the services of a training run around any loop, for every implementation
+(trainspec.core.loop says how a loop uses it; trainspec.jax.Run and trainspec.torch.Run build one
+for a step of theirs).
+
+- resume: the newest good checkpoint (or `--restart`: set aside, from step 0), the data position,
+  the non-finite guard's counts; a run already at `steps` changes nothing (AlreadyTrained);
+- records (trainspec.core.recorder) to the spec's sinks, once per interval, with the learning
+  rate, health, the marks of a resume and of a checkpoint; a progress bar; goodput;
+- replica fingerprints every `health.fingerprints.interval` steps and before every checkpoint;
+  on a mismatch under `rollback`, `roll_back` onto the step `rebuild` makes without the diverged
+  devices (where the implementation can), else a halt;
+- checkpoints when due; after SIGTERM/SIGINT a checkpoint of that step, then Preempted; after a
+  guard's halt a checkpoint of the last good state, named in the HealthHalt;
+- fault injection (trainspec.core.faults) at the points of the loop it names;
+- the summary.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainspec.core.faults import Faults
+from trainspec.core.goodput import Goodput
+from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector
+from trainspec.core.loop import Checkpointer, Preempted, Step, StopSignals, progress_bar
+from trainspec.core.recorder import Recorder
+from trainspec.core.run_files import AlreadyTrained, resume_line, resume_mark, save_spec
+from trainspec.core.sinks import sinks_for
+
+log = logging.getLogger("trainspec")
+
+# What the loop trains: (step, target, init, data) as `resume` and `batches` take them.
+Job = tuple[Step, Any, Callable[[], Any], Callable[[int], dict]]
+# (excluded device ids) -> the job on the devices left: how a run rolls back after replicas
+# diverged (trainspec.jax.train builds the reference job again on them).
+Rebuild = Callable[[list[int]], Job]
+
+
+class Run:
+    """One invocation's run services over `run_dir`; a context manager around the loop.
+
+    `steps`: train to this step. `restart`: set the checkpoints aside and start from step 0.
+    `announce(line)` is told where a resume starts; `faults` is the test hook (nothing is
+    injected unless a test passes one); `rebuild` makes a rollback onto fewer devices possible.
+    """
+
+    def __init__(self, spec, run_dir: Path, checkpointer: Checkpointer, steps: int, *,
+                 restart: bool = False, progress: bool = True, announce=None,
+                 faults: Faults | None = None, spec_label: str = "default",
+                 rebuild: Rebuild | None = None):
+        self.spec, self.run_dir, self.ckpt, self.steps = spec, Path(run_dir), checkpointer, steps
+        self.progress, self.announce, self.faults = progress, announce, faults or Faults()
+        self.spec_label, self.rebuild = spec_label, rebuild
+        self.restart = restart
+        self.goodput = Goodput()  # from here: initialisation and restore count as badput
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = steps
+        self.rollbacks: list[dict] = []
+        self.summary_fields: dict = {}  # the caller's own (preflight, say)
+        self.step: Step | None = None
+        self.start: int | None = None  # where this invocation resumed
+        self.at = 0  # steps done: the data position
+        self.recorder = self.bar = None
+        self.signals = StopSignals()
+        self._times: list[tuple[int, float]] = []
+
+    def __enter__(self) -> Run:
+        """Opens the checkpoints: sets them aside under `restart`; `total_steps` becomes the
+        run length the newest one was planned for (a resume keeps its learning-rate schedule)."""
+        self.ckpt.__enter__()
+        try:
+            if self.restart:
+                for moved in self.ckpt.set_aside():
+                    log.warning("--restart: checkpoint moved to %s", moved)
+            self.total_steps = self.ckpt.saved_total_steps() or self.steps
+        except BaseException:
+            self.ckpt.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    # -- resume ----------------------------------------------------------------------------
+    def resume(self, step: Step, target, init: Callable[[], Any]):
+        """The state to train from: the newest good checkpoint placed like `target` (restored
+        straight into the step's planned layout), or, only when there is none, `init()`."""
+        return self._restore(step, target, init)
+
+    def _restore(self, step: Step, target, init: Callable[[], Any]):
+        t0 = time.perf_counter()
+        state, meta = self.ckpt.restore_latest(target)
+        if meta is None:
+            state = init()
+        self.goodput.add("checkpoint_restore" if meta else "initialization",
+                         time.perf_counter() - t0)
+        self.at = meta["data_position"] if meta else 0
+        if self.start is None:
+            self.start = self.at
+            if self.start >= self.steps:  # before anything is compiled or written
+                raise AlreadyTrained(self.run_dir, self.start, self.steps)
+            self.stragglers = StragglerDetector(self.spec.health.stragglers, step.participants)
+            if step.is_writer:
+                save_spec(self.spec, self.run_dir)
+        self.resume_mark = resume_mark(meta) if meta else None  # on the first record after it
+        counts = (meta or {}).get("health", {})  # the non-finite counts carry on across a resume
+        self.skipped = counts.get("skipped_steps", 0)
+        step.reset_guard(self.at, self.skipped, counts.get("consecutive_nonfinite", 0))
+        self.step, self.state = step, state
+        if self.resume_mark and self.announce and step.is_writer:
+            self.announce(resume_line(self.resume_mark, step.mesh_shape))
+        return state
+
+    # -- the loop ----------------------------------------------------------------------------
+    def batches(self, data: Callable[[int], dict]):
+        """Each step's batch, from the resume point to `steps`: `data(i)` is batch `i` (0-based,
+        a pure function of it, this process's rows). The step is measured on the first batch
+        (which the first step then uses) before the first step's clock starts."""
+        self._data = data
+        self._prefetched = data(self.at)
+        self._open_records(self._prefetched)
+        self.bar = progress_bar(self.steps, self.progress and self.step.is_writer)
+        self.bar.update(self.at)
+        self.signals.install = self.step.local_signals
+        with self.signals:
+            self.recorder.start()
+            while self.at < self.steps:
+                self.at += 1
+                self._step_began = time.perf_counter()
+                self.faults.delay(self.at, self.step.process_index)
+                t0 = time.perf_counter()
+                batch, self._prefetched = self._prefetched, None
+                batch = self._data(self.at - 1) if batch is None else batch
+                self._data_wait = time.perf_counter() - t0
+                yield self.faults.batch(self.at, batch)
+        self.bar.close()
+        self.step.finish(self.state)
+        self._timed_checkpoint_io(self.ckpt.wait)  # complete before the summary says so
+
+    def _open_records(self, batch) -> None:
+        facts = self.step.facts(self.state, batch)
+        if self.recorder is None:
+            sinks = sinks_for(self.spec, self.run_dir, self.step.is_writer,
+                              append=self.at > 0)
+            self.recorder = Recorder(self.spec, facts, sinks, self.steps, self.goodput,
+                                     self.at + 1, reader=self.step,
+                                     per_record=self.step.per_record)
+        else:  # after a rollback: records after the restored step are redone
+            self.recorder.reader = self.step
+            self.recorder.per_record = self.step.per_record
+            self.recorder.restart(facts, self.at + 1)
+
+    def after_step(self, state, metrics: dict):
+        """After the step the last batch was for: record when due, check replicas, stop on a
+        signal, checkpoint when due. Returns the state to go on with (a rollback's)."""
+        self._times.append((self.at, time.perf_counter() - self._step_began))
+        self.faults.crash(self.at)
+        target = self.faults.bitflip_target(self.at)
+        self.state = state if target is None else self.step.corrupt(state, target)
+        signum = self.step.stop_signal(self.at, self.signals.received)
+        checkpointing = self.ckpt.enabled and (
+            signum is not None or self.ckpt.due(self.at, self.steps))
+        self._record(metrics, checkpointing)
+        if self._rolled_back_after_divergence(checkpointing=signum is not None):
+            return self.state
+        if signum is not None:
+            raise self._preempted(signum)
+        self._checkpoint()
+        return self.state
+
+    def _record(self, metrics: dict, checkpointing: bool) -> None:
+        """Host sync only when a record is due (metrics.interval, first and last step, a
+        checkpoint after this step)."""
+        record = self.recorder.after_step(
+            self.at, metrics, self._data_wait, due=checkpointing,
+            extra=lambda host: self._record_fields(host, checkpointing))
+        if record is None:
+            return
+        self.bar.update(self.at - self.bar.n)
+        self.bar.set_postfix(loss=f"{self.recorder.losses[self.at]:.3f}",
+                             tok_s=f"{record['tokens_per_s']:.0f}",
+                             mfu=f"{100 * (record['mfu'] or 0):.1f}%")
+
+    def _record_fields(self, host_metrics: dict, checkpointing: bool) -> dict:
+        """The fields the run adds to a record: health, the step's learning rate, and the
+        marks of a resume just before it and of a checkpoint just after it."""
+        self.skipped = self.step.check_nonfinite()  # raises HealthHalt when tripped
+        self._observe_stragglers()
+        # The optimizer's update count at this step: the steps before it less those skipped.
+        skipped_before = self.skipped - int(host_metrics.get("nonfinite", 0))
+        fields = {"skipped_steps": self.skipped, "stragglers": self.stragglers.stragglers(),
+                  "learning_rate": self.step.learning_rate(self.at - 1 - skipped_before),
+                  "framework": self.step.framework}
+        if self.resume_mark is not None:
+            fields.update(self.resume_mark)
+            self.resume_mark = None
+        if checkpointing:
+            fields["checkpoint_saved"] = True
+        return fields
+
+    def _observe_stragglers(self) -> None:
+        """Every process's step times since the last record (one gather per record)."""
+        if not self._times:
+            return
+        every = self.step.gather_times(np.array([t for _, t in self._times]))
+        for i, (step, _) in enumerate(self._times):
+            self.stragglers.observe(step, every[:, i])
+        self._times.clear()
+
+    # -- replicas, rollback -------------------------------------------------------------------
+    def _rolled_back_after_divergence(self, checkpointing: bool = False) -> bool:
+        """Compare replica fingerprints when due (always before a checkpoint, which must never
+        hold a corrupted replica). On a mismatch under `rollback` with a `rebuild`: roll back
+        onto the devices left; returns whether it did."""
+        checkpointing = checkpointing or self.ckpt.due(self.at, self.steps)
+        n = self.step.spec.health.fingerprints.interval
+        if not ((n > 0 and self.at % n == 0) or checkpointing):
+            return False
+        try:
+            self.step.check_replicas(self.state, self.at, self.ckpt.last_saved)
+            return False
+        except ReplicaMismatch as err:
+            if self.step.spec.health.fingerprints.policy == "halt" or self.rebuild is None:
+                raise
+            self.roll_back(str(err), self.rebuild(err.devices), excluded=err.devices)
+            return True
+
+    def roll_back(self, reason: str, job: Job, excluded: list[int] = ()) -> None:
+        """Go back to the newest good checkpoint on `job` (a step, the target its state is
+        placed like, its `init()` when there is none, its data) and train on from there: the
+        steps since are lost progress, their records are redone. Every rollback is listed in
+        the summary with its `reason`. (A rollback that also skips batches would change
+        `_data` here.)"""
+        self.rollbacks.append({"step": self.at, "excluded": list(excluded), "reason": reason})
+        self._timed_checkpoint_io(self.ckpt.wait)
+        diverged_at = self.at
+        step, target, init, self._data = job
+        self._restore(step, target, init)
+        self.goodput.lose_steps(diverged_at - self.at)
+        self._prefetched = self._data(self.at)
+        self._open_records(self._prefetched)
+
+    # -- checkpoints, stops ------------------------------------------------------------------
+    def _timed_checkpoint_io(self, io, *args) -> None:
+        """Run a checkpoint call; the time the loop is held up by it is checkpoint badput."""
+        t0 = time.perf_counter()
+        io(*args)
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+
+    def _checkpoint(self, force: bool = False) -> None:
+        """Checkpoint the current step when due (or `force`d by a stop signal)."""
+        if force or self.ckpt.due(self.at, self.steps):
+            self.skipped = self.step.check_nonfinite()  # never checkpoint a frozen state
+            self._timed_checkpoint_io(self.ckpt.save, self.at, self.state, self.total_steps,
+                                      self.step.nonfinite_counts())
+
+    def _halted(self, halt: HealthHalt) -> HealthHalt:
+        """Checkpoint the state the guard froze (the last good one) and say where it is, or
+        that nothing kept it."""
+        if not self.ckpt.enabled:
+            return HealthHalt(f"{halt}; no checkpoint kept a state (checkpoint.interval = 0)",
+                              halt.last_good_step)
+        self.ckpt.save(halt.last_good_step, self.state, self.total_steps,
+                       self.step.nonfinite_counts())
+        self.ckpt.wait()
+        return HealthHalt(f"{halt}; the state after step {halt.last_good_step} is checkpoint "
+                          f"{halt.last_good_step} in {self.ckpt.directory}", halt.last_good_step)
+
+    def _preempted(self, signum: int) -> Preempted:
+        """After a stop signal: checkpoint this step on every process and wait for it."""
+        name = signal.Signals(signum).name
+        if not self.ckpt.enabled:
+            return Preempted(f"{name} after step {self.at}; no checkpoint written "
+                             "(checkpoint.interval = 0)", signum)
+        self._checkpoint(force=True)
+        self._timed_checkpoint_io(self.ckpt.wait)
+        return Preempted(f"{name} after step {self.at}; checkpoint {self.at} is in "
+                         f"{self.ckpt.directory}", signum)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.signals.__exit__()
+        if self.bar is not None:
+            self.bar.close()
+        if self.recorder is not None:
+            self.recorder.close()
+        if isinstance(exc, HealthHalt) and self.step is not None:
+            if isinstance(exc, ReplicaMismatch):  # the last good save completes before the halt
+                self.ckpt.wait()
+            else:
+                halted = self._halted(exc)
+                self.ckpt.__exit__(None, None, None)
+                raise halted from None
+        self.ckpt.__exit__(exc_type, exc, tb)
+
+    # -- the summary ---------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        spec = self.step.spec
+        return {
+            **self.recorder.summary(),  # losses, tokens_per_s, step_time_s, mfu, memory, ...
+            "steps": self.steps,
+            "resumed_from": self.start,
+            "last_checkpoint": self.ckpt.last_saved,
+            "rollbacks": self.rollbacks,
+            "excluded_devices": list(spec.mesh.exclude_devices),
+            "skipped_steps": self.skipped,
+            **self.stragglers.report(),
+            "mesh": self.step.mesh_shape,
+            "accumulation_steps": spec.batch.accumulation_steps,
+            "gns_not_measured": self.step.gns_note,  # None when measured
+            **self.step.summary_fields(),
+            **self.summary_fields,
+            "spec": self.spec_label,
+            "metrics_file": str(self.run_dir / spec.metrics.path),
+            "framework": self.step.framework,
+        }

@@ -1,0 +1,103 @@
+"""A user's own model and data for `trainspec train --model module:fn` and
+`trainspec validate --model module:fn`: `fn(spec)` returns a `UserModel`.
+
+`module` is a Python file (`path/to/my_model.py`) or an importable module (`pkg.my_model`).
+What `init` and `loss` are depends on the framework that trains it (docs/wrapping.md for JAX,
+docs/adapters.md for torch); `batches`, `flops_per_token` and `schedule` mean the same on both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainspec.core.errors import UserInputError
+from trainspec.core.flops import tokens_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class UserModel:
+    """What `fn(spec)` returns.
+
+    - `init`: JAX: `init(rng) -> state`, a flax TrainState (anything with `.params` and
+      `.apply_gradients`), built under the spec's layout as `WrappedStep.init` builds it;
+      torch: `init() -> nn.Module`, the `model_fn` of `trainspec.torch.wrap`.
+    - `loss`: JAX: `loss(params, batch) -> (loss_sum, valid_tokens, aux)`, as for
+      `trainspec.jax.loss_step`; torch: `loss(model, batch) -> (loss_sum, valid_tokens)`, as
+      for `trainspec.torch.wrap`. Either way the step accumulates micro-batches and weights by
+      tokens.
+    - `optimizer`: torch only, optional: `optimizer(params) -> torch.optim.Optimizer` (default:
+      the spec's `[optimizer]`); on JAX the optimizer is the state's.
+    - `batches(index) -> {name: NumPy array}`: the whole global batch number `index` (0-based),
+      a pure function of it, so that a resume continues with exactly the next batch; dimension 0
+      is the batch (`batch.global_batch` rows), dimension 1 the sequence where there is one.
+    - `flops_per_step`: the model's FLOPs of one optimizer step over the whole global batch
+      (forward + backward), for MFU; None: MFU is null (XLA's count still gives HFU on JAX).
+    - `schedule(updates) -> learning rate` for the records on JAX; None: null (torch sets and
+      records the spec's schedule itself).
+    """
+
+    init: Callable[..., Any]
+    loss: Callable[..., Any]
+    batches: Callable[[int], dict]
+    flops_per_step: float | None = None
+    schedule: Callable[[int], float] | None = None
+    optimizer: Callable | None = None
+
+    def model_flops(self, spec):
+        """The records' FLOPs formula (trainspec.core.flops.ModelFlops), or None."""
+        if self.flops_per_step is None:
+            return None
+        return PerToken(self.flops_per_step / tokens_per_step(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class PerToken:
+    """A model's FLOPs as the user gives them, per token position of the spec's batch
+    (`global_batch x seq_len`, as the records count them), whatever the convention."""
+
+    flops: float
+
+    def model_per_token(self, convention: str) -> float:
+        return self.flops
+
+    def hardware_per_token(self) -> float:
+        return self.flops
+
+
+def load(reference: str, spec) -> UserModel:
+    """`fn(spec)` for `reference` = "module:fn"; UserInputError in one line naming --model."""
+    module_name, sep, fn_name = reference.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise UserInputError(f"--model: expected MODULE:FUNCTION (a .py file or a module), "
+                             f"got {reference!r}")
+    module = _module(module_name)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UserInputError(f"--model: {module_name} has no function {fn_name!r}")
+    made = fn(spec)
+    if not isinstance(made, UserModel):
+        raise UserInputError(f"--model: {reference} returned {type(made).__name__}, expected a "
+                             "trainspec.core.user_model.UserModel")
+    return made
+
+
+def _module(name: str):
+    """The module a file path or a dotted name names."""
+    if name.endswith(".py"):
+        path = Path(name)
+        if not path.is_file():
+            raise UserInputError(f"--model: no such file {path}")
+        spec = importlib.util.spec_from_file_location(f"trainspec_user_model_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        raise UserInputError(f"--model: cannot import {name} ({err})") from None
