@@ -63,7 +63,7 @@ def _start_ranks(args, spec, model) -> int:
     from trainspec.core.launch import run as launch
     from trainspec.core.run_files import refuse_foreign_checkpoints
 
-    nprocs = args.nprocs or _default_ranks()
+    nprocs = args.nprocs or default_ranks()
     check_run(spec, nprocs, own_model=model is not None)  # one line here, not one per rank
     # The ranks would refuse another framework's checkpoints too, each in its own line.
     refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, "torch")
@@ -75,7 +75,7 @@ def _start_ranks(args, spec, model) -> int:
     return launch([sys.executable, "-m", "trainspec.cli.main", *argv], nprocs)
 
 
-def _default_ranks() -> int:
+def default_ranks() -> int:
     import torch
 
     return torch.cuda.device_count() or DEFAULT_CPU_RANKS
