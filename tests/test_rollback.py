@@ -5,12 +5,14 @@ import json
 import re
 
 import jax
+import jsonschema
 import numpy as np
 import pytest
 
 from trainspec.core.bad_steps import RollbackLimit, batch_index
 from trainspec.core.faults import Faults
 from trainspec.core.loop import train
+from trainspec.core.records import json_schema
 from trainspec.core.run import Run
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.train import build_job, reference_job, run
@@ -74,6 +76,8 @@ def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back):
     assert records[25]["rolled_back_from_step"] == 27
     assert [records[s]["skipped_batches"] for s in (8, 9, 24, 25, STEPS)] == [0, 1, 1, 2, 2]
     assert all(np.isfinite(r["loss"]) for r in records.values())
+    for record in records.values():
+        jsonschema.validate(record, json_schema())
 
 
 def test_after_the_rollbacks_the_run_is_bitwise_a_clean_run_without_those_batches(
