@@ -140,3 +140,47 @@ def test_the_default_guard_adds_no_all_reduce_and_no_copy(layout):
     assert temp - plain_temp <= 1024 < state_bytes / 100, (temp, plain_temp, state_bytes)
     skip, _, _ = _compiled_ops(tiny_spec("health.nan.policy=skip", layout=layout))
     assert skip[0] > unguarded[0] and skip[1] > 0, (skip, unguarded)
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp2", "tensor"])
+def test_every_element_of_the_new_state_is_flagged_by_some_device(layout):
+    """A finite loss and gradient norm, one non-finite element of the new parameters (first,
+    inside or last of a leaf split by the layout): some device flags it, and the verdict read
+    on the host says not finite; the clean step reads finite."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+    from flax.training import train_state
+
+    import trainspec.jax
+
+    spec = tiny_spec(layout=layout)
+    model = nn.Dense(24, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.normal(), ("embed", "mlp")))
+
+    optimizer = optax.sgd(1e-2)
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 16)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(state.apply_fn(
+            {"params": p}, batch["x"]) ** 2))(state.params)
+        new = state.apply_gradients(grads=grads)
+        kernel = new.params["kernel"]
+        poisoned = kernel.ravel().at[batch["at"][0]].add(batch["bad"][0]).reshape(kernel.shape)
+        return (new.replace(params={**new.params, "kernel": poisoned}),
+                {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+
+    wrapped = trainspec.jax.wrap(step, spec)
+    state = wrapped.init(init, jax.random.key(0))
+    rows = spec.batch.global_batch
+    x = np.random.default_rng(0).normal(size=(rows, 16)).astype(np.float32)
+    for at, bad, finite in ((0, 0.0, True), (0, np.nan, False), (200, np.inf, False),
+                            (16 * 24 - 1, -np.inf, False), (16 * 24 - 1, 3e38, True)):
+        batch = {"x": x, "at": np.full(rows, at, np.int32), "bad": np.full(rows, bad, np.float32)}
+        _, metrics = wrapped(state, batch)  # donated: the state is the same before each
+        state = wrapped.init(init, jax.random.key(0))
+        got, loss = wrapped.read_verdict(wrapped.verdict_inputs(metrics))
+        assert (got, np.isfinite(loss)) == (finite, True), (at, bad)

@@ -249,9 +249,9 @@ class WrappedStep:
         """(no device flagged its slices and the gradient norm is finite, the loss): a host
         read of one int per local device and a few scalars."""
         flags, metrics = inputs
-        host = self.combine_metrics(self.to_host(metrics))
-        finite = nan_guard.read_flags(flags) and bool(np.all(np.isfinite(
-            host.get("grad_norm", 0.0))))
+        flags, host = self.to_host((nan_guard.local_flags(flags), metrics))  # one transfer
+        host = self.combine_metrics(host)
+        finite = not np.any(flags) and bool(np.all(np.isfinite(host.get("grad_norm", 0.0))))
         return finite, float(host["loss"]) if "loss" in host else None
 
     def _loss_step_fn(self, batch_shardings):

@@ -135,11 +135,12 @@ def flagged(new_state, metrics: dict[str, Any], mesh: Mesh, pspecs):
     return new_state, flags, metrics
 
 
-def read_flags(flags: jax.Array) -> bool:
-    """Host side: no device flagged its slices. Each process reads its own devices' flags
-    (reading the others' would be a collective); a non-finite element elsewhere reaches the
-    global loss and gradient norm of the next step, which every process reads alike."""
-    return not any(np.asarray(shard.data).any() for shard in flags.addressable_shards)
+def local_flags(flags: jax.Array) -> list[jax.Array]:
+    """The flags of this process's devices, still on them (read with the step's metrics in
+    one transfer). Each process reads its own devices' flags: reading the others' would be a
+    collective; a non-finite element elsewhere reaches the global loss and gradient norm of
+    the next step, which every process reads alike."""
+    return [shard.data for shard in flags.addressable_shards]
 
 
 def guarded(policy: NanSpec, guard, old_state, new_state, metrics: dict[str, Any],
