@@ -265,7 +265,7 @@ class Run:
         """Back to the newest good checkpoint, the bad step's batches skipped from then on, or
         the halt when there is none or the policy's rollbacks are spent."""
         policy = self.spec.health.nan
-        self._timed_checkpoint_io(self.ckpt.wait)
+        self._timed_checkpoint_io(self.ckpt.wait)  # `last_saved` is then complete
         halt = bad_steps.halt_line(policy, reason, self._bad_step_rollbacks,
                                    self.ckpt.last_saved, self.ckpt.directory)
         if halt is not None:
