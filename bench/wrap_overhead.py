@@ -101,7 +101,8 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
 
     def judged_one_step_late(step, spec):
         """The wrapped step as trainspec.core.run drives it under rollback: after dispatching
-        a step, the previous one's verdict is read and judged."""
+        a step, the previous one's verdict is read and judged (a bad one is only counted:
+        there is no checkpoint to roll back to here)."""
         spikes, pending, steps_done = bad_steps.LossSpikes(spec.health.spikes), [], itertools.count(1)
 
         def call(state, batch):
@@ -109,7 +110,9 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
             pending.append((next(steps_done), step.verdict_inputs(metrics)))
             if len(pending) > 1:
                 at, inputs = pending.pop(0)
-                assert bad_steps.verdict(at, *step.read_verdict(inputs), spikes) is None
+                reason = bad_steps.verdict(at, *step.read_verdict(inputs), spikes)
+                if reason is not None:
+                    bad_verdicts.append(reason)
             return state, metrics
 
         return call
@@ -118,6 +121,7 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
         jitted = jax.jit(step_fn, donate_argnums=0)
         return lambda state, batch: jitted(state, jax.device_put(batch, on_data))
 
+    bad_verdicts: list[str] = []
     spec = trainspec.load_spec({"batch": {"global_batch": BATCH}})
     skip = trainspec.load_spec(spec, ["health.nan.policy=skip"])
     wrapped = {"rollback": trainspec.jax.wrap(train_step, spec),
@@ -150,6 +154,9 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     print(f"{n_devices} device(s), {os.cpu_count()} cores, batch {BATCH}, {rounds} rounds x "
           f"{steps} steps; load average before {load_before}, after "
           f"{open('/proc/loadavg').read().split()[:3]}")
+    if bad_verdicts:
+        print(f"  rollback judged {len(bad_verdicts)} step(s) bad (counted, not rolled back), "
+              f"first: {bad_verdicts[0]}")
     for i, clock in enumerate(("wall", "CPU")):
         plain = statistics.median(t[i] for t in times["plain"]) * 1e3
         print(f"  {clock:4s} plain jit {plain:8.2f} ms/step")
