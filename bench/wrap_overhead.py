@@ -103,7 +103,8 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
         """The wrapped step as trainspec.core.run drives it under rollback: after dispatching
         a step, the previous one's verdict is read and judged (a bad one is only counted:
         there is no checkpoint to roll back to here)."""
-        spikes, pending, steps_done = bad_steps.LossSpikes(spec.health.spikes), [], itertools.count(1)
+        spikes, pending = bad_steps.LossSpikes(spec.health.spikes), []
+        steps_done = itertools.count(1)
 
         def call(state, batch):
             state, metrics = step(state, batch)
