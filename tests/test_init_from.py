@@ -8,7 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from trainspec.cli.main import main
 from trainspec.core import params_file
@@ -116,6 +116,27 @@ def test_a_run_dir_with_checkpoints_resumes_and_says_so(tmp_path, written):
     (checkpoints / "4").mkdir(parents=True)
     note = params_file.resume_note(written, checkpoints)
     assert note.startswith(f"--init-from {written} not used: {checkpoints} has checkpoints")
+
+
+def test_a_resume_wins_and_restart_starts_from_the_file(tmp_path, capsys, written, params):
+    """A run dir with a checkpoint resumes, says --init-from is not used and keeps the file of
+    its start; --restart sets the checkpoint aside and starts from the file."""
+    run_dir = tmp_path / "run"
+    train = ["train", "--quiet", "--run-dir", str(run_dir), *SETS,
+             "--set", "checkpoint.interval=2"]
+    assert main([*train, "--steps", "2"]) == 0
+    seeded = load_file(str(run_dir / params_file.FILE_NAME))
+    capsys.readouterr()
+    assert main([*train, "--steps", "3", "--init-from", str(written)]) == 0
+    err = capsys.readouterr().err
+    assert f"--init-from {written} not used" in err and "resumed from step 2" in err, err
+    kept = load_file(str(run_dir / params_file.FILE_NAME))
+    np.testing.assert_array_equal(kept["embedding"], seeded["embedding"])
+    assert main([*train, "--steps", "3", "--init-from", str(written), "--restart"]) == 0
+    assert "not used" not in capsys.readouterr().err
+    started = load_file(str(run_dir / params_file.FILE_NAME))
+    for name, value in params.items():
+        np.testing.assert_array_equal(started[name], value, err_msg=name)
 
 
 def test_the_jax_step_starts_from_the_file_on_a_sharded_layout(params):
