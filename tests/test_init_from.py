@@ -139,6 +139,12 @@ def test_a_resume_wins_and_restart_starts_from_the_file(tmp_path, capsys, writte
         np.testing.assert_array_equal(started[name], value, err_msg=name)
 
 
+def _assert_holds(host: dict, params: dict) -> None:
+    assert list(host) == list(params)
+    for name, value in params.items():
+        np.testing.assert_array_equal(host[name], value, err_msg=name)
+
+
 def test_the_jax_step_starts_from_the_file_on_a_sharded_layout(params):
     """fsdp 4 x tensor 2: every parameter split, placed shard by shard; gathered back, it is
     the file's numbers, and the seeded init is not."""
@@ -147,9 +153,16 @@ def test_the_jax_step_starts_from_the_file_on_a_sharded_layout(params):
     state = job.init_state(params)
     assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
                for x in jax.tree.leaves(state.params))
-    back = host_params(state.params)
-    assert list(back) == list(params)
-    for name, value in params.items():
-        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    _assert_holds(host_params(state.params), params)
     seeded = host_params(job.init_state().params)
     assert not np.array_equal(seeded["embedding"], params["embedding"])
+
+
+def test_every_semi_sync_group_and_the_anchor_start_from_the_file(params):
+    """DiLoCo keeps the parameters twice (the anchor, and each group's inner copy): both."""
+    spec = tiny_spec("semi_sync.inner_steps=2", "mesh.axes.data.size=4", "mesh.axes.fsdp.size=2")
+    state = build_job(spec, init=False).init_state(params)
+    _assert_holds(host_params(state.anchor), params)
+    inner = host_params(state.inner.params)  # (groups, *shape)
+    for group in range(4):
+        _assert_holds({name: value[group] for name, value in inner.items()}, params)
