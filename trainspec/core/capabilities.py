@@ -95,6 +95,13 @@ def refused(when: str, test: Callable[[object], bool], reason: str) -> Entry:
     return Entry("", (refusal(when, test, reason),))
 
 
+# `trainspec train --init-from` on any implementation: the file holds the reference model's
+# parameters (trainspec.core.params_file); a user's model (--model) initialises its own.
+INIT_FROM_WITH_MODEL = Refusal(
+    "with --model", lambda value, request: value is not None and bool(request.value("--model")),
+    "holds the reference model's parameters; a --model initialises its own (drop one of them)")
+
+
 def refused_section(reason: str) -> Entry:
     return Entry("", (refusal("when present", lambda v: v is not None, reason),),
                  whole_section=True)

@@ -5,7 +5,8 @@ run. Every field is listed by name, so that a new one is declared, not assumed. 
 like every table."""
 from __future__ import annotations
 
-from trainspec.core.capabilities import Capabilities, Refusal, honoured, refused
+from trainspec.core.capabilities import (
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 
 def _split_beside_data(r) -> list[str]:
     return [a for a in r.sizes if r.spec.mesh.role_of(a) != "data" and r.sizes[a] > 1]
@@ -70,6 +71,9 @@ JAX = Capabilities("jax", dict([
     *_reference("--spec", "--steps", "--run-dir", "--set", "--summary-json", "--host-devices",
                 "--exclude-devices", "--restart", "--quiet", "--framework"),
     ("--model", honoured("a user's model, loss and data through wrap(loss_step(...))")),
+    ("--init-from", honoured("the file's parameters placed straight into the step's shardings "
+                             "(each process its own shards); a resume wins",
+                             INIT_FROM_WITH_MODEL)),
     ("--nprocs", refused("when given", lambda v: v is not None,
                          "only with --framework torch (JAX jobs start their processes with "
                          "`trainspec launch`)")),
