@@ -94,13 +94,13 @@ class SemiSyncStep(WrappedStep):
         self.program_bytes: dict[str, float] = {}  # set when the programs are measured
 
     def mesh_sizes(self, role: str) -> str:
-        return ", ".join(f"{a}={self.mesh.shape[a]}" for a in self.spec.mesh.axes_with_role(role))
+        return ", ".join(f"{a}={self.dims.shape[a]}" for a in self.dims.axes_with_role(role))
 
     # -- state --------------------------------------------------------------------------------
     def plan(self, init_fn, *args):
         with self.context():
             boxed = jax.eval_shape(init_fn, *args)
-        init_checks.warn_unannotated(boxed, self.spec, self.mesh)
+        init_checks.warn_unannotated(boxed, self.dims)
         pspecs = layout.state_partition_specs(boxed, self.spec, self.mesh)
         abstract = layout.strip_boxes(boxed)
         data = self.data_axes

@@ -26,7 +26,7 @@ from trainspec.jax.capabilities import JAX
 from trainspec.jax.collectives import compression, replica_reduce
 from trainspec.core.capabilities import Request
 from trainspec.core.errors import UserInputError
-from trainspec.core.mesh import check_batch, resolve_mesh
+from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.core.spec import Spec
 from trainspec.jax.health import nan as nan_guard
 from trainspec.jax.mesh import build_mesh, check_hierarchical, users_mesh
@@ -65,8 +65,9 @@ class WrappedStep:
             devices = jax.devices()[:devices]
         self.mesh = users_mesh(spec, mesh) if mesh is not None else build_mesh(spec, devices)
         self.rules = layout.flax_rules(spec)
-        resolved = resolve_mesh(spec, self.mesh.devices.size)
-        check_batch(spec, resolved, layout.batch_axes(spec, self.mesh))
+        # the mesh's axis sizes, roles and degrees, which everything below reads
+        self.dims = ParallelDims.of(spec, self.mesh.shape)
+        check_batch(spec, self.dims, layout.batch_axes(spec, self.mesh))
         check_hierarchical(spec, self.mesh)
         k = spec.batch.accumulation_steps
         if k > 1 and not isinstance(step_fn, LossStep):
@@ -78,7 +79,7 @@ class WrappedStep:
         # What the spec asks that this implementation cannot run (its capability table): e.g.
         # the ext custom calls beside XLA's collectives inside a replica, which the CPU runtime
         # was seen to deadlock on (docs/collectives.md). Refused rather than hung.
-        JAX.check(Request(spec, {a: int(n) for a, n in self.mesh.shape.items()}))
+        JAX.check(Request(spec, self.dims))
         # collectives.compression: each replica's residual rides in the state (error feedback)
         self.compressed = spec.collectives.compression != "none" and bool(self.data_axes)
         self.error_feedback = self.compressed and spec.collectives.error_feedback
@@ -113,7 +114,7 @@ class WrappedStep:
         with self.context():
             abstract = jax.eval_shape(init_fn, *args)
         self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
-        init_checks.warn_unannotated(abstract, self.spec, self.mesh)
+        init_checks.warn_unannotated(abstract, self.dims)
         if self.error_feedback:  # (replicas, *param) per parameter, split over the data axes
             abstract = self._with_residual(abstract, jax.ShapeDtypeStruct)
             self.state_pspecs = compression.with_residual(self.state_pspecs, jax.tree.map(
@@ -244,7 +245,7 @@ class WrappedStep:
     @property
     def replicas(self) -> int:
         """Data-parallel replicas: the product of the data-role axes' sizes."""
-        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
+        return self.dims.replicas
 
     def _reduce_over_replicas(self, stacked, residual=None):
         """Sum per-replica gradients through the spec's collectives backend, compressed per
@@ -280,7 +281,7 @@ class WrappedStep:
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The data-role mesh axes that actually split (size > 1)."""
-        return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
+        return self.dims.split("data")
 
     def _replica_reduced_step_fn(self, precision: Precision):
         """The step with the cross-replica gradient sum made explicit: once per step, through

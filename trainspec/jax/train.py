@@ -73,7 +73,7 @@ class Job:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return {name: int(size) for name, size in self.step.mesh.shape.items()}
+        return self.step.dims.shape
 
     def init_state(self):
         """A fresh state, initialised sharded (it is never whole on one device)."""
