@@ -6,16 +6,18 @@ like every table."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import Capabilities, Refusal, honoured, refused
+from trainspec.jax.backends import backend
 
 EXT_BESIDE_XLA = Refusal(
     "ext, when a non-data axis is split",
-    lambda backend, r: backend == "ext" and bool(r.dims.split_beside("data")),
+    lambda name, r: not backend(name).beside_xla and bool(r.dims.split_beside("data")),
     "ext needs every mesh axis but the data axes to be 1, got {axes}: its blocking custom "
     "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"",
     lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in r.dims.split_beside("data"))})
 COMPRESSION_ON_HIERARCHICAL = Refusal(
     "unless none, with the hierarchical backend",
-    lambda compression, r: compression != "none" and r.spec.collectives.backend == "hierarchical",
+    lambda compression, r: (compression != "none"
+                            and not backend(r.spec.collectives.backend).compression_kernels),
     "{value} needs collectives.backend = \"xla\" or \"ext\" (the hierarchical backend "
     "reduces float32)")
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from trainspec.core.errors import UserInputError
 from trainspec.core.mesh import place_devices, usable_ids
 from trainspec.core.spec import Spec
+from trainspec.jax.backends import backend
 
 
 def process_grid(mesh: Mesh) -> np.ndarray:
@@ -40,10 +41,10 @@ def users_mesh(spec: Spec, mesh: Mesh) -> Mesh:
 
 
 def check_hierarchical(spec: Spec, mesh: Mesh) -> None:
-    """`collectives.backend = "hierarchical"` reduces over the in-process and the cross-process
-    part of the data axes in separate stages, so each data axis must lie either inside one
-    process or entirely across processes (every step along it changes process)."""
-    if spec.collectives.backend != "hierarchical":
+    """A backend that reduces over the in-process and the cross-process part of the data axes
+    in separate stages (`collectives.backend = "hierarchical"`) needs each data axis either
+    inside one process or entirely across processes (every step along it changes process)."""
+    if not backend(spec.collectives.backend).splits_at_processes:
         return
     procs = process_grid(mesh)
     for i, name in enumerate(mesh.axis_names):

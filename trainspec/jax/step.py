@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trainspec.jax import init_checks, layout
 from trainspec.jax.batching import BatchPlacement
+from trainspec.jax.backends import backend
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.collectives import compression, replica_reduce
 from trainspec.core.capabilities import Request
@@ -67,6 +68,7 @@ class WrappedStep:
         self.rules = layout.flax_rules(spec)
         # the mesh's axis sizes, roles and degrees, which everything below reads
         self.dims = ParallelDims.of(spec, self.mesh.shape)
+        self.backend = backend(spec.collectives.backend)  # what its collectives can do
         check_batch(spec, self.dims, layout.batch_axes(spec, self.mesh))
         check_hierarchical(spec, self.mesh)
         k = spec.batch.accumulation_steps
@@ -97,7 +99,7 @@ class WrappedStep:
         self.guard = None  # the nan_guard's record, carried from step to step on device
         # Metrics of the steps still running, oldest first (only for custom-call backends).
         self._in_flight: collections.deque | None = (
-            collections.deque() if spec.collectives.backend != "xla" else None)
+            None if self.backend.native else collections.deque())
 
     @contextlib.contextmanager
     def context(self):
@@ -229,7 +231,7 @@ class WrappedStep:
         # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
         # or when the spec names a collectives backend other than XLA's own.
         # GNS over replicas needs each replica's gradient before the reduction, too.
-        if self.data_axes and (k > 1 or spec.collectives.backend != "xla"
+        if self.data_axes and (k > 1 or not self.backend.native
                                or self.gns_source == gns.REPLICAS or self.compressed):
             return self._replica_reduced_step_fn(precision)
 
