@@ -299,9 +299,3 @@ class SemiSyncStep(WrappedStep):
         return {"inner_steps": self.inner_steps, "groups": self.replicas,
                 **self.program_bytes}
 
-
-def wrap(step_fn, spec, mesh=None, devices=None, *, nan_guard: bool = True) -> WrappedStep:
-    """Apply `spec` to `step_fn` (trainspec.jax.step.wrap): a SemiSyncStep when the spec has a
-    `[semi_sync]` table, else a WrappedStep."""
-    cls = SemiSyncStep if spec.semi_sync is not None else WrappedStep
-    return cls(step_fn, spec, mesh, devices, nan_guard=nan_guard)

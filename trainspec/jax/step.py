@@ -391,11 +391,3 @@ class WrappedStep:
                 jax.block_until_ready(self._in_flight.popleft())
         return state, metrics
 
-
-def wrap(step_fn, spec: Spec, mesh: Mesh | None = None,
-         devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True) -> WrappedStep:
-    """Apply `spec` to `step_fn`, a plain step or a `loss_step(loss_fn)`. See WrappedStep.
-
-    `devices`: run on these devices (or the first n) instead of all of them; `mesh`: on this
-    mesh as it is."""
-    return WrappedStep(step_fn, spec, mesh, devices, nan_guard=nan_guard)

@@ -33,9 +33,9 @@ from trainspec.jax.health.memory import check_host_batch
 from trainspec.jax.health.preflight import preflight
 from trainspec.jax.models.transformer import Transformer, next_token_loss
 from trainspec.jax.run import JaxStep, abstract_state
-from trainspec.jax.semi_sync import wrap
 from trainspec.jax.step import WrappedStep
 from trainspec.jax.step_forms import loss_step
+from trainspec.jax.wrapping import wrap
 
 
 def make_schedule(spec: Spec, total_steps: int) -> optax.Schedule:
