@@ -50,17 +50,18 @@ class WrappedStep:
     `state.step` stay as they were), the metrics gain `nonfinite` and `skipped_steps`, and
     `check_nonfinite()` raises HealthHalt when the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
     `devices`: run on these devices (or the first n) instead of all of them.
+    `groups`: one state, step, guard and metrics per data-parallel group instead of one for all
+    (trainspec.jax.semi_sync.Groups, the inner step of a SemiSyncStep); it plans and builds the
+    state, gives the loss step, guards and reads back what the step computes.
     """
 
-    runs_semi_sync = False  # trainspec.jax.semi_sync.SemiSyncStep runs `[semi_sync]`
-    guard_groups: int | None = None  # one non-finite guard per group (SemiSyncStep), or one
-
     def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None,
-                 devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True):
-        if spec.semi_sync is not None and not self.runs_semi_sync:
+                 devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True,
+                 groups=None):
+        if spec.semi_sync is not None and groups is None:
             raise UserInputError("semi_sync: this step runs synchronously; wrap it with "
                                  "trainspec.jax.wrap, which runs semi_sync")
-        self.step_fn, self.spec = step_fn, spec
+        self.step_fn, self.spec, self.groups = step_fn, spec, groups
         self.nan_guard = nan_guard
         if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
             devices = jax.devices()[:devices]
@@ -113,6 +114,8 @@ class WrappedStep:
 
         Returns the abstract (possibly flax-boxed) state; sets `state_pspecs`/`state_shardings`.
         """
+        if self.groups is not None:
+            return self.groups.plan(self, init_fn, *args)
         with self.context():
             abstract = jax.eval_shape(init_fn, *args)
         self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
@@ -128,6 +131,8 @@ class WrappedStep:
     def init(self, init_fn: Callable, *args):
         """Run `init_fn(*args)` under jit with sharded outputs: the state is never whole on one
         device. `init_fn` may return flax-boxed (logically partitioned) leaves."""
+        if self.groups is not None:
+            return self.groups.init(self, init_fn, *args)
         planned = layout.strip_boxes(self.plan(init_fn, *args))
 
         def unboxed(*a):
@@ -157,7 +162,9 @@ class WrappedStep:
     # -- step ---------------------------------------------------------------------------------
     def _build(self, batch):
         batch_shardings = self.batches.shardings(batch)
-        if isinstance(self.step_fn, LossStep):
+        if isinstance(self.step_fn, LossStep) and self.groups is not None:
+            fn = self.groups.loss_step_fn(self, batch_shardings)
+        elif isinstance(self.step_fn, LossStep):
             fn = self._loss_step_fn(batch_shardings)
         elif isinstance(self.step_fn, GradStep) and self.gns_source == gns.REPLICAS:
             fn = self._grad_step_fn()
@@ -178,25 +185,29 @@ class WrappedStep:
         )
 
     def _guarded(self, guard, state, new_state, metrics):
+        if self.groups is not None:
+            return self.groups.guarded(self, guard, state, new_state, metrics)
         return nan_guard.guarded(self.spec.health.nan, guard, state, new_state, metrics,
                                  self.mesh, self.state_pspecs)
 
     @property
     def guard_sharding(self) -> NamedSharding:
         """Where the non-finite guard's record and the step's metrics live: replicated
-        (SemiSyncStep: one per group, split over the data axes)."""
-        return NamedSharding(self.mesh, P())
+        (with `groups`: one per group, split over the data axes)."""
+        return NamedSharding(self.mesh, P(self.data_axes) if self.groups is not None else P())
 
     metrics_sharding = guard_sharding
 
     def to_host(self, tree):
         """Device arrays of this step (metrics, the guard) as NumPy on the host."""
+        if self.groups is not None:
+            return self.groups.to_host(tree)
         return jax.device_get(tree)
 
     def combine_metrics(self, metrics: dict) -> dict:
-        """The record's values from the step's metrics on the host (SemiSyncStep combines the
-        groups' values)."""
-        return metrics
+        """The record's values from the step's metrics on the host (with `groups`: combined
+        from the groups' values)."""
+        return self.groups.combine_metrics(metrics) if self.groups is not None else metrics
 
     def host_metrics(self, metrics: dict) -> dict:
         """A step's metrics as the record reads them: on the host, `loss`, `grad_norm`,
@@ -206,7 +217,8 @@ class WrappedStep:
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
         """Start the non-finite guard `step` steps into the run, with the counts of skipped
         and consecutive non-finite steps a restored checkpoint carries."""
-        record = (nan_guard.init_guard(step, skipped, consecutive, self.guard_groups)
+        per_group = self.replicas if self.groups is not None else None  # else one guard
+        record = (nan_guard.init_guard(step, skipped, consecutive, per_group)
                   if self.nan_guard else {})
         self.guard = jax.device_put(record, self.guard_sharding)
 
@@ -347,7 +359,8 @@ class WrappedStep:
             "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch}),
             # one pass has no micro-batches: GNS over them (metrics.gns = true) cannot apply
             "metrics": self.spec.metrics.model_copy(update={"gns": None})})
-        flat = type(self)(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
+        flat = WrappedStep(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard,
+                           groups=self.groups)
         flat.state_pspecs, flat.state_shardings = self.state_pspecs, self.state_shardings
         return flat.lower(state, batch)
 
