@@ -35,9 +35,9 @@ from trainspec.jax.health.preflight import preflight
 from trainspec.jax.models.transformer import Transformer, next_token_loss
 from trainspec.jax.params_file import placed, save_initial, with_values
 from trainspec.jax.run import JaxStep, abstract_state
-from trainspec.jax.semi_sync import wrap
 from trainspec.jax.step import WrappedStep
 from trainspec.jax.step_forms import loss_step
+from trainspec.jax.wrapping import wrap
 
 
 def make_schedule(spec: Spec, total_steps: int) -> optax.Schedule:
@@ -75,7 +75,7 @@ class Job:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return {name: int(size) for name, size in self.step.mesh.shape.items()}
+        return self.step.dims.shape
 
     def init_state(self, initial: dict[str, np.ndarray] | None = None):
         """A fresh state, initialised sharded (it is never whole on one device); its

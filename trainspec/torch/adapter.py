@@ -25,7 +25,7 @@ from trainspec.core.collectives_reference import to_groups
 from trainspec.core.fingerprint import fingerprint_reference
 from trainspec.core.errors import UserInputError
 from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID
-from trainspec.core.mesh import resolve_mesh
+from trainspec.core.mesh import ParallelDims, resolve_mesh
 from trainspec.core.spec import Spec
 
 
@@ -90,8 +90,11 @@ class TorchAdapter(Adapter):
     def build_mesh(self, spec: Spec) -> DeviceMesh:
         """The spec's axes as a DeviceMesh of the job's ranks (one device per rank), same
         names, sizes and row-major order as the JAX mesh."""
-        resolved = resolve_mesh(spec, self.process_count)
-        return init_device_mesh(self.device_type, resolved.sizes, mesh_dim_names=resolved.names)
+        return self.device_mesh(resolve_mesh(spec, self.process_count))
+
+    def device_mesh(self, dims: ParallelDims) -> DeviceMesh:
+        """The DeviceMesh of resolved `dims` over this job's ranks."""
+        return init_device_mesh(self.device_type, dims.sizes, mesh_dim_names=dims.names)
 
 
     # -- collectives ------------------------------------------------------------------------
@@ -182,10 +185,6 @@ def group_of(mesh: DeviceMesh, axes: tuple[str, ...]):
     if len(axes) == 1:
         return mesh.get_group(axes[0])
     return mesh[axes]._flatten().get_group()
-
-
-def axes_size(mesh: DeviceMesh, axes) -> int:
-    return math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in axes)
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
