@@ -7,7 +7,7 @@ import os
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.capabilities import Request
-from trainspec.core.mesh import check_batch, resolve_mesh
+from trainspec.core.mesh import ParallelDims, check_batch, resolve_mesh
 from trainspec.core.spec import Spec
 from trainspec.core.launch import COORDINATOR, PROCESS_ID
 from trainspec.torch.capabilities import TORCH
@@ -41,20 +41,23 @@ LAYOUT_SECTIONS = ("mesh.", "layout.", "precision.", "batch.", "remat.", "collec
                    "optimizer.", "semi_sync", "metrics.gns")
 
 
-def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> dict[str, int]:
+def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> ParallelDims:
     """The torch capability table's refusals of `spec` on `world` ranks (of the `fields`
-    chosen), then the batch's split; the mesh's axis sizes when nothing is refused."""
-    resolved = resolve_mesh(spec, world)
-    sizes = dict(zip(resolved.names, resolved.sizes))
-    TORCH.check(Request(spec, sizes, flags or {}), fields)
-    batch_axes = split_axes(spec, sizes, "data") + split_axes(spec, sizes, "fsdp")
-    check_batch(spec, resolved, [a for a in resolved.names if a in batch_axes])
-    return sizes
+    chosen), then the batch's split; the mesh's dims when nothing is refused."""
+    dims = resolve_mesh(spec, world)
+    TORCH.check(Request(spec, dims, flags or {}), fields)
+    check_batch(spec, dims, batch_axes(dims))
+    return dims
 
 
-def check_layout(spec: Spec, world: int) -> dict[str, int]:
+def batch_axes(dims: ParallelDims) -> tuple[str, ...]:
+    """The axes that split the batch's rows (data and fsdp), in mesh order."""
+    return tuple(a for a in dims.names if a in dims.split("data") + dims.split("fsdp"))
+
+
+def check_layout(spec: Spec, world: int) -> ParallelDims:
     """What the torch implementation cannot honour on `world` ranks whatever the model (the
-    reference one or a user's, trainspec.torch.wrap); the mesh's axis sizes when it can."""
+    reference one or a user's, trainspec.torch.wrap); the mesh's dims when it can."""
     return _check(spec, world, lambda field: field.startswith(LAYOUT_SECTIONS))
 
 
@@ -71,8 +74,3 @@ def check_run(spec: Spec, world: int, flags: dict | None = None,
     starts (never a silent fallback)."""
     fields = (lambda field: not field.startswith("model.")) if own_model else None
     _check(spec, world, fields, flags)
-
-
-def split_axes(spec: Spec, sizes: dict[str, int], role: str) -> list[str]:
-    """The axes of `role` that split something (size > 1)."""
-    return [a for a in spec.mesh.axes_with_role(role) if sizes[a] > 1]
