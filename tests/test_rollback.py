@@ -45,7 +45,7 @@ def _final_params(spec, run_dir):
 def _clean_run(spec, run_dir, skipped):
     """The same job from step 0 without faults, its data leaving out `skipped`."""
     def build(loop):
-        step, target, init, data = reference_job(spec, loop.total_steps)
+        step, target, init, data = reference_job(spec, loop.total_steps, run_dir)
         return step, target, init, lambda i: data(batch_index(i, skipped))
 
     loop = Run(spec, run_dir, Checkpointer(spec, run_dir), STEPS, progress=False)
