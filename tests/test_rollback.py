@@ -9,6 +9,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from trainspec.cli.summary import print_summary
 from trainspec.core.bad_steps import RollbackLimit, batch_index
 from trainspec.core.faults import Faults
 from trainspec.core.loop import train
@@ -60,7 +61,7 @@ def rolled_back(tmp_path_factory):
     return spec, run_dir, run(spec, run_dir, steps=STEPS, progress=False, faults=faults)
 
 
-def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back):
+def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back, capsys):
     _, run_dir, summary = rolled_back
     # The NaN of step 12 is read one step late (after step 13 is dispatched): back to
     # checkpoint 8, batch 11 skipped. With batch 11 gone, step 27 reads batch 27, whose loss
@@ -78,6 +79,10 @@ def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back):
     assert all(np.isfinite(r["loss"]) for r in records.values())
     for record in records.values():
         jsonschema.validate(record, json_schema())
+    print_summary(summary)  # what `trainspec train` prints
+    printed = capsys.readouterr().out
+    assert "rolled back    to step 8: non-finite loss, gradients or state at step 12" in printed
+    assert "skipped        batches 11, 27 (health.nan.policy = rollback)" in printed
 
 
 def test_after_the_rollbacks_the_run_is_bitwise_a_clean_run_without_those_batches(

@@ -275,7 +275,7 @@ class Run:
                                             self.skipped_batches)
         self.skipped_batches.update(skipped)
         self.roll_back(reason, (self.step, *self._job, self._data))
-        self.rollbacks[-1].update(bad_step=bad, restored_step=self.at, skipped_batches=skipped)
+        self.rollbacks[-1].update(bad_step=bad, skipped_batches=skipped)
         self.rollback_mark = {"rolled_back_from_step": bad}
 
     # -- replicas, rollback -------------------------------------------------------------------
@@ -306,6 +306,7 @@ class Run:
         diverged_at = self.at
         step, target, init, self._data = job
         self._restore(step, target, init)
+        self.rollbacks[-1]["restored_step"] = self.at
         self.goodput.lose_steps(diverged_at - self.at)
         self._prefetched = self._batch(self.at)
         self._open_records(self._prefetched)
