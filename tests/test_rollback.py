@@ -3,6 +3,7 @@ the newest good checkpoint and skip their batches; the run then goes on bit for 
 run that never read those batches. The step itself gains no collective and no copy."""
 import json
 import re
+import shutil
 
 import jax
 import jsonschema
@@ -43,13 +44,13 @@ def _final_params(spec, run_dir):
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
-def _clean_run(spec, run_dir, skipped):
+def _clean_run(spec, run_dir, skipped, steps=STEPS):
     """The same job from step 0 without faults, its data leaving out `skipped`."""
     def build(loop):
         step, target, init, data = reference_job(spec, loop.total_steps, run_dir)
         return step, target, init, lambda i: data(batch_index(i, skipped))
 
-    loop = Run(spec, run_dir, Checkpointer(spec, run_dir), STEPS, progress=False)
+    loop = Run(spec, run_dir, Checkpointer(spec, run_dir), steps, progress=False)
     return train(loop, build)
 
 
@@ -94,6 +95,20 @@ def test_after_the_rollbacks_the_run_is_bitwise_a_clean_run_without_those_batche
     assert [ours[s]["loss"] for s in ours] == [theirs[s]["loss"] for s in ours]
     for a, b in zip(_final_params(spec, run_dir), _final_params(spec, tmp_path), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_resume_leaves_the_skipped_batches_out_too(rolled_back, tmp_path):
+    """The skipped batches travel in the checkpoint: resumed to step 36, the run is still the
+    clean run without batches 11 and 27."""
+    spec, run_dir, _ = rolled_back
+    shutil.copytree(run_dir, tmp_path / "resumed")
+    resumed = run(spec, tmp_path / "resumed", steps=STEPS + 4, progress=False)
+    assert resumed["resumed_from"] == STEPS and resumed["skipped_batches"] == [11, 27]
+    for steps in (STEPS, STEPS + 4):  # resumed too: the schedule is planned for STEPS steps
+        _clean_run(spec, tmp_path / "clean", {11, 27}, steps=steps)
+    ours, theirs = _records(tmp_path / "resumed"), _records(tmp_path / "clean")
+    assert [ours[s]["loss"] for s in range(1, STEPS + 5)] == [
+        theirs[s]["loss"] for s in range(1, STEPS + 5)]
 
 
 def test_a_lasting_rise_halts_after_max_rollbacks(tmp_path):
