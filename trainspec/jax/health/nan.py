@@ -3,7 +3,7 @@
 The default (`health.nan.policy = rollback`, `flagged`) adds no collective and no copy to the
 step: each device flags a non-finite element among its own slices of the new state (one int32
 per device, split over the whole mesh, so nothing crosses devices), the step returns its new
-state unconditionally, and the host reads the flags and the loss one step late (`read_flags`),
+state unconditionally, and the host reads the flags and the loss one step late (`local_flags`),
 judging the step by trainspec.core.bad_steps; a bad step is undone by a rollback to the newest
 good checkpoint (trainspec.core.run).
 
@@ -18,11 +18,12 @@ the old state or the new), so a NaN never reaches the parameters, nor a checkpoi
 never waits on the device per step. The guard record travels with the step; the host reads it
 only when it syncs anyway (metrics interval, checkpoint), and halts then.
 
-The state check reads each element once over the mesh, not once per device: a device holds its
+Both state checks read each element once over the mesh, not once per device: a device holds its
 leaves' blocks replicated over the mesh axes that do not split them (with data parallelism, all
 of it on every device), so each device checks 1/r of each block (r: the devices holding that
-block) and one all-reduce of one integer counts the non-finite slices. On 8 simulated devices
-checking every copy cost more (docs/wrapping.md, "Guard designs measured and not kept").
+block); under skip and halt one all-reduce of one integer counts the non-finite slices. On 8
+simulated devices checking every copy cost more (docs/wrapping.md, "Keep-the-old-state designs
+measured and not kept").
 """
 from __future__ import annotations
 
