@@ -5,9 +5,14 @@ a small CNN module, a `TrainState` with an optax optimizer, and a `train_step(st
 that takes `value_and_grad` of the cross-entropy, applies the gradients and returns
 `(state, metrics)`. Both sides get the same host (NumPy) batches, so both pay the transfer:
 - plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
-- wrapped: `trainspec.jax.wrap(train_step, spec)` (placement, donation, non-finite guard, metrics);
+- rollback: `trainspec.jax.wrap(train_step, spec)` under the default `health.nan.policy =
+  rollback` (placement, donation, each device's flags over its slices of the new state), with
+  what the run loop adds per step: the previous step's flags and loss read on the host after
+  this step is dispatched, and judged (trainspec.core.bad_steps);
+- skip: the same under `health.nan.policy = skip`, the guard that keeps the old state until a
+  verdict (an all-reduce of the state's check and a `lax.cond`), read by nothing per step;
 - unguarded: the same with `nan_guard=False`, to show what the guard's on-device check costs;
-- the guard's two costs apart, as plain jit of the step followed by one of them alone:
+- the skip guard's two costs apart, as plain jit of the step followed by one of them alone:
   `meeting`, one all-reduce of one scalar that depends on every floating leaf of the new state
   (the end-of-step meeting of the devices that any verdict on the new state needs, with no
   check and no copy), and `copy`, a `lax.cond` keeping the new state or the old one on the loss
@@ -23,6 +28,7 @@ the median of the per-round ratios, and the load average (the machine may be sha
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -43,6 +49,7 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import trainspec.jax
+    from trainspec.core import bad_steps
 
     class ConvNet(nn.Module):
         """Two conv/pool stages and two dense layers: the usual MNIST-sized classifier."""
@@ -92,15 +99,38 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
         keep = jnp.isfinite(metrics["loss"])
         return jax.lax.cond(keep, lambda: new_state, lambda: state), metrics
 
+    def judged_one_step_late(step, spec):
+        """The wrapped step as trainspec.core.run drives it under rollback: after dispatching
+        a step, the previous one's verdict is read and judged (a bad one is only counted:
+        there is no checkpoint to roll back to here)."""
+        spikes, pending = bad_steps.LossSpikes(spec.health.spikes), []
+        steps_done = itertools.count(1)
+
+        def call(state, batch):
+            state, metrics = step(state, batch)
+            pending.append((next(steps_done), step.verdict_inputs(metrics)))
+            if len(pending) > 1:
+                at, inputs = pending.pop(0)
+                reason = bad_steps.verdict(at, *step.read_verdict(inputs), spikes)
+                if reason is not None:
+                    bad_verdicts.append(reason)
+            return state, metrics
+
+        return call
+
     def plain_jit(step_fn):
         jitted = jax.jit(step_fn, donate_argnums=0)
         return lambda state, batch: jitted(state, jax.device_put(batch, on_data))
 
+    bad_verdicts: list[str] = []
     spec = trainspec.load_spec({"batch": {"global_batch": BATCH}})
-    wrapped = {"wrapped": trainspec.jax.wrap(train_step, spec),
+    skip = trainspec.load_spec(spec, ["health.nan.policy=skip"])
+    wrapped = {"rollback": trainspec.jax.wrap(train_step, spec),
+               "skip": trainspec.jax.wrap(train_step, skip),
                "unguarded": trainspec.jax.wrap(train_step, spec, nan_guard=False)}
     raw = {"plain": train_step, "meeting": meeting_step, "copy": copy_step}
-    calls = {**{name: plain_jit(fn) for name, fn in raw.items()}, **wrapped}
+    calls = {**{name: plain_jit(fn) for name, fn in raw.items()}, **wrapped,
+             "rollback": judged_one_step_late(wrapped["rollback"], spec)}
     states = {name: step.init(create_state, jax.random.key(0)) for name, step in wrapped.items()}
     states.update({name: jax.device_put(create_state(jax.random.key(0)),
                                         NamedSharding(mesh, P())) for name in raw})
@@ -125,6 +155,9 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     print(f"{n_devices} device(s), {os.cpu_count()} cores, batch {BATCH}, {rounds} rounds x "
           f"{steps} steps; load average before {load_before}, after "
           f"{open('/proc/loadavg').read().split()[:3]}")
+    if bad_verdicts:
+        print(f"  rollback judged {len(bad_verdicts)} step(s) bad (counted, not rolled back), "
+              f"first: {bad_verdicts[0]}")
     for i, clock in enumerate(("wall", "CPU")):
         plain = statistics.median(t[i] for t in times["plain"]) * 1e3
         print(f"  {clock:4s} plain jit {plain:8.2f} ms/step")

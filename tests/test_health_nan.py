@@ -1,4 +1,5 @@
-"""health.nan: a NaN batch is dropped inside the step (skip) or halts with the good state kept."""
+"""health.nan's opt-in on-device policies: a NaN batch is dropped inside the step (skip) or
+halts with the good state kept (the default, rollback, is tested in test_rollback.py)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def test_skip_drops_the_update_and_counts_it():
 
 
 def test_skip_limit_halts_after_too_many_in_a_row():
-    spec = tiny_spec("health.nan.max_consecutive_skips=2")
+    spec = tiny_spec("health.nan.policy='skip'", "health.nan.max_consecutive_skips=2")
     job = build_job(spec, total_steps=6)
     state = job.state
     for i in range(5):  # steps 2..5 (1-based) are NaN: the third in a row (step 4) trips
@@ -108,7 +109,8 @@ def test_halt_without_checkpoints_says_nothing_was_kept(tmp_path):
 def test_consecutive_nonfinite_steps_count_across_a_resume(tmp_path):
     """Steps 3-4 non-finite, checkpoint at 4, resume, steps 5-6 non-finite: 4 in a row is over
     max_consecutive_skips = 3 although neither run alone saw more than 2."""
-    spec = tiny_spec("health.nan.max_consecutive_skips=3", "checkpoint.interval=4",
+    spec = tiny_spec("health.nan.policy='skip'", "health.nan.max_consecutive_skips=3",
+                     "checkpoint.interval=4",
                      "checkpoint.async_save=false")
     first = run(spec, tmp_path, steps=4, progress=False, faults=Faults(nan_steps=frozenset({3, 4})))
     assert first["skipped_steps"] == 2
@@ -133,7 +135,7 @@ def test_one_nan_element_anywhere_on_any_layout_drops_the_step(layout):
     of the new state, first, inside or last of its leaf (the last slices overlap a neighbour),
     in a leaf split by the layout or replicated, drops the step: params, optimizer moments and
     step count stay exactly as they were."""
-    spec = tiny_spec(layout=layout)
+    spec = tiny_spec("health.nan.policy='skip'", layout=layout)
     model, optimizer = _Odd(), optax.adam(1e-2)
 
     def init(key):

@@ -48,7 +48,8 @@ def _reference_parts(w, batch):
 
 def _wrapped(nan_guard=True, micro=BATCH // K, loss_fn=_loss_fn):
     spec = load_spec({"mesh": {"axes": {"data": {"size": 2}}},
-                      "batch": {"global_batch": BATCH, "micro_batch": micro, "seq_len": SEQ}})
+                      "batch": {"global_batch": BATCH, "micro_batch": micro, "seq_len": SEQ},
+                      "health": {"nan": {"policy": "skip"}}})  # the guard that drops on device
     step = wrap(loss_step(loss_fn), spec, build_mesh(spec, jax.devices()[:2]), nan_guard=nan_guard)
     init = lambda w: TrainState.create(apply_fn=None, params={"w": w}, tx=SGD)  # noqa: E731
     return step, init

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from trainspec.core.bad_steps import batch_index
 from trainspec.core.data import ByteBatches
+from trainspec.core.faults import Faults
 from trainspec.core.health import HealthHalt
 from trainspec.jax.train import make_optimizer
 from trainspec.torch.adapter import TorchAdapter
@@ -43,17 +45,18 @@ def test_learning_rate_is_the_jax_optimizers(warmup, total):
                             rel_tol=1e-5, abs_tol=1e-9), count
 
 
-def _own_loop(spec, run_dir, steps, adapter, poison=False):
-    """An own loop on one rank through the torch Run: (the step, the run, its losses)."""
+def _own_loop(spec, run_dir, steps, adapter, poison=False, skipped=(), **options):
+    """An own loop on one rank through the torch Run: (the step, the run, its losses).
+    `skipped`: data indices the loop's data leaves out; `options`: the Run's."""
     job = TorchStep(spec, adapter.build_mesh(spec), steps, adapter.device)
     if poison:
         with torch.no_grad():
             job.model.head.weight.fill_(float("nan"))
     data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), job.rows()
-    run = Run(spec, run_dir, job, steps, progress=False)
+    run = Run(spec, run_dir, job, steps, progress=False, **options)
     with run:
         state = run.resume()
-        for batch in run.batches(lambda index: data.batch(index, rows)):
+        for batch in run.batches(lambda i: data.batch(batch_index(i, set(skipped)), rows)):
             state, metrics = run.step(state, batch)
             state = run.after_step(state, metrics)
     return job, run, run.recorder.losses
@@ -78,6 +81,24 @@ def test_halt_policy_stops_at_the_first_nonfinite_step(tmp_path, adapter):
     spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0", "health.nan.policy=halt")
     with pytest.raises(HealthHalt, match="step 1"):
         _own_loop(spec, tmp_path, 4, adapter, poison=True)
+
+
+def test_rollback_policy_skips_a_nan_batch_and_resumes_bitwise(tmp_path, adapter):
+    """The default policy on torch: the NaN of step 6 (read on the host, no extra sync) rolls
+    back to checkpoint 4 and skips batch 5; from there the run is bit for bit a clean run
+    that never read batch 5."""
+    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=4")
+    assert spec.health.nan.policy == "rollback"
+    job, run, losses = _own_loop(spec, tmp_path / "nan", 10, adapter,
+                                 faults=Faults(nan_steps=frozenset({6})))
+    clean, _, clean_losses = _own_loop(spec, tmp_path / "clean", 10, adapter, skipped={5})
+    assert [(r["bad_step"], r["restored_step"], r["skipped_batches"]) for r in run.rollbacks] == [
+        (6, 4, [5])]
+    assert losses == clean_losses and all(math.isfinite(v) for v in losses.values())
+    for ours, theirs in zip(job.params, clean.params, strict=True):
+        assert torch.equal(ours.detach(), theirs.detach())
+    meta = json.loads((tmp_path / "nan" / "checkpoints" / "10" / "meta.json").read_text())
+    assert meta["skipped_batches"] == [5]
 
 
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])

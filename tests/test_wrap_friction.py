@@ -195,13 +195,13 @@ def test_unboxed_params_warn_with_the_count_when_the_mesh_could_shard_them():
         wrap(_step, _spec()).plan(init_unboxed, jax.random.key(0))  # data only: replicated anyway
 
 
-def test_a_step_returning_nan_params_keeps_the_old_state():
+def test_a_step_returning_nan_params_keeps_the_old_state_under_skip():
     def poisoned(state, batch):
         new_state, metrics = _step(state, batch)
         params = jax.tree.map(lambda p: p * jnp.nan, new_state.params)
         return new_state.replace(params=params), metrics
 
-    step = wrap(poisoned, _spec())
+    step = wrap(poisoned, load_spec(_spec(), ["health.nan.policy=skip"]))
     state = step.init(_init, jax.random.key(0))
     before = jax.tree.map(np.asarray, state.params)
     state, metrics = step(state, _batch())

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from trainspec.core import flops, records, reference_train as train
+from trainspec.core import bad_steps, flops, records, reference_train as train
 from trainspec.core.capabilities import (
     Capabilities, Refusal, honoured, refused, refused_section)
 from trainspec.core.data import ByteBatches
@@ -41,7 +41,13 @@ NUMPY = Capabilities("numpy", {
         "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.d_ff",
         "optimizer.name", "optimizer.learning_rate", "optimizer.warmup_steps",
         "optimizer.weight_decay", "optimizer.grad_clip_norm", "train.steps",
-        "health.nan.policy", "health.nan.max_consecutive_skips")},
+        "health.nan.max_consecutive_skips")},
+    "health.nan.policy": honoured("skip, halt: the core's state machine; rollback: a bad step "
+                                  "halts (no checkpoint to roll back to)"),
+    **{f"health.nan.{name}": honoured("no effect without checkpoints (refused)")
+       for name in ("max_rollbacks", "skip_batches")},
+    **{f"health.spikes.{name}": honoured("the core's rule, per step")
+       for name in ("window", "k", "min_excess", "min_steps")},
     "mesh.axes.*.size": honoured("8 simulated devices", Refusal(
         "when an fsdp or tensor axis is split",
         lambda value, r: bool(r.split("fsdp") + r.split("tensor")),
@@ -133,9 +139,14 @@ class NumpyAdapter(SimulatedDevices):
         sink, guard, goodput = self.open_metrics(run_dir / spec.metrics.path), init_nan_guard(), \
             Goodput()
         pending, tokens, start = 0, 0.0, time.perf_counter()
+        spikes = bad_steps.LossSpikes(spec.health.spikes)
         for step in range(1, steps + 1):
             lr = train.learning_rate(spec.optimizer, spec.train.steps, trainer.count)
             loss, norm, valid, guard = self.step(trainer, data.batch(step - 1), guard)
+            if spec.health.nan.policy == "rollback":  # without checkpoints a bad step halts
+                reason = bad_steps.verdict(step, np.isfinite(norm), loss, spikes)
+                if reason is not None:
+                    raise bad_steps.halt_line(spec.health.nan, reason, 0, None, run_dir)
             pending, tokens = pending + 1, tokens + valid
             if step % spec.metrics.interval and step < steps:
                 continue

@@ -21,6 +21,12 @@ def print_summary(summary: dict) -> None:
         f"  spec           {summary['spec']}\n"
         f"  metrics        {summary['metrics_file']}"
     )
+    for rollback in summary.get("rollbacks") or []:  # the run went back to a checkpoint
+        print(f"  rolled back    to step {rollback['restored_step']}: "
+              f"{rollback['reason']}")
+    if summary.get("skipped_batches"):
+        print(f"  skipped        batches {', '.join(map(str, summary['skipped_batches']))} "
+              "(health.nan.policy = rollback)")
 
 
 def plural(count: int, one: str, many: str) -> str:

@@ -28,6 +28,9 @@ class InjectedCrash(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Faults:
     nan_steps: frozenset[int] = frozenset()  # these steps' batches carry NaN in a float input
+    spike_steps: frozenset[int] = frozenset()  # these steps' batches have every target byte
+                                               # 255, which source text never has: a finite
+                                               # loss far above the recent ones
     bitflip: tuple[int, int] | None = None   # (step, device id or rank): after that step, flip
                                               # one bit of that device's copy of the first parameter
     delay_s: float = 0.0                      # extra host time per step ...
@@ -42,7 +45,7 @@ class Faults:
     def from_env(cls) -> Faults:
         try:
             raw = json.loads(os.environ.get(ENV, "{}"))
-            for key in ("nan_steps", "delay_steps"):
+            for key in ("nan_steps", "spike_steps", "delay_steps"):
                 if raw.get(key) is not None:
                     raw[key] = frozenset(raw[key])
             for key in ("bitflip", "faulty_reduction"):
@@ -56,9 +59,13 @@ class Faults:
                                  f"fields among {fields} ({err})") from None
 
     def batch(self, step: int, batch: dict) -> dict:
-        if step not in self.nan_steps:
-            return batch
-        return {**batch, "mask": np.full_like(batch["mask"], np.nan)}
+        """Batch `step - 1` of the data (the batch step `step` reads in a run that skips
+        none), with the faults planted in it."""
+        if step in self.nan_steps:
+            batch = {**batch, "mask": np.full_like(batch["mask"], np.nan)}
+        if step in self.spike_steps:
+            batch = {**batch, "targets": np.full_like(batch["targets"], 255)}
+        return batch
 
     def delay(self, step: int, process_index: int) -> None:
         if self.delay_s and process_index == self.delay_process and (

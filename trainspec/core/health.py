@@ -53,11 +53,14 @@ def nan_guard_step(policy: NanSpec, guard: dict, finite, where: Callable = np.wh
     """(new guard, take) after one step whose loss and gradients are `finite` (a bool array).
 
     `take`: whether the step's update is kept. Under `skip`, up to `max_consecutive_skips`
-    non-finite steps in a row are dropped and the next one trips the guard; under `halt` the
+    non-finite steps in a row are dropped and the next one trips the guard; under `rollback`
+    every update is taken (trainspec.core.bad_steps judges it later); under `halt` the
     first one trips it. Once tripped the guard takes no further update, so the state it keeps is
     the one before the first bad step, however many steps ran after it. `guard` values are
     integer arrays (NumPy or jax.numpy); `where` is that library's `where`.
     """
+    if policy.policy == "rollback":  # every update is kept: the run loop judges the step
+        return {**guard, "step": guard["step"] + 1}, True
     step = guard["step"] + 1
     consecutive = where(finite, 0, guard["consecutive"] + 1)
     limit = 0 if policy.policy == "halt" else policy.max_consecutive_skips

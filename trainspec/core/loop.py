@@ -67,6 +67,13 @@ class Step(Protocol):
     def nonfinite_counts(self) -> dict[str, int]:
         """The guard's counts to checkpoint with the state."""
 
+    def verdict_inputs(self, metrics) -> Any:
+        """What judges this step under health.nan.policy = rollback (the device's flags and
+        loss, not yet read: no sync); None when the step carries no guard."""
+
+    def read_verdict(self, inputs) -> tuple[bool, float | None]:
+        """(every flag and the gradient norm finite, the loss) on the host, from `inputs`."""
+
     def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
         """Raise ReplicaMismatch naming the copies that differ from their majority."""
 

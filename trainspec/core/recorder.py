@@ -122,7 +122,9 @@ class Recorder:
         now = time.perf_counter()
         wall = now - self._t_last
         n = self._pending_steps
-        valid = float(np.sum(tokens)) if tokens else float(self.tokens_per_step * n)
+        # nansum: a non-finite count (a NaN mask) is a bad step that trained no token (the
+        # skip guard zeroes it on device; under rollback the step is undone later)
+        valid = float(np.nansum(tokens)) if tokens else float(self.tokens_per_step * n)
         self._seconds += wall
         self._timed_steps += n
         self._valid_tokens += valid

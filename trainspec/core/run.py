@@ -9,6 +9,9 @@ for a step of theirs).
 - replica fingerprints every `health.fingerprints.interval` steps and before every checkpoint;
   on a mismatch under `rollback`, `roll_back` onto the step `rebuild` makes without the diverged
   devices (where the implementation can), else a halt;
+- under `health.nan.policy = rollback`, each step judged one step late (trainspec.core.bad_steps:
+  non-finite or a loss spike); on a bad step a rollback to the newest good checkpoint that skips
+  the offending batches from then on;
 - checkpoints when due; after SIGTERM/SIGINT a checkpoint of that step, then Preempted; after a
   guard's halt a checkpoint of the last good state, named in the HealthHalt;
 - fault injection (trainspec.core.faults) at the points of the loop it names;
@@ -26,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from trainspec.core import bad_steps
 from trainspec.core.faults import Faults
 from trainspec.core.goodput import Goodput
 from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector
@@ -63,6 +67,14 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = steps
         self.rollbacks: list[dict] = []
+        # health.nan.policy = rollback: the data indices left out of the stream, the loss
+        # window of the spike rule, and the step whose verdict is still to be read
+        self.rolls_back = spec.health.nan.policy == "rollback"
+        self.skipped_batches: set[int] = set()
+        self.spikes = bad_steps.LossSpikes(spec.health.spikes)
+        self._pending: tuple[int, Any] | None = None
+        self._bad_step_rollbacks = 0
+        self.rollback_mark: dict | None = None
         self.summary_fields: dict = {}  # the caller's own (preflight, say)
         self.step: Step | None = None
         self.start: int | None = None  # where this invocation resumed
@@ -108,6 +120,10 @@ class Run:
                 save_spec(self.spec, self.run_dir)
         self.resume_mark = resume_mark(meta) if meta else None  # on the first record after it
         counts = (meta or {}).get("health", {})  # the non-finite counts carry on across a resume
+        self.skipped_batches |= set(counts.get("skipped_batches", ()))
+        self.spikes.forget_after(self.at)
+        self._pending = None
+        self._job = (target, init)  # what a rollback after a bad step restores onto
         self.skipped = counts.get("skipped_steps", 0)
         step.reset_guard(self.at, self.skipped, counts.get("consecutive_nonfinite", 0))
         self.step, self.state = step, state
@@ -121,7 +137,7 @@ class Run:
         a pure function of it, this process's rows). The step is measured on the first batch
         (which the first step then uses) before the first step's clock starts."""
         self._data = data
-        self._prefetched = data(self.at)
+        self._prefetched = self._batch(self.at)
         self._open_records(self._prefetched)
         self.bar = progress_bar(self.steps, self.progress and self.step.is_writer)
         self.bar.update(self.at)
@@ -134,12 +150,18 @@ class Run:
                 self.faults.delay(self.at, self.step.process_index)
                 t0 = time.perf_counter()
                 batch, self._prefetched = self._prefetched, None
-                batch = self._data(self.at - 1) if batch is None else batch
+                batch = self._batch(self.at - 1) if batch is None else batch
                 self._data_wait = time.perf_counter() - t0
-                yield self.faults.batch(self.at, batch)
+                yield batch
         self.bar.close()
         self.step.finish(self.state)
         self._timed_checkpoint_io(self.ckpt.wait)  # complete before the summary says so
+
+    def _batch(self, position: int) -> dict:
+        """The batch of the step at `position` (0-based): the next data index not skipped
+        (faults are planted by data index: a skipped batch is never read again)."""
+        index = bad_steps.batch_index(position, self.skipped_batches)
+        return self.faults.batch(index + 1, self._data(index))
 
     def _open_records(self, batch) -> None:
         facts = self.step.facts(self.state, batch)
@@ -164,6 +186,8 @@ class Run:
         signum = self.step.stop_signal(self.at, self.signals.received)
         checkpointing = self.ckpt.enabled and (
             signum is not None or self.ckpt.due(self.at, self.steps))
+        if self._rolled_back_after_bad_step(metrics, checkpointing or self.at == self.steps):
+            return self.state
         self._record(metrics, checkpointing)
         if self._rolled_back_after_divergence(checkpointing=signum is not None):
             return self.state
@@ -198,6 +222,11 @@ class Run:
         if self.resume_mark is not None:
             fields.update(self.resume_mark)
             self.resume_mark = None
+        if self.rolls_back:
+            fields["skipped_batches"] = len(self.skipped_batches)
+        if self.rollback_mark is not None:
+            fields.update(self.rollback_mark)
+            self.rollback_mark = None
         if checkpointing:
             fields["checkpoint_saved"] = True
         return fields
@@ -210,6 +239,44 @@ class Run:
         for i, (step, _) in enumerate(self._times):
             self.stragglers.observe(step, every[:, i])
         self._times.clear()
+
+    # -- bad steps (health.nan.policy = rollback) ------------------------------------------
+    def _rolled_back_after_bad_step(self, metrics: dict, now: bool) -> bool:
+        """Judge the previous step, whose verdict is (nearly) ready while this one runs; with
+        `now` (a checkpoint or the last step follows) this one too, waiting for it. On a bad
+        step, roll back; returns whether it did."""
+        if not self.rolls_back:
+            return False
+        pending, self._pending = self._pending, (self.at, self.step.verdict_inputs(metrics))
+        judged = [pending] if pending is not None else []
+        if now:
+            judged.append(self._pending)
+            self._pending = None
+        for step, inputs in judged:
+            if inputs is None:  # a step without the guard (wrap(..., nan_guard=False))
+                continue
+            reason = bad_steps.verdict(step, *self.step.read_verdict(inputs), self.spikes)
+            if reason is not None:
+                self._roll_back_bad_step(step, reason)
+                return True
+        return False
+
+    def _roll_back_bad_step(self, bad: int, reason: str) -> None:
+        """Back to the newest good checkpoint, the bad step's batches skipped from then on, or
+        the halt when there is none or the policy's rollbacks are spent."""
+        policy = self.spec.health.nan
+        self._timed_checkpoint_io(self.ckpt.wait)  # `last_saved` is then complete
+        halt = bad_steps.halt_line(policy, reason, self._bad_step_rollbacks,
+                                   self.ckpt.last_saved, self.ckpt.directory)
+        if halt is not None:
+            raise halt
+        self._bad_step_rollbacks += 1
+        skipped = bad_steps.batches_to_skip(policy, bad, self.ckpt.last_saved,
+                                            self.skipped_batches)
+        self.skipped_batches.update(skipped)
+        self.roll_back(reason, (self.step, *self._job, self._data))
+        self.rollbacks[-1].update(bad_step=bad, skipped_batches=skipped)
+        self.rollback_mark = {"rolled_back_from_step": bad}
 
     # -- replicas, rollback -------------------------------------------------------------------
     def _rolled_back_after_divergence(self, checkpointing: bool = False) -> bool:
@@ -233,15 +300,15 @@ class Run:
         """Go back to the newest good checkpoint on `job` (a step, the target its state is
         placed like, its `init()` when there is none, its data) and train on from there: the
         steps since are lost progress, their records are redone. Every rollback is listed in
-        the summary with its `reason`. (A rollback that also skips batches would change
-        `_data` here.)"""
+        the summary with its `reason`; the batches to skip are already in `skipped_batches`."""
         self.rollbacks.append({"step": self.at, "excluded": list(excluded), "reason": reason})
         self._timed_checkpoint_io(self.ckpt.wait)
         diverged_at = self.at
         step, target, init, self._data = job
         self._restore(step, target, init)
+        self.rollbacks[-1]["restored_step"] = self.at
         self.goodput.lose_steps(diverged_at - self.at)
-        self._prefetched = self._data(self.at)
+        self._prefetched = self._batch(self.at)
         self._open_records(self._prefetched)
 
     # -- checkpoints, stops ------------------------------------------------------------------
@@ -256,7 +323,12 @@ class Run:
         if force or self.ckpt.due(self.at, self.steps):
             self.skipped = self.step.check_nonfinite()  # never checkpoint a frozen state
             self._timed_checkpoint_io(self.ckpt.save, self.at, self.state, self.total_steps,
-                                      self.step.nonfinite_counts())
+                                      self._health_counts())
+
+    def _health_counts(self) -> dict:
+        """What a checkpoint carries on for the guards: the non-finite counts, the skipped
+        batches (a resume from it leaves them out too)."""
+        return {**self.step.nonfinite_counts(), "skipped_batches": sorted(self.skipped_batches)}
 
     def _halted(self, halt: HealthHalt) -> HealthHalt:
         """Checkpoint the state the guard froze (the last good one) and say where it is, or
@@ -265,7 +337,7 @@ class Run:
             return HealthHalt(f"{halt}; no checkpoint kept a state (checkpoint.interval = 0)",
                               halt.last_good_step)
         self.ckpt.save(halt.last_good_step, self.state, self.total_steps,
-                       self.step.nonfinite_counts())
+                       self._health_counts())
         self.ckpt.wait()
         return HealthHalt(f"{halt}; the state after step {halt.last_good_step} is checkpoint "
                           f"{halt.last_good_step} in {self.ckpt.directory}", halt.last_good_step)
@@ -288,7 +360,8 @@ class Run:
         if self.recorder is not None:
             self.recorder.close()
         if isinstance(exc, HealthHalt) and self.step is not None:
-            if isinstance(exc, ReplicaMismatch):  # the last good save completes before the halt
+            # the last good save completes before the halt; the state in memory is not good
+            if isinstance(exc, (ReplicaMismatch, bad_steps.RollbackLimit)):
                 self.ckpt.wait()
             else:
                 halted = self._halted(exc)
@@ -307,6 +380,7 @@ class Run:
             "rollbacks": self.rollbacks,
             "excluded_devices": list(spec.mesh.exclude_devices),
             "skipped_steps": self.skipped,
+            "skipped_batches": sorted(self.skipped_batches),
             **self.stragglers.report(),
             "mesh": self.step.mesh_shape,
             "accumulation_steps": spec.batch.accumulation_steps,

@@ -9,14 +9,39 @@ from trainspec.core.spec_section import Section
 
 
 class NanSpec(Section):
-    """What a non-finite loss, gradient or state does to the run (docs/reliability.md)."""
+    """What a bad step (non-finite loss, gradient or state; under `rollback` also a loss
+    spike) does to the run (docs/reliability.md)."""
 
-    policy: Literal["skip", "halt"] = Field(
-        "skip", description="On a non-finite loss or gradient: `skip` drops the update, "
-        "`halt` stops with the last good state checkpointed."
+    policy: Literal["rollback", "skip", "halt"] = Field(
+        "rollback", description="On a bad step: `rollback` (the step adds no work; the host "
+        "judges each step one step late) restores the newest good checkpoint and skips the "
+        "offending batches; `skip` drops a non-finite update inside the step (it keeps the old "
+        "state until a verdict: a copy and an all-reduce per step); `halt` stops with the last "
+        "good state checkpointed."
     )
     max_consecutive_skips: int = Field(
         5, ge=1, description="Under `skip`, one more consecutive non-finite step halts."
+    )
+    max_rollbacks: int = Field(
+        3, ge=0, description="Under `rollback`, one more bad step halts the invocation (a "
+        "lasting loss rise makes every step a spike)."
+    )
+    skip_batches: int = Field(
+        1, ge=1, description="Under `rollback`, batches skipped per rollback: the bad step's "
+        "and the ones just before it, none at or before the restored checkpoint."
+    )
+
+
+class SpikeSpec(Section):
+    """Under `health.nan.policy = rollback`: the rule that calls a finite loss a spike."""
+
+    window: int = Field(50, ge=3, description="Recent good steps' losses the rule looks at.")
+    k: float = Field(6.0, gt=0, description="Spike: loss > median + k * MAD of the window.")
+    min_excess: float = Field(
+        0.1, ge=0, description="...and more than this fraction above the median (MAD can be ~0)."
+    )
+    min_steps: int = Field(
+        20, ge=3, description="Good steps in the window before any loss is called a spike."
     )
 
 
@@ -52,5 +77,6 @@ class HealthSpec(Section):
         "initialisation badput."
     )
     nan: NanSpec = NanSpec()
+    spikes: SpikeSpec = SpikeSpec()
     fingerprints: FingerprintSpec = FingerprintSpec()
     stragglers: StragglerSpec = StragglerSpec()

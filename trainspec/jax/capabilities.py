@@ -58,8 +58,15 @@ JAX = Capabilities("jax", dict([
     ("checkpoint.async_save", honoured("orbax writes in the background")),
     *_reference("checkpoint.dir"),
     ("health.preflight", honoured("trainspec doctor's checks; failing devices excluded")),
-    *_reference("health.nan.policy", "health.nan.max_consecutive_skips",
-                "health.fingerprints.interval"),
+    ("health.nan.policy", honoured(
+        "rollback: each device flags its own slices of the new state, the run loop reads the "
+        "flags and the loss one step late; skip and halt: decided inside the step")),
+    *_reference("health.nan.max_consecutive_skips"),
+    *((f"health.nan.{name}", honoured("the core's run loop")) for name in (
+        "max_rollbacks", "skip_batches")),
+    *((f"health.spikes.{name}", honoured("the core's rule on the loss read one step late"))
+      for name in ("window", "k", "min_excess", "min_steps")),
+    *_reference("health.fingerprints.interval"),
     ("health.fingerprints.policy", honoured("halt, or rollback on the remaining devices")),
     *_reference("health.stragglers.window", "health.stragglers.k",
                 "health.stragglers.min_excess"),

@@ -91,6 +91,12 @@ class JaxStep:
     def nonfinite_counts(self) -> dict[str, int]:
         return self.wrapped.nonfinite_counts()
 
+    def verdict_inputs(self, metrics):
+        return self.wrapped.verdict_inputs(metrics)
+
+    def read_verdict(self, inputs) -> tuple[bool, float | None]:
+        return self.wrapped.read_verdict(inputs)
+
     def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
         found = self.replicas.check(state)
         if found:

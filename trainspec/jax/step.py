@@ -40,15 +40,20 @@ from trainspec.jax.step_forms import (
 # deadlocked with ~100 executions of an ext-collective program in flight, and was fine with
 # 10 (docs/xla_ext.md); XLA's own collectives are left to run ahead.
 MAX_STEPS_IN_FLIGHT = 8
+# The metrics a rollback verdict reads (SemiSyncStep weighs the groups' losses by tokens).
+VERDICT_METRICS = ("loss", "grad_norm", "loss_tokens", "valid_tokens")
 
 
 class WrappedStep:
     """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`.
 
-    `nan_guard` (default on): the step applies `spec.health.nan` on device: an update whose loss,
-    gradients or new state (any floating array) are not finite is dropped (state and
-    `state.step` stay as they were), the metrics gain `nonfinite` and `skipped_steps`, and
-    `check_nonfinite()` raises HealthHalt when the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
+    `nan_guard` (default on): under `health.nan.policy = rollback` (the default) each device
+    flags non-finite elements of its slices of the new state, and the run loop judges the step
+    one step late (`verdict_inputs`, `read_verdict`) and rolls back a bad one; under `skip` and
+    `halt` an update whose loss, gradients or new state are not finite is dropped on device
+    (state and `state.step` stay as they were), the metrics gain `nonfinite` and
+    `skipped_steps`, and `check_nonfinite()` raises HealthHalt when the policy says halt. Off,
+    the step's own output is returned unchanged (docs/wrapping.md).
     `devices`: run on these devices (or the first n) instead of all of them.
     `groups`: one state, step, guard and metrics per data-parallel group instead of one for all
     (trainspec.jax.semi_sync.Groups, the inner step of a SemiSyncStep); it plans and builds the
@@ -63,6 +68,7 @@ class WrappedStep:
                                  "trainspec.jax.wrap, which runs semi_sync")
         self.step_fn, self.spec, self.groups = step_fn, spec, groups
         self.nan_guard = nan_guard
+        self.rolls_back = nan_guard and spec.health.nan.policy == "rollback"
         if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
             devices = jax.devices()[:devices]
         self.mesh = users_mesh(spec, mesh) if mesh is not None else build_mesh(spec, devices)
@@ -175,13 +181,16 @@ class WrappedStep:
             new_state, metrics = fn(state, batch)
             if not self.nan_guard:
                 return new_state, guard, metrics
+            if self.rolls_back:  # flags only: no collective, no copy
+                return nan_guard.flagged(new_state, metrics, self.mesh, self.state_pspecs)
             return self._guarded(guard, state, new_state, metrics)
 
         return jax.jit(
             guarded_step,
-            in_shardings=(self.state_shardings, self.guard_sharding, batch_shardings),
-            out_shardings=(self.state_shardings, self.guard_sharding, self.metrics_sharding),
-            donate_argnums=(0, 1),
+            in_shardings=(self.state_shardings, self.guard_slot_sharding, batch_shardings),
+            out_shardings=(self.state_shardings, self.guard_slot_sharding, self.metrics_sharding),
+            # the rollback flags are read one step late: their buffer must outlive the next step
+            donate_argnums=(0,) if self.rolls_back else (0, 1),
         )
 
     def _guarded(self, guard, state, new_state, metrics):
@@ -197,6 +206,11 @@ class WrappedStep:
         return NamedSharding(self.mesh, P(self.data_axes) if self.groups is not None else P())
 
     metrics_sharding = guard_sharding
+
+    @property
+    def guard_slot_sharding(self) -> NamedSharding:
+        """The step's guard argument and output: the rollback flags, or the guard record."""
+        return nan_guard.flag_sharding(self.mesh) if self.rolls_back else self.guard_sharding
 
     def to_host(self, tree):
         """Device arrays of this step (metrics, the guard) as NumPy on the host."""
@@ -217,6 +231,9 @@ class WrappedStep:
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
         """Start the non-finite guard `step` steps into the run, with the counts of skipped
         and consecutive non-finite steps a restored checkpoint carries."""
+        if self.rolls_back:
+            self.guard = nan_guard.init_flags(self.mesh)
+            return
         per_group = self.replicas if self.groups is not None else None  # else one guard
         record = (nan_guard.init_guard(step, skipped, consecutive, per_group)
                   if self.nan_guard else {})
@@ -225,16 +242,32 @@ class WrappedStep:
     def check_nonfinite(self) -> int:
         """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped,
         counted on from `reset_guard`'s (0 without the guard). Reads the small guard record only."""
-        if not self.nan_guard or self.guard is None:
+        if not self.nan_guard or self.rolls_back or self.guard is None:
             return 0
         return nan_guard.check(self.spec.health.nan, self.to_host(self.guard))
 
     def nonfinite_counts(self) -> dict[str, int]:
         """The guard's skipped and consecutive non-finite steps as of the last step whose
         update was kept: what a checkpoint of the state carries on (zeros without the guard)."""
-        if not self.nan_guard or self.guard is None:
+        if not self.nan_guard or self.rolls_back or self.guard is None:
             return {"skipped_steps": 0, "consecutive_nonfinite": 0}
         return nan_guard.counts(self.to_host(self.guard))
+
+    def verdict_inputs(self, metrics: dict):
+        """Under `rollback`: this step's flags and the metrics that judge it, still on device
+        (read later by `read_verdict`); None otherwise."""
+        if not self.rolls_back:
+            return None
+        return self.guard, {k: v for k, v in metrics.items() if k in VERDICT_METRICS}
+
+    def read_verdict(self, inputs) -> tuple[bool, float | None]:
+        """(no device flagged its slices and the gradient norm is finite, the loss): a host
+        read of one int per local device and a few scalars."""
+        flags, metrics = inputs
+        flags, host = self.to_host((nan_guard.local_flags(flags), metrics))  # one transfer
+        host = self.combine_metrics(host)
+        finite = not np.any(flags) and bool(np.all(np.isfinite(host.get("grad_norm", 0.0))))
+        return finite, float(host["loss"]) if "loss" in host else None
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps

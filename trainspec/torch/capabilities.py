@@ -110,8 +110,14 @@ TORCH = Capabilities("torch", dict([
     ("health.preflight", refused(
         "when true", bool, "the torch implementation runs no per-device preflight checks; "
         "run `trainspec doctor` before the job, or set false")),
-    ("health.nan.policy", honoured("the core's state machine, per step")),
+    ("health.nan.policy", honoured(
+        "skip, halt: the core's state machine, per step; rollback: the core's run loop on the "
+        "global loss and gradient norm (the state itself is not checked)")),
     ("health.nan.max_consecutive_skips", honoured("the core's state machine, per step")),
+    *((f"health.nan.{name}", honoured("the core's run loop")) for name in (
+        "max_rollbacks", "skip_batches")),
+    *((f"health.spikes.{name}", honoured("the core's rule on the host's loss"))
+      for name in ("window", "k", "min_excess", "min_steps")),
     ("health.fingerprints.interval", honoured("every rank fingerprints its blocks; the core "
                                               "votes over the data group")),
     ("health.fingerprints.policy", honoured(

@@ -75,8 +75,10 @@ class TorchCheckpointer:
 
     # -- save and restore -----------------------------------------------------------------------
     def save(self, step: int, model, optimizer, total_steps: int, updates: int,
-             skipped_steps: int, mesh: dict[str, int], consecutive_nonfinite: int = 0) -> None:
-        """Write the state after `step`; `mesh`: the axis sizes it is sharded over."""
+             skipped_steps: int, mesh: dict[str, int], consecutive_nonfinite: int = 0,
+             skipped_batches: list[int] = ()) -> None:
+        """Write the state after `step`; `mesh`: the axis sizes it is sharded over;
+        `skipped_batches`: the data indices the run leaves out (health.nan.policy = rollback)."""
         if self.interval <= 0 or step == self.last_saved:
             return
         partial = self.directory / f"{step}.partial"
@@ -90,6 +92,7 @@ class TorchCheckpointer:
             meta = {"format": FORMAT, "step": step, "data_position": step, "updates": updates,
                     "total_steps": total_steps, "skipped_steps": skipped_steps,
                     "consecutive_nonfinite": consecutive_nonfinite,
+                    "skipped_batches": list(skipped_batches),
                     "spec": self.spec.to_dict(), "mesh": mesh, "parameters": _shapes(model)}
             (partial / META).write_text(json.dumps(meta, indent=2))
             final = self.directory / str(step)

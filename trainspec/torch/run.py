@@ -17,6 +17,8 @@ PyTorch runs eagerly: metrics are host numbers when the step returns, and nothin
 """
 from __future__ import annotations
 
+import math
+
 import shutil
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,15 @@ class TorchRunStep(OnHost):
     def nonfinite_counts(self) -> dict[str, int]:
         return nan_guard_counts(self.guard)
 
+    def verdict_inputs(self, metrics: dict):
+        """Under `rollback`, the step's host metrics (loss and gradient norm are global: every
+        rank judges alike); None otherwise."""
+        return metrics if self.spec.health.nan.policy == "rollback" else None
+
+    @staticmethod
+    def read_verdict(metrics: dict) -> tuple[bool, float]:
+        return math.isfinite(metrics["grad_norm"]), float(metrics["loss"])
+
     @staticmethod
     def check_replicas(state, step: int, last_good_step: int | None) -> None:
         """The wrapped step's vote over the data axes' copies. torch cannot leave ranks out of
@@ -179,7 +190,8 @@ class TorchRunCheckpointer:
 
     def save(self, step: int, state, total_steps: int, health: dict) -> None:
         self.dcp.save(step, state.model, state.optimizer, total_steps, state.updates,
-                      health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"])
+                      health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"],
+                      health.get("skipped_batches", []))
 
     def wait(self) -> None:
         """Saves are synchronous."""
@@ -191,7 +203,8 @@ class TorchRunCheckpointer:
         target.total_steps, target.updates = meta["total_steps"], meta["updates"]
         return target, {**meta, "health": {
             "skipped_steps": meta["skipped_steps"],
-            "consecutive_nonfinite": meta.get("consecutive_nonfinite", 0)}}
+            "consecutive_nonfinite": meta.get("consecutive_nonfinite", 0),
+            "skipped_batches": meta.get("skipped_batches", [])}}
 
     def saved_total_steps(self) -> int | None:
         return self.dcp.saved_total_steps()

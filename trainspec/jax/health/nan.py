@@ -1,4 +1,14 @@
-"""Non-finite guard: drop a step's update inside the compiled step, count it, halt by policy.
+"""Non-finite guards inside the compiled step.
+
+The default (`health.nan.policy = rollback`, `flagged`) adds no collective and no copy to the
+step: each device flags a non-finite element among its own slices of the new state (one int32
+per device, split over the whole mesh, so nothing crosses devices), the step returns its new
+state unconditionally, and the host reads the flags and the loss one step late (`local_flags`),
+judging the step by trainspec.core.bad_steps; a bad step is undone by a rollback to the newest
+good checkpoint (trainspec.core.run).
+
+The opt-in `skip` and `halt` policies (`guarded`) drop a step's update inside the step, count
+it, and halt by policy, as follows.
 
 A step is non-finite when its loss, its gradient norm or any floating array of the state it
 produced is not finite: the last is a reduction fused into the step, and catches what the loss
@@ -8,11 +18,12 @@ the old state or the new), so a NaN never reaches the parameters, nor a checkpoi
 never waits on the device per step. The guard record travels with the step; the host reads it
 only when it syncs anyway (metrics interval, checkpoint), and halts then.
 
-The state check reads each element once over the mesh, not once per device: a device holds its
+Both state checks read each element once over the mesh, not once per device: a device holds its
 leaves' blocks replicated over the mesh axes that do not split them (with data parallelism, all
 of it on every device), so each device checks 1/r of each block (r: the devices holding that
-block) and one all-reduce of one integer counts the non-finite slices. On 8 simulated devices
-checking every copy cost more (docs/wrapping.md, "Guard designs measured and not kept").
+block); under skip and halt one all-reduce of one integer counts the non-finite slices. On 8
+simulated devices checking every copy cost more (docs/wrapping.md, "Keep-the-old-state designs
+measured and not kept").
 """
 from __future__ import annotations
 
@@ -22,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trainspec.core.health import check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step
 from trainspec.core.spec_health import NanSpec
@@ -66,6 +77,21 @@ def _my_slice(block: jax.Array, pspec: P, mesh: Mesh) -> jax.Array:
     return jax.lax.dynamic_slice(flat, (start,), (length,))
 
 
+def _bad_slices(blocks, specs, mesh: Mesh) -> jax.Array:
+    """Inside shard_map: how many of this device's slices of `blocks` hold a non-finite
+    element (elementwise: a norm would overflow on large finite values)."""
+    return sum((jnp.logical_not(jnp.all(jnp.isfinite(_my_slice(b, ps, mesh)))).astype(jnp.int32)
+                for b, ps in zip(blocks, specs)), jnp.int32(0))
+
+
+def _floating(state, pspecs) -> tuple[list, list]:
+    """The state's floating, non-empty leaves and their PartitionSpecs."""
+    pairs = [(x, ps) for ps, x in zip(jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P)),
+                                      jax.tree.leaves(state))
+             if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+    return [x for x, _ in pairs], [ps for _, ps in pairs]
+
+
 def _state_is_finite(new_state, mesh: Mesh, pspecs, groups: tuple[str, ...] = ()) -> jax.Array:
     """Every element of the state's floating arrays is finite (elementwise: a norm would
     overflow on large finite values); each device reads its slices, one all-reduce.
@@ -73,21 +99,49 @@ def _state_is_finite(new_state, mesh: Mesh, pspecs, groups: tuple[str, ...] = ()
     `groups`: mesh axes along which the state's leaves are independent copies (semi_sync's
     data-parallel groups, leading axis split over them): then one flag per group, (groups,),
     split over those axes, and the all-reduce runs over the other axes only."""
-    leaves = [x for x in jax.tree.leaves(new_state)
-              if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
-    specs = [ps for ps, x in zip(jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P)),
-                                 jax.tree.leaves(new_state))
-             if jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+    leaves, specs = _floating(new_state, pspecs)
 
     def count_bad(blocks):
-        bad = sum(jnp.logical_not(jnp.all(jnp.isfinite(_my_slice(b, ps, mesh)))).astype(jnp.int32)
-                  for b, ps in zip(blocks, specs))
+        bad = _bad_slices(blocks, specs, mesh)
         across = tuple(a for a in mesh.axis_names if a not in groups and mesh.shape[a] > 1)
         bad = jax.lax.psum(bad, across) if across else bad
         return bad[None] if groups else bad
 
     return jax.shard_map(count_bad, mesh=mesh, in_specs=(specs,), out_specs=P(groups) if groups else P(),
                          check_vma=False)(leaves) == 0
+
+
+def flag_sharding(mesh: Mesh) -> NamedSharding:
+    """The rollback guard's flags: one per device, split over every mesh axis."""
+    return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+
+def init_flags(mesh: Mesh) -> jax.Array:
+    """Clear flags (the first step's guard input: the step never reads it)."""
+    return jax.device_put(np.zeros(mesh.devices.size, np.int32), flag_sharding(mesh))
+
+
+def flagged(new_state, metrics: dict[str, Any], mesh: Mesh, pspecs):
+    """(new_state, flags, metrics): the step's own output and, per device, the number of its
+    slices of the new state's floating leaves holding a non-finite element. No value crosses
+    devices and nothing is selected or copied: reading each element once over the mesh is the
+    whole cost (a reduction XLA may fuse into the update that writes it)."""
+    leaves, specs = _floating(new_state, pspecs)
+
+    def count_bad(blocks):
+        return jnp.reshape(_bad_slices(blocks, specs, mesh), (1,))
+
+    flags = jax.shard_map(count_bad, mesh=mesh, in_specs=(specs,),
+                          out_specs=P(tuple(mesh.axis_names)), check_vma=False)(leaves)
+    return new_state, flags, metrics
+
+
+def local_flags(flags: jax.Array) -> list[jax.Array]:
+    """The flags of this process's devices, still on them (read with the step's metrics in
+    one transfer). Each process reads its own devices' flags: reading the others' would be a
+    collective; a non-finite element elsewhere reaches the global loss and gradient norm of
+    the next step, which every process reads alike."""
+    return [shard.data for shard in flags.addressable_shards]
 
 
 def guarded(policy: NanSpec, guard, old_state, new_state, metrics: dict[str, Any],

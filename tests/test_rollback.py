@@ -1,0 +1,206 @@
+"""health.nan.policy = rollback (the default): a NaN step and a loss spike roll the run back to
+the newest good checkpoint and skip their batches; the run then goes on bit for bit as a clean
+run that never read those batches. The step itself gains no collective and no copy."""
+import json
+import re
+import shutil
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+from trainspec.cli.summary import print_summary
+from trainspec.core.bad_steps import RollbackLimit, batch_index
+from trainspec.core.faults import Faults
+from trainspec.core.loop import train
+from trainspec.core.records import json_schema
+from trainspec.core.run import Run
+from trainspec.jax.checkpoint import Checkpointer
+from trainspec.jax.train import build_job, reference_job, run
+
+from tiny import tiny_spec
+
+pytestmark = pytest.mark.slow
+
+# Spikes judged over the last 10 steps: the tiny model's loss still falls fast, and a longer
+# window would take that trend for noise. Its planted spike (every target byte 255) is then
+# ~1.5 above the default threshold (median + 6 MAD).
+SPEC = ["metrics.interval=1", "checkpoint.interval=8", "checkpoint.async_save=false",
+        "health.spikes.min_steps=8", "health.spikes.window=10"]
+STEPS = 32
+NAN_STEP, SPIKE_STEP = 12, 28  # 1-based steps whose batches (11, 27) are bad
+
+
+def _records(run_dir):
+    """The last record of each step (a rollback redoes the records after its checkpoint)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def _final_params(spec, run_dir):
+    state, _ = Checkpointer(spec, run_dir).restore_latest(
+        build_job(spec, init=False).abstract_state)
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def _clean_run(spec, run_dir, skipped, steps=STEPS):
+    """The same job from step 0 without faults, its data leaving out `skipped`."""
+    def build(loop):
+        step, target, init, data = reference_job(spec, loop.total_steps, run_dir)
+        return step, target, init, lambda i: data(batch_index(i, skipped))
+
+    loop = Run(spec, run_dir, Checkpointer(spec, run_dir), steps, progress=False)
+    return train(loop, build)
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+    spec = tiny_spec(*SPEC)
+    run_dir = tmp_path_factory.mktemp("rollback")
+    faults = Faults(nan_steps=frozenset({NAN_STEP}), spike_steps=frozenset({SPIKE_STEP}))
+    return spec, run_dir, run(spec, run_dir, steps=STEPS, progress=False, faults=faults)
+
+
+def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back, capsys):
+    _, run_dir, summary = rolled_back
+    # The NaN of step 12 is read one step late (after step 13 is dispatched): back to
+    # checkpoint 8, batch 11 skipped. With batch 11 gone, step 27 reads batch 27, whose loss
+    # spikes (read after step 28): back to checkpoint 24, batch 27 skipped.
+    got = [(r["bad_step"], r["restored_step"], r["skipped_batches"], r["reason"].split(" at ")[0])
+           for r in summary["rollbacks"]]
+    assert got == [(12, 8, [11], "non-finite loss, gradients or state"),
+                   (27, 24, [27], "loss spike")], summary["rollbacks"]
+    assert summary["skipped_batches"] == [11, 27]
+    records = _records(run_dir)
+    assert sorted(records) == list(range(1, STEPS + 1))
+    assert records[9]["rolled_back_from_step"] == 12 and records[9]["resumed_from_step"] == 8
+    assert records[25]["rolled_back_from_step"] == 27
+    assert [records[s]["skipped_batches"] for s in (8, 9, 24, 25, STEPS)] == [0, 1, 1, 2, 2]
+    assert all(np.isfinite(r["loss"]) for r in records.values())
+    for record in records.values():
+        jsonschema.validate(record, json_schema())
+    print_summary(summary)  # what `trainspec train` prints
+    printed = capsys.readouterr().out
+    assert "rolled back    to step 8: non-finite loss, gradients or state at step 12" in printed
+    assert "skipped        batches 11, 27 (health.nan.policy = rollback)" in printed
+
+
+def test_after_the_rollbacks_the_run_is_bitwise_a_clean_run_without_those_batches(
+        rolled_back, tmp_path):
+    spec, run_dir, summary = rolled_back
+    clean = _clean_run(spec, tmp_path, set(summary["skipped_batches"]))
+    assert clean["rollbacks"] == []
+    ours, theirs = _records(run_dir), _records(tmp_path)
+    assert [ours[s]["loss"] for s in ours] == [theirs[s]["loss"] for s in ours]
+    for a, b in zip(_final_params(spec, run_dir), _final_params(spec, tmp_path), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_resume_leaves_the_skipped_batches_out_too(rolled_back, tmp_path):
+    """The skipped batches travel in the checkpoint: resumed to step 36, the run is still the
+    clean run without batches 11 and 27."""
+    spec, run_dir, _ = rolled_back
+    shutil.copytree(run_dir, tmp_path / "resumed")
+    resumed = run(spec, tmp_path / "resumed", steps=STEPS + 4, progress=False)
+    assert resumed["resumed_from"] == STEPS and resumed["skipped_batches"] == [11, 27]
+    for steps in (STEPS, STEPS + 4):  # resumed too: the schedule is planned for STEPS steps
+        _clean_run(spec, tmp_path / "clean", {11, 27}, steps=steps)
+    ours, theirs = _records(tmp_path / "resumed"), _records(tmp_path / "clean")
+    assert [ours[s]["loss"] for s in range(1, STEPS + 5)] == [
+        theirs[s]["loss"] for s in range(1, STEPS + 5)]
+
+
+def test_a_lasting_rise_halts_after_max_rollbacks(tmp_path):
+    """Every batch from step 25 on spikes: each rollback meets the next one; after
+    max_rollbacks = 2 the run halts, naming the last good checkpoint."""
+    spec = tiny_spec(*SPEC, "health.nan.max_rollbacks=2")
+    faults = Faults(spike_steps=frozenset(range(25, 2 * STEPS)))
+    with pytest.raises(RollbackLimit, match=r"loss spike at step 25: .* after 2 rollbacks "
+                       r"\(health.nan.max_rollbacks = 2\); the last good state is checkpoint 24"):
+        run(spec, tmp_path, steps=STEPS, progress=False, faults=faults)
+    assert max(Checkpointer(spec, tmp_path).good_steps()) == 24
+
+
+def test_without_a_checkpoint_to_roll_back_to_the_run_halts_in_one_line(tmp_path):
+    spec = tiny_spec(*SPEC)
+    with pytest.raises(RollbackLimit, match=r"^non-finite loss, gradients or state at step 2, "
+                       r"and no checkpoint to roll back to \(") as err:
+        run(spec, tmp_path, steps=STEPS, progress=False, faults=Faults(nan_steps=frozenset({2})))
+    assert "\n" not in str(err.value)
+
+
+def _compiled_ops(spec, nan_guard=True):
+    """(all-reduces, conditionals, copies, selects of arrays) of the compiled step, its
+    temporary bytes and the state's bytes. Scalar selects are left out: they clamp the start
+    of each device's slice."""
+    job = build_job(spec)
+    job.step.nan_guard = nan_guard  # before the step is built
+    job.step.rolls_back &= nan_guard
+    compiled = job.step.lower(job.state, job.data.batch(0)).compile()
+    hlo = compiled.as_text()
+    count = lambda op: len(re.findall(rf"\) {op}\(|\}} {op}\(|\] {op}\(", hlo))  # noqa: E731
+    array_selects = len(re.findall(r"\[\d[^\]]*\]\S* select\(", hlo))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(job.state))
+    return ((count("all-reduce"), count("conditional"), count("copy"), array_selects),
+            compiled.memory_analysis().temp_size_in_bytes, state_bytes)
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp2"])
+def test_the_default_guard_adds_no_all_reduce_and_no_copy(layout):
+    """Compiled on 8 devices, the default step has the unguarded step's all-reduces, copies
+    and array selects, no conditional, and no more temporary memory than its flags (a kept
+    copy of the state would be the state's size); the skip guard adds an all-reduce and a
+    conditional."""
+    spec = tiny_spec(layout=layout)
+    assert spec.health.nan.policy == "rollback"
+    (default, temp, state_bytes), (unguarded, plain_temp, _) = (
+        _compiled_ops(spec), _compiled_ops(spec, nan_guard=False))
+    assert default == unguarded, (default, unguarded)
+    assert temp - plain_temp <= 1024 < state_bytes / 100, (temp, plain_temp, state_bytes)
+    skip, _, _ = _compiled_ops(tiny_spec("health.nan.policy=skip", layout=layout))
+    assert skip[0] > unguarded[0] and skip[1] > 0, (skip, unguarded)
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp2", "tensor"])
+def test_every_element_of_the_new_state_is_flagged_by_some_device(layout):
+    """A finite loss and gradient norm, one non-finite element of the new parameters (first,
+    inside or last of a leaf split by the layout): some device flags it, and the verdict read
+    on the host says not finite; the clean step reads finite."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+    from flax.training import train_state
+
+    import trainspec.jax
+
+    spec = tiny_spec(layout=layout)
+    model = nn.Dense(24, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.normal(), ("embed", "mlp")))
+
+    optimizer = optax.sgd(1e-2)
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 16)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(state.apply_fn(
+            {"params": p}, batch["x"]) ** 2))(state.params)
+        new = state.apply_gradients(grads=grads)
+        kernel = new.params["kernel"]
+        poisoned = kernel.ravel().at[batch["at"][0]].add(batch["bad"][0]).reshape(kernel.shape)
+        return (new.replace(params={**new.params, "kernel": poisoned}),
+                {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+
+    wrapped = trainspec.jax.wrap(step, spec)
+    state = wrapped.init(init, jax.random.key(0))
+    rows = spec.batch.global_batch
+    x = np.random.default_rng(0).normal(size=(rows, 16)).astype(np.float32)
+    for at, bad, finite in ((0, 0.0, True), (0, np.nan, False), (200, np.inf, False),
+                            (16 * 24 - 1, -np.inf, False), (16 * 24 - 1, 3e38, True)):
+        batch = {"x": x, "at": np.full(rows, at, np.int32), "bad": np.full(rows, bad, np.float32)}
+        _, metrics = wrapped(state, batch)  # donated: the state is the same before each
+        state = wrapped.init(init, jax.random.key(0))
+        got, loss = wrapped.read_verdict(wrapped.verdict_inputs(metrics))
+        assert (got, np.isfinite(loss)) == (finite, True), (at, bad)
