@@ -70,6 +70,7 @@ def resume(job) -> None:
             step.save(checkpoints, i + 1)
         if i + 1 == job.get("stall_after"):
             time.sleep(3600)
+    checkpoints.wait()  # checkpoint.async_save: the last save complete before the job ends
 
 
 if __name__ == "__main__":

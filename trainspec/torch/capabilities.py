@@ -102,11 +102,9 @@ TORCH = Capabilities("torch", dict([
     ("checkpoint.keep", honoured()),
     ("checkpoint.dir", honoured()),
     ("checkpoint.async_save", honoured(
-        "false: training waits for each save",
-        Refusal("when true and checkpoints are written",
-                lambda value, r: value and r.spec.checkpoint.interval > 0,
-                "the torch implementation saves synchronously; set "
-                "checkpoint.async_save = false"))),
+        "true: DCP's async_save over a gloo group of its own; the state is copied to host "
+        "memory before the step goes on, and marked good once every rank's shards are written; "
+        "false: training waits for each save")),
     ("health.preflight", refused(
         "when true", bool, "the torch implementation runs no per-device preflight checks; "
         "run `trainspec doctor` before the job, or set false")),

@@ -182,7 +182,8 @@ class TorchRunCheckpointer:
                       health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"])
 
     def wait(self) -> None:
-        """Saves are synchronous."""
+        """Block until the last save is complete (`checkpoint.async_save`: written behind)."""
+        self.dcp.wait()
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
         meta = self.dcp.restore_latest(target.model, target.optimizer)
