@@ -11,6 +11,7 @@ import datetime
 import logging
 import math
 import os
+import socket
 
 import numpy as np
 import torch
@@ -47,11 +48,13 @@ class TorchAdapter(Adapter):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._joined_here = False
         self._groups: dict[tuple, dict[int, Group]] = {}
+        self.launched_ids: list[int] = []  # rank -> its rank in the job as launched
 
     # -- processes and devices -------------------------------------------------------------
     def join(self) -> None:
         """Join the job the environment describes (a one-rank job when it describes none)."""
         if dist.is_initialized():
+            self.launched_ids = self.launched_ids or list(range(dist.get_world_size()))
             return
         if os.environ.get(COORDINATOR):
             world, rank = env_int(NUM_PROCESSES), env_int(PROCESS_ID)
@@ -70,6 +73,26 @@ class TorchAdapter(Adapter):
         dist.init_process_group(self.backend, init_method=init, world_size=world, rank=rank,
                                 timeout=self.timeout)
         self._joined_here = True
+        self.launched_ids = list(range(world))
+
+    def rejoin(self, kept: list[int]) -> bool:
+        """Re-form the job over the ranks `kept` (every rank calls it): they join a new job,
+        numbered in that order, over a rendezvous the first of them opens; whether this rank
+        is one of them (the others are out of every group)."""
+        me = dist.get_rank()
+        address = [f"{_own_host()}:{_free_port()}" if me == kept[0] else None]
+        dist.broadcast_object_list(address, src=kept[0])
+        launched = self.launched_ids
+        dist.destroy_process_group()
+        self._groups.clear()
+        if me not in kept:
+            self._joined_here = False
+            return False
+        dist.init_process_group(self.backend, init_method=f"tcp://{address[0]}",
+                                world_size=len(kept), rank=kept.index(me), timeout=self.timeout)
+        self._joined_here = True
+        self.launched_ids = [launched[r] for r in kept]
+        return True
 
     def leave(self) -> None:
         if self._joined_here and dist.is_initialized():
@@ -194,6 +217,14 @@ def axes_size(mesh: DeviceMesh, axes) -> int:
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float64": torch.float64, "int32": torch.int32}
+
+
+def _own_host() -> str:
+    """This host as the others reach it: the launcher's loopback coordinator when all ranks
+    run here, else its name."""
+    coordinator = os.environ.get(COORDINATOR, os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    host = coordinator.rsplit(":", 1)[0]
+    return host if host in ("127.0.0.1", "localhost") else socket.gethostname()
 
 
 def _free_port() -> int:

@@ -6,6 +6,7 @@ marks it good), so that a checkpoint is complete as soon as it is written rather
 the loop next asks."""
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,12 +29,17 @@ class BackgroundSave:
             except BaseException as err:  # raised again in the loop's thread, by wait()
                 self._error = err
 
-        # A daemon: a process that dies (an exception on this rank) must not hang on a
-        # barrier the other ranks never reach; its half-written save is never marked good.
+        # A daemon that a process leaving normally waits for (atexit): a loop of the user's
+        # that ends without `wait()` still completes its last save, rather than aborting in
+        # the middle of the save's collectives. Every rank's save runs on the save group
+        # alone, so it completes even where this rank's loop died of an exception; where
+        # another rank died, it fails at the group's timeout, never marked good.
         self._thread = threading.Thread(target=finish, name="trainspec-checkpoint", daemon=True)
         self._thread.start()
+        atexit.register(self._thread.join)
 
     def wait(self) -> None:
         self._thread.join()
+        atexit.unregister(self._thread.join)
         if self._error is not None:
             raise self._error

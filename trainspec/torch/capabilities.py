@@ -48,10 +48,9 @@ TORCH = Capabilities("torch", dict([
         "unless 1", lambda dcn: any(d != 1 for d in dcn),
         "the torch implementation lays its ranks out row-major (init_device_mesh) and applies "
         "no cross-host factor; leave dcn = 1")),
-    ("mesh.exclude_devices", refused(
-        "unless empty", bool,
-        "the torch implementation runs one device per rank and cannot leave ranks out of a "
-        "started job; start fewer ranks instead")),
+    ("mesh.exclude_devices", honoured(
+        "ranks of the job as launched: they leave it, and the rest form a new job over the "
+        "longest prefix of them the mesh and batch fit (trainspec.torch.members)")),
     ("layout.rules", refused(
         "unless empty", bool,
         "the torch implementation lays a model out by module names (FSDP2 units, a DTensor "
@@ -105,21 +104,17 @@ TORCH = Capabilities("torch", dict([
         "true: DCP's async_save over a gloo group of its own; the state is copied to host "
         "memory before the step goes on, and marked good once every rank's shards are written; "
         "false: training waits for each save")),
-    ("health.preflight", refused(
-        "when true", bool, "the torch implementation runs no per-device preflight checks; "
-        "run `trainspec doctor` before the job, or set false")),
+    ("health.preflight", honoured(
+        "every rank: a matmul in each float dtype against the float64 product, an all-reduce "
+        "of known integers over the job and each split axis; failing ranks named and left out "
+        "(trainspec.torch.preflight)")),
     ("health.nan.policy", honoured("the core's state machine, per step")),
     ("health.nan.max_consecutive_skips", honoured("the core's state machine, per step")),
     ("health.fingerprints.interval", honoured("every rank fingerprints its blocks; the core "
                                               "votes over the data group")),
     ("health.fingerprints.policy", honoured(
-        "halt",
-        Refusal("rollback, when fingerprints are compared (interval > 0, data replicas)",
-                lambda value, r: value == "rollback" and r.spec.health.fingerprints.interval > 0
-                and bool(r.split("data")),
-                "rollback leaves the diverged ranks out, which a running torch job cannot "
-                "do; set halt (a restart on the healthy ranks resumes from the last "
-                "checkpoint)"))),
+        "halt; rollback: the diverged ranks leave, the rest form a new job on the mesh that "
+        "fits them and restore the last good checkpoint onto it")),
     *((f"health.stragglers.{name}", honoured("the core's rule over every rank's step times"))
       for name in ("window", "k", "min_excess")),
     ("semi_sync", refused_section("the torch implementation trains synchronously only; "
@@ -136,9 +131,7 @@ TORCH = Capabilities("torch", dict([
     ("--host-devices", refused(
         "when given", lambda v: v is not None,
         "a JAX flag; torch runs one device per rank (set the ranks with --nprocs)")),
-    ("--exclude-devices", refused(
-        "when given", bool, "the torch implementation cannot leave ranks out of a job; start "
-        "fewer ranks with --nprocs")),
+    ("--exclude-devices", honoured("added to mesh.exclude_devices")),
     ("--restart", honoured("the core's run loop: checkpoints set aside, from step 0")),
     ("--model", honoured("a user's model, loss and data through trainspec.torch.wrap")),
 ]))

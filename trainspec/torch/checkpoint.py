@@ -136,6 +136,10 @@ class TorchCheckpointer:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         return self._group
 
+    def forget_groups(self) -> None:
+        """The job was re-formed: the background saves' group is gone with the old job."""
+        self._group = None
+
     def wait(self) -> None:
         """Block until the last save is complete (written and marked); a background save's
         error is raised here."""

@@ -116,14 +116,15 @@ class TorchRunStep(OnHost):
 
     @staticmethod
     def check_replicas(state, step: int, last_good_step: int | None) -> None:
-        """The wrapped step's vote over the data axes' copies. torch cannot leave ranks out of
-        a running job, so a mismatch halts under either policy (docs/adapters.md): a restart
-        with the healthy ranks resumes from the last checkpoint."""
+        """The wrapped step's vote over the data axes' copies, the same on every rank: under
+        `rollback` the run re-forms the job without the ranks it names
+        (trainspec.torch.train)."""
         state.check_replicas(step, last_good_step or 0)
 
     def corrupt(self, state, target: int):
-        """Bit 20 of the first element of rank `target`'s copy of the first parameter."""
-        if target == self.process_index:
+        """Bit 20 of the first element of rank `target`'s copy of the first parameter (a rank
+        of the job as launched: once it was left out, nothing is flipped)."""
+        if target == self.adapter.launched_ids[self.process_index]:
             with torch.no_grad():
                 first = local_block(state.params[0]).view(-1)[:1]
                 first.view(torch.int32).bitwise_xor_(1 << 20)
@@ -176,6 +177,12 @@ class TorchRunCheckpointer:
 
     def due(self, step: int, last_step: int) -> bool:
         return self.dcp.due(step, last_step)
+
+    def rejoined(self, writer: bool) -> None:
+        """The job was re-formed (trainspec.torch.members): whether this rank writes now; the
+        background saves' group is made again in the new job."""
+        self.writer = self.dcp.writer = writer
+        self.dcp.forget_groups()
 
     def save(self, step: int, state, total_steps: int, health: dict) -> None:
         self.dcp.save(step, state.model, state.optimizer, total_steps, state.updates,

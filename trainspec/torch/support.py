@@ -7,7 +7,8 @@ import os
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.capabilities import Request
-from trainspec.core.mesh import check_batch, resolve_mesh
+from trainspec.core.exclusion import exclude, first_that_fits, prefixes
+from trainspec.core.mesh import check_batch, resolve_mesh, usable_ids
 from trainspec.core.spec import Spec
 from trainspec.core.launch import COORDINATOR, PROCESS_ID
 from trainspec.torch.capabilities import TORCH
@@ -44,12 +45,28 @@ LAYOUT_SECTIONS = ("mesh.", "layout.", "precision.", "batch.", "remat.", "collec
 def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> dict[str, int]:
     """The torch capability table's refusals of `spec` on `world` ranks (of the `fields`
     chosen), then the batch's split; the mesh's axis sizes when nothing is refused."""
+    return check_mesh(spec, world, lambda sizes: TORCH.check(Request(spec, sizes, flags or {}),
+                                                           fields))
+
+
+def check_mesh(spec: Spec, world: int, check_sizes=lambda sizes: None) -> dict[str, int]:
+    """The spec's axis sizes on `world` ranks, `check_sizes`(them), then the batch's split."""
     resolved = resolve_mesh(spec, world)
     sizes = dict(zip(resolved.names, resolved.sizes))
-    TORCH.check(Request(spec, sizes, flags or {}), fields)
+    check_sizes(sizes)
     batch_axes = split_axes(spec, sizes, "data") + split_axes(spec, sizes, "fsdp")
     check_batch(spec, resolved, [a for a in resolved.names if a in batch_axes])
     return sizes
+
+
+def ranks_kept(spec: Spec, world: int, left_out) -> list[int]:
+    """The ranks of a `world`-rank job that go on without `left_out`: the longest prefix of
+    the others the spec's mesh and batch fit (trainspec.core.exclusion); the rest idle."""
+    def fits(ranks: list[int]) -> list[int]:
+        check_mesh(spec, len(ranks))
+        return ranks
+
+    return first_that_fits(prefixes(usable_ids(exclude(spec, left_out), list(range(world)))), fits)
 
 
 def check_layout(spec: Spec, world: int) -> dict[str, int]:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainspec.core.collectives_reference import to_groups
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import (
     ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step, odd_copies)
@@ -284,18 +285,32 @@ class WrappedStep:
     def check_replicas(self, step: int, last_good_step: int = 0) -> None:
         """Fingerprint every parameter's local block; the copies across the data axes must
         agree. ReplicaMismatch names the first parameter whose copies differ and the ranks the
-        core's majority vote finds odd (torch cannot leave ranks out of a running job)."""
+        core's majority vote finds odd in any data group: the fingerprints are gathered from
+        every rank, so that every rank raises the same (a rollback re-forms the job on all)."""
         if self.data_group is None:
             return
         mine = [fingerprint(local_block(q.detach())) for q in self.params]
-        every: list = [None] * dist.get_world_size(self.data_group)
-        dist.all_gather_object(every, mine, group=self.data_group)
-        ranks = dist.get_process_group_ranks(self.data_group)
-        for i, (name, _) in enumerate(self.model.named_parameters()):
-            odd = [ranks[j] for j in odd_copies([struct.pack("<II", *c[i]) for c in every])]
-            if odd:
-                raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {name} "
-                                      f"on ranks {odd}", last_good_step, odd)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        names = [name for name, _ in self.model.named_parameters()]
+        odd, first = set(), None
+        for ranks in self._data_groups():
+            for i, name in enumerate(names):
+                diverged = odd_copies([struct.pack("<II", *every[r][i]) for r in ranks])
+                if diverged:
+                    odd.update(ranks[j] for j in diverged)
+                    first = first or name
+                    break
+        if odd:
+            raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {first} on "
+                                  f"ranks {sorted(odd)}", last_good_step, sorted(odd))
+
+    def _data_groups(self) -> list[list[int]]:
+        """The global ranks of each data group (the copies of the same blocks)."""
+        grid = self.mesh.mesh.numpy()
+        names = list(self.mesh.mesh_dim_names)
+        members, _ = to_groups(grid, grid.ndim, tuple(names.index(a) for a in self.data_axes))
+        return members.tolist()
 
     def save(self, checkpointer: TorchCheckpointer, step: int) -> None:
         """Checkpoint the state after `step` (its data position), replicas checked first."""
