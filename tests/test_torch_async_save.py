@@ -32,8 +32,7 @@ pytestmark = pytest.mark.slow  # four torch jobs of 4 ranks: about a minute on 2
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, RANKS = 12, 4
-SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=3",
-        "health.fingerprints.policy=halt"]
+SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=3"]
 # Holds the save of step 8 in the middle of its write: DCP's `finish` (rank 0 writes the
 # checkpoint's .metadata after every rank's shards) never returns; a file says it got there.
 HOLD_SAVE = '''
