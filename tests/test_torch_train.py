@@ -71,6 +71,18 @@ def test_learns_and_summarises(reference):
     assert summary["gns"] == records[-1]["gns"] > 0 and summary["gns_not_measured"] is None
 
 
+def test_records_count_the_gradient_all_reduce(reference):
+    """Data parallel: one all-reduce of the float32 gradient (P) on `data` per step, plus the
+    step's few scalars (docs/metrics.md section 5, trainspec/torch/comm.py)."""
+    from trainspec.torch.model import Transformer
+
+    p = 4 * sum(x.numel() for x in Transformer(tiny_spec().model).parameters())
+    for record in _records(reference):
+        assert list(record["comm_bytes_by_kind"]) == ["all-reduce"]
+        assert p <= record["comm_bytes_by_axis"]["data"] <= p + 64
+        assert record["comm_bus_bytes_per_step"] == record["comm_bytes_per_step"]  # 2(n-1)/n = 1
+
+
 def test_records_validate_against_the_schema(reference):
     schema = json_schema()
     for record in _records(reference):

@@ -32,6 +32,7 @@ from trainspec.core.health import (
 from trainspec.core.recorder import OnHost
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.comm import CommCounter, mesh_axes_of
 from trainspec.torch.layout import local_block
 from trainspec.torch.optim import learning_rate
 from trainspec.torch.peak import peak_flops
@@ -42,8 +43,7 @@ from trainspec.torch.wrapped import WrappedStep
 NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile_time_s",
                 "memory_peak_bytes", "memory_argument_bytes", "memory_output_bytes",
                 "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
-                "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
-                "comm_bus_bytes_per_step")
+                "memory_xla_peak_bytes", "memory_live_bytes")
 
 
 class TorchRunStep(OnHost):
@@ -63,9 +63,18 @@ class TorchRunStep(OnHost):
         self.participants = [f"rank {r}" for r in range(adapter.process_count)]
         self.guard = init_nan_guard()
         self._stop_vote = None  # the all-reduce of the last step's stop signals, in flight
+        self._facts: dict | None = None  # the records' facts, until the first step counted
 
     def __call__(self, state, batch):
-        return state, state(batch, apply=self._take)
+        """The step; the first one after `facts` runs with its collectives counted, and the
+        facts (the records' and summary's) gain the communication volume."""
+        if self._facts is None:
+            return state, state(batch, apply=self._take)
+        with CommCounter() as counter:
+            metrics = state(batch, apply=self._take)
+        self._facts.update(counter.volume(mesh_axes_of(state.mesh)))
+        self._facts = None
+        return state, metrics
 
     def _take(self, finite: bool) -> bool:
         """The core's non-finite state machine: whether this step's update is applied."""
@@ -79,7 +88,7 @@ class TorchRunStep(OnHost):
         peak = peak_flops(spec, self.adapter.device_type, local_ranks)
         convention = spec.metrics.flops_convention
         model = self.model_flops
-        return {
+        self._facts = {
             "model_flops_per_step": model and model.model_per_token(convention) * tokens,
             "flops_convention": convention if model else None,
             "peak_flops_per_device": peak.flops_per_device,
@@ -88,9 +97,12 @@ class TorchRunStep(OnHost):
             "batch_tokens": tokens,
             **dict.fromkeys(NOT_MEASURED),
             "gns_source": self.job.gns_source,
+            # filled in by the first step (__call__), counted as it runs
+            **dict.fromkeys(("comm_bytes_per_step", "comm_bus_bytes_per_step")),
             "comm_bytes_by_kind": {},
             "comm_bytes_by_axis": {},
         }
+        return self._facts
 
     @staticmethod
     def per_record() -> dict:
