@@ -66,7 +66,6 @@ def test_refusing_flags_are_named_as_their_destinations():
 
 
 @pytest.mark.parametrize("sets,field", [
-    (["mesh.axes.data.dcn=2"], "mesh.axes.*.dcn"),
     (["semi_sync.inner_steps=4"], "semi_sync"),
     (["mesh.axes.tensor.size=2", "model.n_heads=3", "model.d_model=33"], "model.n_heads"),
     (["mesh.axes.data.size=1", "mesh.axes.fsdp.size=-1", "metrics.gns=true"], "metrics.gns"),

@@ -16,19 +16,18 @@ import socket
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from trainspec.torch import collectives
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.torch.collectives import Group
 from trainspec.torch.capabilities import TORCH
-from trainspec.torch.support import env_int
+from trainspec.torch.support import env_int, rank_grid
 from trainspec.core.collectives_reference import to_groups
 from trainspec.core.fingerprint import fingerprint_reference
 from trainspec.core.errors import UserInputError
 from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID
-from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import Spec
 
 
@@ -75,6 +74,13 @@ class TorchAdapter(Adapter):
         self._joined_here = True
         self.launched_ids = list(range(world))
 
+    def hosts(self) -> list[int]:
+        """The host of each rank of the job: ranks are numbered host by host, torchrun's
+        LOCAL_WORLD_SIZE on each; all on this one without it (trainspec launch starts them
+        all locally)."""
+        per_host = os.environ.get("LOCAL_WORLD_SIZE")
+        return [launched // int(per_host) if per_host else 0 for launched in self.launched_ids]
+
     def rejoin(self, kept: list[int]) -> bool:
         """Re-form the job over the ranks `kept` (every rank calls it): they join a new job,
         numbered in that order, over a rendezvous the first of them opens; whether this rank
@@ -114,10 +120,10 @@ class TorchAdapter(Adapter):
     # -- the mesh --------------------------------------------------------------------------
     def build_mesh(self, spec: Spec) -> DeviceMesh:
         """The spec's axes as a DeviceMesh of the job's ranks (one device per rank), same
-        names, sizes and row-major order as the JAX mesh."""
-        resolved = resolve_mesh(spec, self.process_count)
-        return init_device_mesh(self.device_type, resolved.sizes, mesh_dim_names=resolved.names)
-
+        names and sizes as the JAX mesh: row-major on one host, host-major with dcn factors
+        across hosts (support.rank_grid)."""
+        return DeviceMesh(self.device_type, torch.from_numpy(rank_grid(spec, self.hosts())),
+                          mesh_dim_names=tuple(spec.mesh.axes))
 
     # -- collectives ------------------------------------------------------------------------
     def groups(self, mesh_shape: tuple[int, ...], axes_dims: tuple[int, ...]) -> dict[int, Group]:

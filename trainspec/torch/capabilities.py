@@ -41,13 +41,12 @@ TORCH = Capabilities("torch", dict([
                       "as JAX's, other numbers) and the data order (the core's ByteBatches)")),
     ("mesh.axes.*.role", honoured("data: gradients all-reduced over the data group; fsdp: "
                                   "FSDP2 fully_shard; tensor: DTensor column/row-wise plans")),
-    ("mesh.axes.*.size", honoured("init_device_mesh with the spec's names, sizes and row-major "
+    ("mesh.axes.*.size", honoured("a DeviceMesh with the spec's names, sizes and row-major "
                                   "order, one rank per device",
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"))),
-    ("mesh.axes.*.dcn", refused(
-        "unless 1", lambda dcn: any(d != 1 for d in dcn),
-        "the torch implementation lays its ranks out row-major (init_device_mesh) and applies "
-        "no cross-host factor; leave dcn = 1")),
+    ("mesh.axes.*.dcn", honoured(
+        "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
+        "of hosts, each host's ranks in the ici shape; on one host laid out within it")),
     ("mesh.exclude_devices", honoured(
         "ranks of the job as launched: they leave it, and the rest form a new job over the "
         "longest prefix of them the mesh and batch fit (trainspec.torch.members)")),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from trainspec.core.errors import UserInputError
 from trainspec.core.capabilities import Request
 from trainspec.core.exclusion import exclude, first_that_fits, prefixes
-from trainspec.core.mesh import check_batch, resolve_mesh, usable_ids
+from trainspec.core.mesh import check_batch, place_devices, resolve_mesh, usable_ids
 from trainspec.core.spec import Spec
 from trainspec.core.launch import COORDINATOR, PROCESS_ID
 from trainspec.torch.capabilities import TORCH
@@ -88,6 +90,17 @@ def check_run(spec: Spec, world: int, flags: dict | None = None,
     starts (never a silent fallback)."""
     fields = (lambda field: not field.startswith("model.")) if own_model else None
     _check(spec, world, fields, flags)
+
+
+def rank_grid(spec: Spec, hosts: list[int]) -> np.ndarray:
+    """The rank at each position of the spec's mesh, for a job whose rank r runs on host
+    `hosts[r]` (ranks numbered host by host, as torchrun and trainspec launch number them): on
+    one host row-major, the dcn factors laid out within it; on several, the core's hybrid
+    layout (trainspec.core.mesh.place_devices): a dcn-shaped grid of hosts, each host's ranks
+    in the ici shape, so an axis that spans hosts puts only its dcn part across them.
+    `mesh.exclude_devices` is not applied: they already left the job (trainspec.torch.members)."""
+    whole = spec.model_copy(update={"mesh": spec.mesh.model_copy(update={"exclude_devices": []})})
+    return place_devices(whole, list(range(len(hosts))), hosts).ids
 
 
 def split_axes(spec: Spec, sizes: dict[str, int], role: str) -> list[str]:
