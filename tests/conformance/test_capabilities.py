@@ -66,7 +66,7 @@ def test_refusing_flags_are_named_as_their_destinations():
 
 
 @pytest.mark.parametrize("sets,field", [
-    (["semi_sync.inner_steps=4"], "semi_sync"),
+    (["semi_sync.inner_steps=4", 'collectives.compression="int8"'], "semi_sync.inner_steps"),
     (["mesh.axes.tensor.size=2", "model.n_heads=3", "model.d_model=33"], "model.n_heads"),
     (["mesh.axes.data.size=1", "mesh.axes.fsdp.size=-1", "metrics.gns=true"], "metrics.gns"),
 ])

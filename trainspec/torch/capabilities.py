@@ -4,7 +4,7 @@ Framework-free, so that a spec is refused in one line before any rank starts."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    Capabilities, Refusal, honoured, refused, refused_section)
+    Capabilities, Refusal, honoured, refused)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -33,6 +33,25 @@ NOTHING_TO_MEASURE_GNS = Refusal(
     lambda value, r: value is True and not r.split("data") and r.spec.batch.accumulation_steps == 1,
     "true cannot be measured: one data-parallel replica and one micro-batch give no second "
     "batch size")
+
+
+def _semi_sync(when: str, test, reason: str) -> Refusal:
+    return Refusal(when, lambda value, r: value is not None and test(r), reason)
+
+
+SEMI_SYNC_REFUSALS = (
+    _semi_sync("with fewer than 2 data groups", lambda r: len(r.split("data")) == 0,
+               "needs at least 2 data-parallel groups (a split data axis); one group would be "
+               "a single worker with an outer optimizer"),
+    _semi_sync("with a compression", lambda r: r.spec.collectives.compression != "none",
+               "the torch implementation exchanges the outer deltas uncompressed; set "
+               "collectives.compression = \"none\""),
+    _semi_sync("with shard_over_data", lambda r: r.spec.layout.optimizer_state == "shard_over_data",
+               "each data group keeps its own optimizer state; set layout.optimizer_state = "
+               "\"like_params\""),
+    _semi_sync("with metrics.gns = true", lambda r: r.spec.metrics.gns is True,
+               "metrics.gns = true cannot be measured: no gradient is reduced across groups"),
+)
 
 
 TORCH = Capabilities("torch", dict([
@@ -116,8 +135,12 @@ TORCH = Capabilities("torch", dict([
         "fits them and restore the last good checkpoint onto it")),
     *((f"health.stragglers.{name}", honoured("the core's rule over every rank's step times"))
       for name in ("window", "k", "min_excess")),
-    ("semi_sync", refused_section("the torch implementation trains synchronously only; "
-                                  "remove the [semi_sync] table")),
+    ("semi_sync.inner_steps", honoured(
+        "DiLoCo: each data group steps on its rows with no data-axis traffic, the outer step "
+        "every H steps (trainspec/torch/semi_sync.py)", *SEMI_SYNC_REFUSALS)),
+    *((f"semi_sync.{name}", honoured("the outer step: SGD with Nesterov momentum on the "
+                                     "groups' mean delta"))
+      for name in ("outer_optimizer", "outer_lr", "outer_momentum")),
     # the flags of `trainspec train`
     ("--spec", honoured()),
     ("--steps", honoured()),

@@ -32,6 +32,7 @@ from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 from trainspec.core.run_files import refuse_foreign_checkpoints
 from trainspec.torch.background_save import BackgroundSave
+from trainspec.torch.semi_sync import OuterStep
 
 FORMAT = "trainspec.torch/1"
 META = "meta.json"
@@ -86,8 +87,10 @@ class TorchCheckpointer:
 
     # -- save and restore -----------------------------------------------------------------------
     def save(self, step: int, model, optimizer, total_steps: int, updates: int,
-             skipped_steps: int, mesh: dict[str, int], consecutive_nonfinite: int = 0) -> None:
-        """Write the state after `step`; `mesh`: the axis sizes it is sharded over. Returns
+             skipped_steps: int, mesh: dict[str, int], consecutive_nonfinite: int = 0,
+             outer: OuterStep | None = None) -> None:
+        """Write the state after `step`; `mesh`: the axis sizes it is sharded over; `outer`:
+        under [semi_sync], every group's state under its index, the outer state once. Returns
         once the state is copied under `checkpoint.async_save` (the previous save complete)."""
         if self.interval <= 0 or step == self.last_saved:
             return
@@ -96,12 +99,12 @@ class TorchCheckpointer:
         if self.writer and partial.exists():
             shutil.rmtree(partial)  # left by a killed save
         dist.barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state = _state(model, optimizer, outer)
         meta = {"format": FORMAT, "step": step, "data_position": step, "updates": updates,
                 "total_steps": total_steps, "skipped_steps": skipped_steps,
                 "consecutive_nonfinite": consecutive_nonfinite,
-                "spec": self.spec.to_dict(), "mesh": mesh, "parameters": _shapes(model)}
+                "spec": self.spec.to_dict(), "mesh": mesh, "parameters": _shapes(model),
+                **({"semi_sync_groups": outer.groups} if outer else {})}
         complete = self._completion(partial, step, meta)
         if self.spec.checkpoint.async_save:
             self._pending = BackgroundSave(state, partial, self._save_group(), complete)
@@ -147,9 +150,10 @@ class TorchCheckpointer:
         if pending is not None:
             pending.wait()
 
-    def restore_latest(self, model, optimizer) -> dict | None:
-        """Load the newest checkpoint into `model`/`optimizer` (resharded onto their layout);
-        its meta, or None when there is none."""
+    def restore_latest(self, model, optimizer, outer: OuterStep | None = None) -> dict | None:
+        """Load the newest checkpoint into `model`/`optimizer` (resharded onto their layout)
+        and `outer` (under [semi_sync]: this rank's group's state); its meta, or None when
+        there is none."""
         self.wait()
         steps = self.steps()
         if not steps:
@@ -158,13 +162,33 @@ class TorchCheckpointer:
         meta = self._meta(path)
         _check_same_model(meta["spec"], self.spec, path)
         _check_same_shapes(meta.get("parameters"), _shapes(model), path)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        groups = meta.get("semi_sync_groups")
+        if outer is not None or groups is not None:
+            if outer is None:
+                raise UserInputError(f"semi_sync: the checkpoint in {path} was written under "
+                                     "[semi_sync]; resume it with the same table")
+            outer.check_groups(groups, path)
+        state = _state(model, optimizer, outer)
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        inner = state if outer is None else state["groups"][str(outer.group_index)]
+        set_state_dict(model, optimizer, model_state_dict=inner["model"],
+                       optim_state_dict=inner["optim"])
+        if outer is not None:
+            outer.load(state["outer"], list(model.named_parameters()))
         self.last_saved = steps[0]
         return meta
+
+
+def _state(model, optimizer, outer: OuterStep | None) -> dict:
+    """What DCP saves and loads: the model's and optimizer's state dicts; under [semi_sync]
+    under this rank's group's index (the groups' states differ between outer steps, and DCP
+    keeps one copy of what ranks hold alike), with the outer state beside them."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    if outer is None:
+        return state
+    return {"groups": {str(outer.group_index): state},
+            "outer": outer.state(list(model.named_parameters()))}
 
 
 def _check_same_model(saved: dict, spec: Spec, where: Path) -> None:

@@ -67,16 +67,21 @@ class CommCounter(TorchDispatchMode):
     def _add(self, kind: str, size: int, group) -> None:
         self.calls.append((kind, size, tuple(dist.get_process_group_ranks(group))))
 
-    def volume(self, axes_of) -> dict:
-        """comm_bytes_per_step, comm_bus_bytes_per_step, by kind and by axis."""
-        by_kind: dict[str, int] = {}
-        by_axis: dict[str, int] = {}
+    def volume(self, axes_of, every: tuple | None = None, h: int = 1) -> dict:
+        """comm_bytes_per_step, comm_bus_bytes_per_step, by kind and by axis. `every`: a call
+        (kind, S, ranks) that runs once every `h` steps (the semi_sync outer step): counted
+        1/h times per step, whether or not the counted step ran it."""
+        calls = [(*call, 1.0) for call in self.calls if call != every]
+        if every is not None:
+            calls.append((*every, 1.0 / h))
+        by_kind: dict[str, float] = {}
+        by_axis: dict[str, float] = {}
         bus = 0.0
-        for kind, size, ranks in self.calls:
-            by_kind[kind] = by_kind.get(kind, 0) + size
+        for kind, size, ranks, times in calls:
+            by_kind[kind] = by_kind.get(kind, 0) + size * times
             axes = axes_of(ranks)
-            by_axis[axes] = by_axis.get(axes, 0) + size
-            bus += size * BUS_FACTOR[kind](len(ranks))
+            by_axis[axes] = by_axis.get(axes, 0) + size * times
+            bus += size * times * BUS_FACTOR[kind](len(ranks))
         return {"comm_bytes_per_step": sum(by_kind.values()), "comm_bus_bytes_per_step": bus,
                 "comm_bytes_by_kind": by_kind, "comm_bytes_by_axis": by_axis}
 

@@ -29,10 +29,9 @@ from trainspec.core import flops
 from trainspec.core import run as core_run
 from trainspec.core.health import (
     check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step)
-from trainspec.core.recorder import OnHost
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
-from trainspec.torch.comm import CommCounter, mesh_axes_of
+from trainspec.torch.comm import BUS_FACTOR, CommCounter, mesh_axes_of
 from trainspec.torch.layout import local_block
 from trainspec.torch.optim import learning_rate
 from trainspec.torch.peak import peak_flops
@@ -46,9 +45,9 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
                 "memory_xla_peak_bytes", "memory_live_bytes")
 
 
-class TorchRunStep(OnHost):
+class TorchRunStep:
     """trainspec.core.loop.Step over a wrapped torch `step` of this rank; the state is the step
-    itself; its metrics are host numbers when it returns (OnHost). `model_flops`: the model's
+    itself; its metrics are host numbers when it returns. `model_flops`: the model's
     analytic FLOPs (MFU is null without them)."""
 
     framework = "torch"
@@ -64,6 +63,7 @@ class TorchRunStep(OnHost):
         self.guard = init_nan_guard()
         self._stop_vote = None  # the all-reduce of the last step's stop signals, in flight
         self._facts: dict | None = None  # the records' facts, until the first step counted
+        self.semi_sync: dict | None = None  # the summary's semi_sync entry, once counted
 
     def __call__(self, state, batch):
         """The step; the first one after `facts` runs with its collectives counted, and the
@@ -72,7 +72,18 @@ class TorchRunStep(OnHost):
             return state, state(batch, apply=self._take)
         with CommCounter() as counter:
             metrics = state(batch, apply=self._take)
-        self._facts.update(counter.volume(mesh_axes_of(state.mesh)))
+        axes_of, outer = mesh_axes_of(state.mesh), state.outer
+        if outer is None:
+            self._facts.update(counter.volume(axes_of))
+        else:  # amortised over the round, as the JAX records are (docs/metrics.md)
+            h = outer.settings.inner_steps
+            self._facts.update(counter.volume(axes_of, outer.exchange(), h))
+            inner = counter.volume(axes_of, outer.exchange(), h=float("inf"))
+            kind, size, ranks = outer.exchange()
+            self.semi_sync = {"inner_steps": h, "groups": outer.groups,
+                              "inner_comm_bytes_per_step": inner["comm_bytes_per_step"],
+                              "outer_comm_bytes": size,
+                              "outer_comm_bus_bytes": size * BUS_FACTOR[kind](len(ranks))}
         self._facts = None
         return state, metrics
 
@@ -108,20 +119,58 @@ class TorchRunStep(OnHost):
     def per_record() -> dict:
         return {}
 
+    # -- [semi_sync]: the groups' values, combined at records ----------------------------------
+    def to_host(self, tree):
+        """(metrics, tokens, noise-scale parts) of a record. Under [semi_sync] each group's own
+        (nothing crossed the data axes in its steps): gathered over the data group here, at
+        the record only; the metrics by group, the tokens summed over groups."""
+        if self.job.outer is None:
+            return tree
+        every: list = [None] * self.job.outer.groups
+        dist.all_gather_object(every, tree, group=self.job.data_group)
+        metrics = {key: np.array([m[key] for m, _, _ in every]) for key in every[0][0]}
+        tokens = [sum(t) for t in zip(*(t for _, t, _ in every))]
+        return metrics, tokens, every[0][2]
+
+    def combine_metrics(self, metrics: dict) -> dict:
+        """The record's values from the groups' (as the JAX semi_sync step combines them):
+        `loss` token-weighted over the groups, `valid_tokens` summed, `grad_norm` the root mean
+        square of the groups' norms, `nonfinite` 1 if any group dropped its step."""
+        if self.job.outer is None:
+            return metrics
+        per_group = dict(metrics)
+        weights = per_group.pop("loss_tokens")
+        combined = {
+            "loss": float(np.sum(per_group.pop("loss") * weights) / max(np.sum(weights), 1.0)),
+            "valid_tokens": float(np.sum(per_group.pop("valid_tokens"))),
+            "grad_norm": float(np.sqrt(np.mean(np.square(per_group.pop("grad_norm"))))),
+            "nonfinite": int(np.max(per_group.pop("nonfinite"))),
+        }
+        return {**{key: values[0] for key, values in per_group.items()}, **combined}
+
     def learning_rate(self, updates: int) -> float:
         """The spec's schedule over the step's run length (a resumed run keeps its own)."""
         return learning_rate(self.spec.optimizer, self.job.total_steps, updates)
 
-    @staticmethod
-    def summary_fields() -> dict:
-        return {}
+    def summary_fields(self) -> dict:
+        """Under [semi_sync], the schedule and each part's bytes (as the JAX summary)."""
+        return {"semi_sync": self.semi_sync} if self.semi_sync else {}
 
     # -- health ----------------------------------------------------------------------------
     def reset_guard(self, step: int, skipped: int, consecutive: int) -> None:
         self.guard = init_nan_guard(step, skipped, consecutive)
+        if self.job.outer is not None:  # the outer schedule follows the data position
+            self.job.outer.steps_done = step
 
     def check_nonfinite(self) -> int:
-        return check_nan_guard(self.spec.health.nan, self.guard)
+        """The steps skipped; HealthHalt when the guard tripped. Under [semi_sync] each group
+        guards its own steps: every group's guard is read (at records and checkpoints), so
+        that every rank halts when one group's guard tripped."""
+        if self.job.outer is None:
+            return check_nan_guard(self.spec.health.nan, self.guard)
+        every: list = [None] * self.job.outer.groups
+        dist.all_gather_object(every, self.guard, group=self.job.data_group)
+        return max(check_nan_guard(self.spec.health.nan, guard) for guard in every)
 
     def nonfinite_counts(self) -> dict[str, int]:
         return nan_guard_counts(self.guard)
@@ -198,14 +247,15 @@ class TorchRunCheckpointer:
 
     def save(self, step: int, state, total_steps: int, health: dict) -> None:
         self.dcp.save(step, state.model, state.optimizer, total_steps, state.updates,
-                      health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"])
+                      health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"],
+                      state.outer)
 
     def wait(self) -> None:
         """Block until the last save is complete (`checkpoint.async_save`: written behind)."""
         self.dcp.wait()
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
-        meta = self.dcp.restore_latest(target.model, target.optimizer)
+        meta = self.dcp.restore_latest(target.model, target.optimizer, target.outer)
         if meta is None:
             return None, None
         target.total_steps, target.updates = meta["total_steps"], meta["updates"]

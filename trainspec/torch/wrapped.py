@@ -43,6 +43,7 @@ from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optim
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
+from trainspec.torch.semi_sync import OuterStep
 from trainspec.torch.support import check_layout, split_axes
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -115,20 +116,29 @@ class WrappedStep:
             apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype)
         self.fsdp = bool(fsdp)
         self.data_group = group_of(mesh, self.data_axes) if self.data_axes else None
-        self.batch_group = group_of(mesh, self.batch_axes) if self.batch_axes else None
+        # [semi_sync]: each data group steps on its own rows, nothing crosses the data axes
+        # but the outer step (trainspec/torch/semi_sync.py)
+        summed = tuple(a for a in self.batch_axes
+                       if spec.semi_sync is None or a not in self.data_axes)
+        self.batch_group = group_of(mesh, summed) if summed else None
         self.shards = axes_size(mesh, self.batch_axes)
         self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
         self.norms = Norms(mesh, device)
         # metrics.gns: a replica's batch shards are its rows' other axes (fsdp)
         replica_axes = tuple(a for a in self.batch_axes if a not in self.data_axes)
         self.noise_scale = StepNoiseScale(
-            spec.metrics.gns, axes_size(mesh, self.data_axes), spec.batch.accumulation_steps,
+            spec.metrics.gns if spec.semi_sync is None else False,
+            axes_size(mesh, self.data_axes), spec.batch.accumulation_steps,
             self.norms, self.data_group,
             group_of(mesh, replica_axes) if replica_axes else None)
+        if spec.semi_sync is not None:
+            self.noise_scale.note = "semi_sync: no gradient is reduced across groups"
 
         self.params = list(self.model.parameters())
         self.reduction = None
-        if self.data_group is not None:
+        self.outer = OuterStep(spec.semi_sync, self.params, self.data_group) \
+            if spec.semi_sync is not None else None
+        if self.data_group is not None and self.outer is None:
             self.reduction = DataReduction(spec.collectives, self.data_group, self.grad_dtype,
                                            self.model.named_parameters(), self.packing_order)
         optimizer = (spec_optimizer(spec.optimizer, self.params) if optimizer_fn is None
@@ -215,6 +225,9 @@ class WrappedStep:
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "learning_rate": lr,
                    "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite),
                    **self.noise_scale.parts(small_batch, grad_norm, tokens)}
+        if self.outer is not None:  # this group's values: the run combines the groups'
+            metrics["loss_tokens"] = tokens
+            self.outer.after_inner_step()
         if self.nan_guard and apply is None:
             metrics["skipped_steps"] = check_nan_guard(self.spec.health.nan, self.guard)
         return metrics
@@ -289,7 +302,10 @@ class WrappedStep:
         every rank, so that every rank raises the same (a rollback re-forms the job on all)."""
         if self.data_group is None:
             return
-        mine = [fingerprint(local_block(q.detach())) for q in self.params]
+        # under [semi_sync] the groups agree on the anchor (their own parameters differ
+        # between outer steps)
+        blocks = self.outer.anchor if self.outer else [local_block(q.detach()) for q in self.params]
+        mine = [fingerprint(block) for block in blocks]
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         names = [name for name, _ in self.model.named_parameters()]
@@ -318,14 +334,16 @@ class WrappedStep:
         counts = nan_guard_counts(self.guard)
         checkpointer.save(step, self.model, self.optimizer, self.total_steps, self.updates,
                           counts["skipped_steps"], self.mesh_shape,
-                          counts["consecutive_nonfinite"])
+                          counts["consecutive_nonfinite"], self.outer)
 
     def restore(self, checkpointer: TorchCheckpointer) -> int:
         """Load the newest checkpoint, resharded onto this layout (any mesh); the data position
         to continue from (0 when there is none). The schedule keeps the saved run's length."""
-        meta = checkpointer.restore_latest(self.model, self.optimizer)
+        meta = checkpointer.restore_latest(self.model, self.optimizer, self.outer)
         if meta is None:
             return 0
+        if self.outer is not None:
+            self.outer.steps_done = meta["data_position"]
         self.total_steps, self.updates = meta["total_steps"], meta["updates"]
         self.guard = init_nan_guard(meta["data_position"], meta["skipped_steps"],
                                     meta.get("consecutive_nonfinite", 0))
