@@ -6,7 +6,9 @@
   onto it and train on: steps 5-12 are bit for bit those of the same checkpoint resumed on 2
   ranks, the first 4 those of the 4-rank run; the records are written by the new first rank;
 - `--exclude-devices 1` on 3 ranks: rank 1 leaves at the start, ranks 0 and 2 train the 2-rank
-  job's losses bit for bit.
+  job's losses bit for bit;
+- both on 5 ranks, `--exclude-devices 0` then a bit flipped in rank 2's replica: ranks are named
+  as launched throughout (rank 2, now the job's second), ranks 1 and 3 go on.
 """
 import json
 import os
@@ -19,7 +21,7 @@ import pytest
 
 from tiny import TINY
 
-pytestmark = pytest.mark.slow  # five torch jobs: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # six torch jobs: over a minute on 2 cores
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -79,3 +81,18 @@ def test_excluded_ranks_leave_at_the_start(tmp_path, four_then_two):
     two_ranks = tmp_path / "two"
     _run(two_ranks, 2)
     assert _losses(tmp_path) == _losses(two_ranks)
+
+
+def test_a_rollback_after_an_exclusion_names_ranks_as_launched(tmp_path, four_then_two):
+    four, two = four_then_two
+    out, summary = _run(tmp_path, 5, "--exclude-devices", "0",
+                        env={"TRAINSPEC_FAULTS": '{"bitflip": [6, 2]}'})
+    assert summary["rollbacks"] == [{
+        "step": 6, "excluded": [2],
+        "reason": "replica fingerprints differ after step 6: embedding on ranks [2]"}]
+    assert summary["excluded_devices"] == [0, 2] and summary["mesh"]["data"] == 2
+    assert "[rank 4] trainspec: rank 4 left the job (idle: the mesh does not fit it" in out
+    assert "[rank 1] trained 12 steps on mesh data=2" in out
+    losses = _losses(tmp_path)
+    assert {s: losses[s] for s in range(1, 5)} == {s: four[s] for s in range(1, 5)}
+    assert {s: losses[s] for s in range(5, STEPS + 1)} == {s: two[s] for s in range(5, STEPS + 1)}

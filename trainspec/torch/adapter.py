@@ -79,7 +79,8 @@ class TorchAdapter(Adapter):
         LOCAL_WORLD_SIZE on each; all on this one without it (trainspec launch starts them
         all locally)."""
         per_host = os.environ.get("LOCAL_WORLD_SIZE")
-        return [launched // int(per_host) if per_host else 0 for launched in self.launched_ids]
+        launched = self.launched_ids or list(range(dist.get_world_size()))  # joined elsewhere
+        return [rank // int(per_host) if per_host else 0 for rank in launched]
 
     def rejoin(self, kept: list[int]) -> bool:
         """Re-form the job over the ranks `kept` (every rank calls it): they join a new job,

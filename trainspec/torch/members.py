@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from trainspec.core.exclusion import exclude
 from trainspec.core.spec import Spec
 from trainspec.torch.adapter import TorchAdapter
-from trainspec.torch.support import ranks_kept
+from trainspec.core.mesh import usable_ids
+from trainspec.torch.support import excluding, ranks_kept
 
 
 class LeftOut(Exception):
@@ -24,14 +25,15 @@ class LeftOut(Exception):
     it leaves without an error."""
 
 
-def leave_out(adapter: TorchAdapter, spec: Spec, ranks: Iterable[int], why: str) -> Spec:
-    """Re-form the job without `ranks` (of the job as it is now; every rank calls it with the
-    same ones); the spec of the smaller job, with their launched ids in `mesh.exclude_devices`.
+def leave_out(adapter: TorchAdapter, spec: Spec, ids: Iterable[int], why: str) -> Spec:
+    """Re-form the job without the ranks `ids` (ranks of the job as launched; every rank calls
+    it with the same ones); the spec of the smaller job, with them in `mesh.exclude_devices`.
     LeftOut on the ranks not kept, saying `why`."""
     launched = adapter.launched_ids
-    ranks = sorted(set(ranks))
-    smaller = exclude(spec, [launched[r] for r in ranks])
-    kept = ranks_kept(spec, adapter.process_count, ranks)
+    ids = sorted(set(ids))
+    smaller = exclude(spec, ids)
+    usable_ids(excluding(spec, ids), launched)  # an id not in the job: refused by name
+    kept = ranks_kept(spec, adapter.process_count, [launched.index(i) for i in ids])
     me = launched[adapter.process_index]
     if not adapter.rejoin(kept):
         role = "excluded" if me in smaller.mesh.exclude_devices else "idle: the mesh does not fit it"

@@ -53,8 +53,7 @@ def preflight(adapter: TorchAdapter, spec: Spec, goodput,
     report = {"excluded": sorted(failures), "checked": len(every),
               "failures": {str(r): c for r, c in failures.items()}}
     if failures:
-        bad = [rank for rank, checks in enumerate(every) if checks]
-        spec = leave_out(adapter, spec, bad, "it failed the preflight checks")
+        spec = leave_out(adapter, spec, failures, "it failed the preflight checks")
     report["seconds"] = time.perf_counter() - t0
     goodput.add("initialization", report["seconds"])
     return spec, report

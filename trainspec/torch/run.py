@@ -175,12 +175,11 @@ class TorchRunStep:
     def nonfinite_counts(self) -> dict[str, int]:
         return nan_guard_counts(self.guard)
 
-    @staticmethod
-    def check_replicas(state, step: int, last_good_step: int | None) -> None:
-        """The wrapped step's vote over the data axes' copies, the same on every rank: under
-        `rollback` the run re-forms the job without the ranks it names
+    def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
+        """The wrapped step's vote over the data axes' copies, the same on every rank, naming
+        ranks of the job as launched: under `rollback` the run re-forms the job without them
         (trainspec.torch.train)."""
-        state.check_replicas(step, last_good_step or 0)
+        state.check_replicas(step, last_good_step or 0, self.adapter.launched_ids)
 
     def corrupt(self, state, target: int):
         """Bit 20 of the first element of rank `target`'s copy of the first parameter (a rank

@@ -9,7 +9,7 @@ import numpy as np
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.capabilities import Request
-from trainspec.core.exclusion import exclude, first_that_fits, prefixes
+from trainspec.core.exclusion import first_that_fits, prefixes
 from trainspec.core.mesh import check_batch, place_devices, resolve_mesh, usable_ids
 from trainspec.core.spec import Spec
 from trainspec.core.launch import COORDINATOR, PROCESS_ID
@@ -62,13 +62,22 @@ def check_mesh(spec: Spec, world: int, check_sizes=lambda sizes: None) -> dict[s
 
 
 def ranks_kept(spec: Spec, world: int, left_out) -> list[int]:
-    """The ranks of a `world`-rank job that go on without `left_out`: the longest prefix of
-    the others the spec's mesh and batch fit (trainspec.core.exclusion); the rest idle."""
+    """The ranks of a `world`-rank job that go on without `left_out` (ranks of the job as it
+    is now): the longest prefix of the others the spec's mesh and batch fit
+    (trainspec.core.exclusion); the rest idle."""
     def fits(ranks: list[int]) -> list[int]:
         check_mesh(spec, len(ranks))
         return ranks
 
-    return first_that_fits(prefixes(usable_ids(exclude(spec, left_out), list(range(world)))), fits)
+    usable = usable_ids(excluding(spec, left_out), list(range(world)))
+    return first_that_fits(prefixes(usable), fits)
+
+
+def excluding(spec: Spec, ids) -> Spec:
+    """`spec` with exactly `ids` in `mesh.exclude_devices` (the job's earlier exclusions are
+    ids of the job as launched, already gone)."""
+    return spec.model_copy(update={"mesh": spec.mesh.model_copy(
+        update={"exclude_devices": sorted(set(ids))})})
 
 
 def check_layout(spec: Spec, world: int) -> dict[str, int]:
@@ -99,8 +108,7 @@ def rank_grid(spec: Spec, hosts: list[int]) -> np.ndarray:
     layout (trainspec.core.mesh.place_devices): a dcn-shaped grid of hosts, each host's ranks
     in the ici shape, so an axis that spans hosts puts only its dcn part across them.
     `mesh.exclude_devices` is not applied: they already left the job (trainspec.torch.members)."""
-    whole = spec.model_copy(update={"mesh": spec.mesh.model_copy(update={"exclude_devices": []})})
-    return place_devices(whole, list(range(len(hosts))), hosts).ids
+    return place_devices(excluding(spec, []), list(range(len(hosts))), hosts).ids
 
 
 def split_axes(spec: Spec, sizes: dict[str, int], role: str) -> list[str]:

@@ -81,8 +81,9 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
             return built
 
         def without(ranks: list[int]) -> Spec:
-            """The job re-formed without the diverged `ranks` (a rollback, then the loop
-            restores the last good checkpoint onto it); LeftOut on them."""
+            """The job re-formed without the diverged `ranks` (of the job as launched; a
+            rollback, then the loop restores the last good checkpoint onto it); LeftOut on
+            them."""
             checkpoints.wait()  # the last save uses the groups about to go
             smaller = leave_out(adapter, loop.step.spec, ranks, "its replica diverged")
             checkpoints.rejoined(adapter.is_writer())

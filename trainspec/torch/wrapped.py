@@ -295,11 +295,14 @@ class WrappedStep:
         return local
 
     # -- health and checkpoints ----------------------------------------------------------------
-    def check_replicas(self, step: int, last_good_step: int = 0) -> None:
+    def check_replicas(self, step: int, last_good_step: int = 0,
+                       ids: list[int] | None = None) -> None:
         """Fingerprint every parameter's local block; the copies across the data axes must
         agree. ReplicaMismatch names the first parameter whose copies differ and the ranks the
         core's majority vote finds odd in any data group: the fingerprints are gathered from
-        every rank, so that every rank raises the same (a rollback re-forms the job on all)."""
+        every rank, so that every rank raises the same (a rollback re-forms the job on all).
+        `ids[rank]`: how to name a rank (default: by its rank; a run names the ranks of the
+        job as launched)."""
         if self.data_group is None:
             return
         # under [semi_sync] the groups agree on the anchor (their own parameters differ
@@ -318,8 +321,9 @@ class WrappedStep:
                     first = first or name
                     break
         if odd:
+            named = sorted(ids[r] if ids else r for r in odd)
             raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {first} on "
-                                  f"ranks {sorted(odd)}", last_good_step, sorted(odd))
+                                  f"ranks {named}", last_good_step, named)
 
     def _data_groups(self) -> list[list[int]]:
         """The global ranks of each data group (the copies of the same blocks)."""
