@@ -12,7 +12,7 @@ from jax.experimental import mesh_utils
 import trainspec.core
 from trainspec.jax import build_mesh
 from trainspec.core.errors import UserInputError
-from trainspec.core.mesh import place_devices
+from trainspec.core.mesh import place_devices, resolve_mesh
 from trainspec.core.spec import load_spec
 
 CORE_MODULES = sorted(f"trainspec.core.{m.name}" for m in pkgutil.iter_modules(trainspec.core.__path__))
@@ -59,10 +59,28 @@ def _spec(axes: dict, exclude=()):
 
 def test_groups_per_axis_in_plain_integers():
     placed = place_devices(_spec({"data": {"size": 2}, "tensor": {"size": -1}}), range(8))
-    assert placed.resolved.sizes == (2, 4)
+    assert placed.dims.sizes == (2, 4)
     assert placed.groups("tensor") == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert placed.groups("data") == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert placed.groups(("tensor", "data")) == [(0, 4, 1, 5, 2, 6, 3, 7)]  # ranked in the order given
+
+
+def test_parallel_dims_resolve_the_spec_once():
+    """Roles come from the role field or the axis's name; degrees multiply every axis of a
+    role, `split` keeps those of more than one device, and -1 takes what is left."""
+    spec = _spec({"replica": {"role": "data", "size": 2, "dcn": 2}, "data": {"size": -1},
+                  "fsdp": {"size": 1}, "tensor": {"size": 2}})
+    dims = resolve_mesh(spec, 16)
+    assert dims.shape == {"replica": 2, "data": 4, "fsdp": 1, "tensor": 2}
+    assert dims.roles == ("data", "data", "fsdp", "tensor")
+    assert (dims.world_size, dims.replicas, dims.fsdp, dims.tensor) == (16, 8, 1, 2)
+    assert dims.axes_with_role("fsdp") == ("fsdp",) and dims.split("fsdp") == ()
+    assert dims.split("data") == ("replica", "data")
+    assert dims.split_beside("data") == ("tensor",)
+    assert dims.group(("replica", "data")) == (8, 2) and dims.ici == (1, 4, 1, 2)
+    assert dims.describe() == "replica=2 x data=4 x fsdp=1 x tensor=2"
+    with pytest.raises(UserInputError, match="cannot infer 'data': 10 devices"):
+        resolve_mesh(spec, 10)
 
 
 def test_exclusion_and_its_errors():
@@ -89,7 +107,7 @@ def test_hybrid_layout_matches_jax_mesh_utils(axes):
     spec = _spec(axes)
     devices = _fake_devices(2, 4)
     placed = place_devices(spec, [d.id for d in devices], [d.process_index for d in devices])
-    r = placed.resolved
+    r = placed.dims
     grid = mesh_utils.create_hybrid_device_mesh(r.ici, r.dcn, devices, process_is_granule=True)
     np.testing.assert_array_equal(placed.ids, np.vectorize(lambda d: d.id)(grid))
     np.testing.assert_array_equal(placed.processes, np.vectorize(lambda d: d.process_index)(grid))

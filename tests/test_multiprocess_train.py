@@ -16,8 +16,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
+from trainspec.core import params_file
 from trainspec.core.errors import UserInputError
+from trainspec.core.reference_train import initial_params, leaves
 from trainspec.jax.mesh import check_hierarchical
 from trainspec.core.spec import load_spec
 from trainspec.jax.feed import local_rows
@@ -145,6 +148,21 @@ def test_two_processes_follow_one_process_and_hierarchical_follows_xla(
     _finish(_launch(spec_file, hier, *backend, "--summary-json", str(tmp_path / "resumed.json")))
     assert json.loads((tmp_path / "resumed.json").read_text())["resumed_from"] == 3
     np.testing.assert_allclose(_losses(hier), _losses(xla), rtol=RTOL)
+
+
+def test_two_processes_start_from_a_file_and_process_0_writes_it_back(spec_file, tmp_path):
+    """--init-from across processes: each places its own shards of the file's parameters (the
+    float32 NumPy reference's draws, which no JAX init makes), and the run's own
+    initial_params.safetensors, gathered from both processes' devices, holds them bit for bit."""
+    spec = load_spec(spec_file)
+    given = tmp_path / "given.safetensors"
+    params_file.write(given, leaves(initial_params(spec.model, seed=7)), spec.model)
+    run_dir = tmp_path / "from_file"
+    _finish(_launch(spec_file, run_dir, "--steps", "2", "--init-from", str(given)))
+    written, expected = (load_file(str(p)) for p in (run_dir / params_file.FILE_NAME, given))
+    assert sorted(written) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(written[name], expected[name], err_msg=name)
 
 
 def _alive(pid: int) -> bool:

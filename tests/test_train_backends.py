@@ -57,3 +57,18 @@ def test_wrapped_step_bounds_steps_in_flight_for_custom_call_backends(monkeypatc
     for i in range(MAX_STEPS_IN_FLIGHT + 3):
         state, _ = job.step(state, job.data.batch(i))
     assert len(waited) == 3
+
+
+def test_every_backend_the_schema_allows_is_declared_and_unknown_ones_are_one_line():
+    """The step, mesh check and capability table read a backend's declarations: a name the
+    schema accepts without a declaration would fail deep inside the step instead."""
+    from typing import get_args
+
+    from trainspec.core.spec import CollectivesSpec
+    from trainspec.jax.backends import BACKENDS, backend
+
+    assert set(get_args(CollectivesSpec.model_fields["backend"].annotation)) == set(BACKENDS)
+    for declared in BACKENDS.values():
+        assert declared.ops().__name__ == declared.module  # its module imports
+    with pytest.raises(UserInputError, match="^unknown collectives backend 'nccl'; known: xla, ext"):
+        backend("nccl")

@@ -19,6 +19,7 @@ from trainspec.core import user_model
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.torch.describe import parameter_layout
 from trainspec.torch.model import Transformer
+from trainspec.torch.support import check_layout
 
 HERE = Path(__file__).resolve().parent
 OWN = str(HERE.parent / "examples" / "own_torch_model.py") + ":make"
@@ -59,7 +60,7 @@ def test_validate_says_what_the_ranks_hold(held, layout):
         else:
             model, units = user_model.load(reference, spec).init(), None
     said = {name: [splits, list(local)]
-            for name, _, splits, local in parameter_layout(spec, 4, model, units)}
+            for name, _, splits, local in parameter_layout(check_layout(spec, 4), model, units)}
     assert said == held[layout]
     assert any(len(splits) == 2 for splits, _ in said.values()) == (layout == "fsdp2_tensor2")
 

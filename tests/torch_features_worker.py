@@ -2,9 +2,9 @@
 
 Run under `trainspec launch --nprocs 4 -- python torch_features_worker.py JOB.json`. Every rank
 runs, in turn:
-- each `layouts` entry from the JAX run's initial parameters on the same ragged batches as
-  tests/torch_equality_worker.py, recording the step metrics and each rank's optimizer state
-  bytes (local blocks, tensors of one dimension or more);
+- each `layouts` entry from the JAX run's initial parameters on ragged batches
+  (trainspec.core.conformance_runner.ragged_batch), recording the step metrics and each rank's
+  optimizer state bytes (local blocks, tensors of one dimension or more);
 - each `resumes` entry: `first` for `at` steps, saved and continued (`saver`), then restored
   into `then` and continued; the sum over replicas of the error-feedback residuals is recorded
   at the save and after the restore;
@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torch_equality_worker import unflatten
 from trainspec.core.conformance_runner import ragged_batch
 from trainspec.core.data import ByteBatches
+from trainspec.core.params_file import unflatten
 from trainspec.core.spec import load_spec
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
@@ -38,7 +38,7 @@ RECORDED = ("loss", "grad_norm", "gns_grad_sq", "gns_trace")
 
 def build(job, adapter, overrides) -> TorchStep:
     spec = load_spec(job["spec"], overrides)
-    initial = from_flax(Transformer(spec.model), unflatten(np.load(job["params"])))
+    initial = from_flax(Transformer(spec.model), unflatten(dict(np.load(job["params"]))))
     return TorchStep(spec, adapter.build_mesh(spec), job["steps"], adapter.device, initial)
 
 

@@ -86,12 +86,11 @@ class NumpyAdapter(SimulatedDevices):
     def gradient(self, spec, params, batch) -> tuple[float, float, dict]:
         """Each data replica's rows, micro-batch by micro-batch: the summed loss, valid tokens
         and gradient sums, added over replicas and micro-batches (float32)."""
-        mesh = resolve_mesh(spec, self.devices)
-        sizes = dict(zip(mesh.names, mesh.sizes))
-        if any(sizes[a] > 1 for a in sizes if spec.mesh.role_of(a) != "data"):
+        dims = resolve_mesh(spec, self.devices)
+        if dims.split_beside("data"):
             raise NotImplementedError(f"the numpy implementation splits data axes only, got "
-                                      f"{mesh.describe()}")
-        replicas = int(np.prod([sizes[a] for a in spec.mesh.axes_with_role("data")]))
+                                      f"{dims.describe()}")
+        replicas = dims.replicas
         k = spec.batch.accumulation_steps
         total = [np.float32(0), np.float32(0), None]
         for rows in np.array_split(np.arange(spec.batch.global_batch), replicas):

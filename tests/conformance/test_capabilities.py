@@ -12,6 +12,7 @@ from trainspec.cli.conformance import capability_markdown, count_markdown, train
 from trainspec.cli.main import main
 from trainspec.core.capabilities import Request, schema_fields, undeclared
 from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import ParallelDims
 from trainspec.core.spec import MetricsSpec, Spec
 from trainspec.jax.capabilities import JAX
 from trainspec.torch.capabilities import TORCH
@@ -89,7 +90,7 @@ def test_a_step_checks_the_fields_a_step_depends_on():
     `trainspec train` are the run's (check_run)."""
     spec = tiny_spec()
     check_spec(spec, 4)
-    assert check_layout(spec, 4) == {"data": 4, "fsdp": 1, "tensor": 1}
+    assert check_layout(spec, 4).shape == {"data": 4, "fsdp": 1, "tensor": 1}
     with pytest.raises(UserInputError, match="^--host-devices: "):
         check_run(spec, 4, {"--host-devices": 2})
     with pytest.raises(UserInputError, match="^layout.rules: the torch implementation lays"):
@@ -98,7 +99,7 @@ def test_a_step_checks_the_fields_a_step_depends_on():
 
 def test_the_refusal_line_names_the_values():
     spec = tiny_spec("mesh.axes.tensor.size=2", "model.n_heads=3", "model.d_model=33")
-    lines = TORCH.refusals(Request(spec, {"data": 2, "fsdp": 1, "tensor": 2}))
+    lines = TORCH.refusals(Request(spec, ParallelDims.of(spec, {"data": 2, "fsdp": 1, "tensor": 2})))
     assert "model.n_heads: 3 is not divisible by the 2 ranks of tensor axis 'tensor'" in lines
 
 

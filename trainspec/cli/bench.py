@@ -68,18 +68,18 @@ def run_collectives(args) -> int:
     from trainspec.jax.distributed import initialize_from_env, is_writer
 
     initialize_from_env()  # under `trainspec launch`: one process of the job
-    from trainspec.jax.collectives import api
+    from trainspec.jax.backends import BACKENDS
     from trainspec.jax.tools import collectives_bench as bench, collectives_report as report
 
     sizes = bench.size_sweep(bench.parse_size(args.min_bytes, "-b/--min-bytes"),
                              bench.parse_size(args.max_bytes, "-e/--max-bytes"), args.step_factor)
     ops = _choices(args.ops, bench.OPS, "--ops")
     dtypes = _choices(args.dtypes, bench.DTYPES, "--dtypes")
-    backends = _choices(args.backends, tuple(api.BACKEND_MODULES), "--backends")
+    backends = _choices(args.backends, tuple(BACKENDS), "--backends")
     if args.redop not in bench.REDOPS["all_reduce"]:
         raise UserInputError(f"-o/--redop: unknown {args.redop!r}; choose from sum, mean, max, min")
     for backend in backends:
-        api.get_backend(backend)  # an unavailable backend fails now, not after an hour of xla
+        BACKENDS[backend].ops()  # an unavailable backend fails now, not after an hour of xla
     if args.in_place and ops != ["all_reduce"]:
         raise UserInputError(f"--in-place: only all_reduce has an in-place form; got --ops "
                              f"{','.join(ops)}")

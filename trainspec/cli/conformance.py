@@ -19,8 +19,9 @@ import importlib.metadata
 import sys
 
 from trainspec.core.errors import UserInputError
+from trainspec.jax.backends import BACKENDS
 
-JAX_BACKENDS = ("xla", "ext", "hierarchical")
+JAX_BACKENDS = tuple(BACKENDS)
 BUILT_IN = (*JAX_BACKENDS, "torch")
 ENTRY_POINTS = "trainspec.implementations"
 SUITE_DEVICES = 8

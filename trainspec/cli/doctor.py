@@ -137,10 +137,11 @@ def run(args) -> int:
 
     profile = load_profile(args.hardware)  # bad names fail before any device work
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    from trainspec.jax.collectives import api
+    from trainspec.jax.backends import BACKENDS
     for b in backends:
-        if b not in api.BACKEND_MODULES:
-            raise UserInputError(f"--backends: unknown {b!r}; choose from {', '.join(api.BACKEND_MODULES)}")
+        if b not in BACKENDS:
+            raise UserInputError(f"--backends: unknown {b!r}; choose from {', '.join(BACKENDS)}")
+    on_one_host = [b for b in backends if BACKENDS[b].checked_on_one_host]
     ensure_host_devices(args.host_devices)
     import jax
 
@@ -154,10 +155,10 @@ def run(args) -> int:
     if not args.quick:
         from trainspec.jax.collectives.selftest import collective_results
 
-        results += collective_results(ids, [b for b in backends if b != "hierarchical"])
+        results += collective_results(ids, on_one_host)
     rows += numerics_rows(results)
     if not args.quick:
-        rows += collectives_rows([b for b in backends if b != "hierarchical"], profile)
+        rows += collectives_rows(on_one_host, profile)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainspec.cli.devices import ensure_host_devices
 from trainspec.cli.summary import print_summary
-from trainspec.cli.train_spec import announce, given_flags, silent, spec_to_use
+from trainspec.cli.train_spec import announce, given_flags, initial_params, silent, spec_to_use
 from trainspec.core.errors import UserInputError
 
 
@@ -39,6 +39,10 @@ def register(subparsers) -> None:
                    help="train your model and data instead of the reference job: FN(spec) in "
                    "MODULE (a .py file or a module) returns a trainspec.core.user_model.UserModel "
                    "(docs/wrapping.md)")
+    p.add_argument("--init-from", type=Path, metavar="RUN_OR_FILE",
+                   help="start the reference model from these parameters: a run directory's "
+                   "initial_params.safetensors (either framework's run writes one) or such a "
+                   "file; a run dir with checkpoints resumes instead (docs/adapters.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--framework", choices=("jax", "torch"), default="jax",
                    help="implementation that trains (default jax; torch: docs/adapters.md)")
@@ -156,6 +160,7 @@ def run(args) -> int:
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)
     model = user_model.load(args.model, spec) if args.model else None
+    init_from = initial_params(args, spec, say)
     with _failed_save_threads_quiet():  # until the process leaves on a failed save
         try:
             summary = train(
@@ -169,6 +174,7 @@ def run(args) -> int:
                 restart=args.restart,
                 announce=say,
                 model=model,
+                init_from=init_from,
             )
         except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
             say(str(done))

@@ -33,3 +33,19 @@ def announce(line: str) -> None:
 
 def silent(line: str) -> None:
     pass
+
+
+def initial_params(args, spec, say):
+    """--init-from's parameters, checked against the spec's model (UserInputError, one line,
+    when they do not fit), or None without it. Read even when the run dir resumes (`say`s
+    that it does): a wrong path or file is refused whether or not this run needs it."""
+    if args.init_from is None:
+        return None
+    from trainspec.core import params_file
+
+    params = params_file.read(args.init_from, spec.model)
+    note = None if args.restart else params_file.resume_note(
+        args.init_from, args.run_dir / spec.checkpoint.dir)
+    if note:
+        say(note)
+    return params

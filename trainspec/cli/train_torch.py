@@ -17,7 +17,8 @@ DEFAULT_CPU_RANKS = 4
 def run(args) -> int:
     from trainspec.torch.support import launched, rank_from_env
     from trainspec.torch.capabilities import TORCH
-    from trainspec.cli.train_spec import announce, given_flags, silent, spec_to_use
+    from trainspec.cli.train_spec import (
+        announce, given_flags, initial_params, silent, spec_to_use)
     from trainspec.core import user_model
     from trainspec.core.spec import load_spec
 
@@ -29,6 +30,8 @@ def run(args) -> int:
 
         spec = exclude(spec, args.exclude_devices)  # ranks of the job as launched
     model = user_model.load(args.model, spec) if args.model else None  # checked before ranks
+    # checked (and its resume note said) once, before the ranks start; each rank reads it
+    init_from = initial_params(args, spec, silent if launched() else announce)
     if not launched():
         return _start_ranks(args, spec, model)
     if args.nprocs is not None:
@@ -52,6 +55,7 @@ def run(args) -> int:
         summary = train(spec, args.run_dir, steps=args.steps, spec_label=str(spec_path),
                         adapter=adapter, progress=not args.quiet, summary_json=args.summary_json,
                         announce=announce, restart=args.restart, model=model,
+                        init_from=init_from,
                         faults=Faults.from_env())  # nothing unless TRAINSPEC_FAULTS is set (tests)
     except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
         if writer():

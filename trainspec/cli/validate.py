@@ -75,11 +75,11 @@ def _torch(args, spec, model) -> int:
 
     from trainspec.cli.train_torch import default_ranks
     from trainspec.torch import describe
-    from trainspec.torch.support import check_layout, check_run, split_axes
+    from trainspec.torch.support import batch_axes, check_layout, check_run
 
     world = args.nprocs or default_ranks()
     check_run(spec, world, own_model=model is not None)
-    sizes = check_layout(spec, world)
+    dims = check_layout(spec, world)
     with torch.device("meta"):
         if model is None:
             from trainspec.torch.model import Transformer
@@ -87,14 +87,13 @@ def _torch(args, spec, model) -> int:
             built, units = Transformer(spec.model), ("blocks.*",)
         else:
             built, units = model.init(), None
-    layout = describe.parameter_layout(spec, world, built, units)
-    batch_axes = split_axes(spec, sizes, "data") + split_axes(spec, sizes, "fsdp")
+    layout = describe.parameter_layout(dims, built, units)
     _valid(args, spec)
     print(f"ranks: {world} (torch)")
-    print("mesh: " + " x ".join(f"{k}={v}" for k, v in sizes.items()))
+    print("mesh: " + " x ".join(f"{k}={v}" for k, v in dims.shape.items()))
     print(f"batch: global {spec.batch.global_batch}, micro {spec.batch.micro}, "
           f"{spec.batch.accumulation_steps} accumulation steps, rows split over "
-          f"{' x '.join(batch_axes) or 'nothing (every rank the whole batch)'}")
+          f"{' x '.join(batch_axes(dims)) or 'nothing (every rank the whole batch)'}")
     print("layout (parameter, shape, split, rank 0's block):")
     for line in describe.describe(layout):
         print("  " + line)

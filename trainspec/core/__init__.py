@@ -4,7 +4,8 @@ An implementation of trainspec (the JAX one in trainspec.jax, or another framewo
 
 - `spec`: the schema (pydantic), defaults, validation, `load_spec`; `errors.UserInputError`;
   `schema`: `python -m trainspec.core.schema [spec|metrics]` prints the JSON Schemas.
-- `mesh`: the mesh in plain integers: `resolve_mesh` (axis sizes for a device count),
+- `mesh`: the mesh in plain integers: `resolve_mesh` gives the `ParallelDims` of a device
+  count (axis sizes, roles, dcn factors, degrees: the one object the steps and the planner read),
   `place_devices` (device ids laid out in the mesh, excluded devices removed, processes as
   dcn blocks) and `PlacedMesh.groups(axes)` (the rank groups of a collective over `axes`).
 - `accumulation`: the token-weighted accumulation rule and its float64 reference.

@@ -18,21 +18,26 @@ from collections.abc import Callable, Mapping
 import pydantic
 
 from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import ParallelDims
 from trainspec.core.spec import Spec
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What an implementation is asked to run: the spec, its mesh's axis sizes (resolved for
-    the job's devices or ranks) and the flags of `trainspec train` that were given."""
+    """What an implementation is asked to run: the spec, its mesh resolved for the job's devices
+    or ranks (None for the flags alone) and the flags of `trainspec train` that were given."""
 
-    spec: Spec
-    sizes: Mapping[str, int]
+    spec: Spec | None
+    dims: ParallelDims | None
     flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
-    def split(self, role: str) -> list[str]:
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.dims.shape if self.dims is not None else {}
+
+    def split(self, role: str) -> tuple[str, ...]:
         """The axes of `role` with more than one device."""
-        return [a for a in self.spec.mesh.axes_with_role(role) if self.sizes.get(a, 1) > 1]
+        return self.dims.split(role) if self.dims is not None else ()
 
     def value(self, field: str):
         """The field's value: a flag's (None when not given), a list over the keys for a
@@ -95,6 +100,13 @@ def refused(when: str, test: Callable[[object], bool], reason: str) -> Entry:
     return Entry("", (refusal(when, test, reason),))
 
 
+# `trainspec train --init-from` on any implementation: the file holds the reference model's
+# parameters (trainspec.core.params_file); a user's model (--model) initialises its own.
+INIT_FROM_WITH_MODEL = Refusal(
+    "with --model", lambda value, request: value is not None and bool(request.value("--model")),
+    "holds the reference model's parameters; a --model initialises its own (drop one of them)")
+
+
 def refused_section(reason: str) -> Entry:
     return Entry("", (refusal("when present", lambda v: v is not None, reason),),
                  whole_section=True)
@@ -120,7 +132,7 @@ class Capabilities:
 
     def check_flags(self, flags: Mapping[str, object]) -> None:
         """The flags of `trainspec train` alone, before a spec is loaded."""
-        self.check(Request(None, {}, flags), lambda field: field.startswith("--"))
+        self.check(Request(None, None, flags), lambda field: field.startswith("--"))
 
     def declares(self, field: str) -> bool:
         parts = field.split(".")

@@ -54,13 +54,13 @@ def refusal(adapter, spec) -> str | None:
     """The line with which the implementation's capability table refuses `spec` on its
     devices, or None."""
     try:
-        resolved = resolve_mesh(spec, len(adapter.device_ids()))
+        dims = resolve_mesh(spec, len(adapter.device_ids()))
     except UserInputError as err:
         return str(err)
     table = getattr(adapter, "capabilities", None)
     if table is None:
         return None  # the capability table row fails it by name
-    lines = table.refusals(Request(spec, dict(zip(resolved.names, resolved.sizes))))
+    lines = table.refusals(Request(spec, dims))
     return lines[0] if lines else None
 
 

@@ -31,25 +31,87 @@ def mesh_text(shape: Mapping[str, int]) -> str:
 
 
 @dataclass(frozen=True)
-class ResolvedMesh:
-    """Axis sizes with -1 resolved: total = ici * dcn per axis, in spec order."""
+class ParallelDims:
+    """The spec's mesh resolved once for a device count: every axis's name, size (the `-1`
+    resolved), role and cross-process (dcn) factor, in spec order, and what follows from them.
+
+    One object that the JAX and torch steps, their mesh building and the planner take, so that
+    none of them works sizes out of the spec again (after torchtitan's ParallelDims, which
+    holds the degrees of each kind of parallelism of a job and builds its mesh from them).
+    """
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+    roles: tuple[str, ...]
     dcn: tuple[int, ...]
+
+    @classmethod
+    def of(cls, spec: Spec, sizes: Mapping[str, int],
+           dcn: Mapping[str, int] | None = None) -> ParallelDims:
+        """The dims of axis `sizes` given by name (a mesh already built, a layout the planner
+        tries), in spec order; `dcn` by name, else the spec's."""
+        names = tuple(spec.mesh.axes)
+        dcn = dcn or {name: axis.dcn for name, axis in spec.mesh.axes.items()}
+        return cls(names, tuple(int(sizes[n]) for n in names),
+                   tuple(spec.mesh.role_of(n) for n in names), tuple(int(dcn[n]) for n in names))
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """{axis: size}, in spec order (as `jax.sharding.Mesh.shape` names them)."""
+        return dict(zip(self.names, self.sizes))
+
+    @property
+    def dcn_shape(self) -> dict[str, int]:
+        return dict(zip(self.names, self.dcn))
 
     @property
     def ici(self) -> tuple[int, ...]:
         return tuple(s // d for s, d in zip(self.sizes, self.dcn))
 
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
     def size_of(self, axes: Sequence[str]) -> int:
         return math.prod(self.sizes[self.names.index(a)] for a in axes)
 
+    def group(self, axes: Sequence[str]) -> tuple[int, int]:
+        """(devices, of which cross-process factor) of one group a collective over `axes` spans."""
+        return self.size_of(axes), math.prod(self.dcn[self.names.index(a)] for a in axes)
+
+    def axes_with_role(self, role: str) -> tuple[str, ...]:
+        return tuple(n for n, r in zip(self.names, self.roles) if r == role)
+
+    def split(self, role: str) -> tuple[str, ...]:
+        """The axes of `role` that split something (more than one device), in spec order."""
+        return tuple(n for n, r, s in zip(self.names, self.roles, self.sizes) if r == role and s > 1)
+
+    def split_beside(self, role: str) -> tuple[str, ...]:
+        """The axes of every other role that split."""
+        return tuple(n for n, r, s in zip(self.names, self.roles, self.sizes) if r != role and s > 1)
+
+    def degree(self, role: str) -> int:
+        """How many ways the axes of `role` split (1 when none)."""
+        return self.size_of(self.axes_with_role(role))
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the ways the data axes split the batch."""
+        return self.degree("data")
+
+    @property
+    def fsdp(self) -> int:
+        return self.degree("fsdp")
+
+    @property
+    def tensor(self) -> int:
+        return self.degree("tensor")
+
     def describe(self) -> str:
-        return mesh_text(dict(zip(self.names, self.sizes)))
+        return mesh_text(self.shape)
 
 
-def resolve_mesh(spec: Spec, n_devices: int) -> ResolvedMesh:
+def resolve_mesh(spec: Spec, n_devices: int) -> ParallelDims:
     """Resolve the spec's axis sizes for `n_devices`; a clear error when they do not factor."""
     names = tuple(spec.mesh.axes)
     fixed = math.prod(a.size for a in spec.mesh.axes.values() if a.size != -1)
@@ -74,13 +136,12 @@ def resolve_mesh(spec: Spec, n_devices: int) -> ResolvedMesh:
             f"mesh.axes: {' x '.join(f'{n}={s}' for n, s in zip(names, sizes))} needs "
             f"{math.prod(sizes)} devices, but {n_devices} are available"
         )
-    dcn = tuple(a.dcn for a in spec.mesh.axes.values())
-    return ResolvedMesh(names, tuple(sizes), dcn)
+    return ParallelDims.of(spec, dict(zip(names, sizes)))
 
 
-def check_batch(spec: Spec, resolved: ResolvedMesh, batch_axes: Sequence[str]) -> None:
+def check_batch(spec: Spec, dims: ParallelDims, batch_axes: Sequence[str]) -> None:
     """The micro-batch must split evenly over the mesh axes that shard the batch dimension."""
-    shards = resolved.size_of(batch_axes)
+    shards = dims.size_of(batch_axes)
     if spec.batch.micro % shards:
         raise UserInputError(
             f"batch.micro_batch: {spec.batch.micro} sequences per micro-batch are not divisible "
@@ -103,7 +164,7 @@ def usable_ids(spec: Spec, device_ids: Sequence[int]) -> list[int]:
 class PlacedMesh:
     """Device ids (and the process of each) laid out in the resolved mesh shape."""
 
-    resolved: ResolvedMesh
+    dims: ParallelDims
     ids: np.ndarray        # int[*sizes]: the device id at each mesh position
     processes: np.ndarray  # int[*sizes]: the process holding that device
 
@@ -114,30 +175,30 @@ class PlacedMesh:
         `lax.axis_index` ranks a tuple of axes); groups are listed row-major over the other axes.
         """
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        names = self.resolved.names
-        dims = [names.index(a) for a in axes]
-        other = [d for d in range(len(names)) if d not in dims]
-        moved = self.ids.transpose(other + dims)
-        n = math.prod(self.ids.shape[d] for d in dims)
+        names = self.dims.names
+        spanned = [names.index(a) for a in axes]
+        other = [d for d in range(len(names)) if d not in spanned]
+        moved = self.ids.transpose(other + spanned)
+        n = math.prod(self.ids.shape[d] for d in spanned)
         return [tuple(int(i) for i in row) for row in moved.reshape(-1, n)]
 
 
-def _process_blocks(resolved: ResolvedMesh, ids: list[int], processes: list[int]) -> np.ndarray:
+def _process_blocks(dims: ParallelDims, ids: list[int], processes: list[int]) -> np.ndarray:
     """The hybrid grid: a `dcn`-shaped grid of processes (in process order), each block that
     process's devices in an `ici`-shaped grid."""
     order = sorted(set(processes))
     per_process = {p: [i for i, q in zip(ids, processes) if q == p] for p in order}
     counts = {len(v) for v in per_process.values()}
-    if counts != {math.prod(resolved.ici)}:
+    if counts != {math.prod(dims.ici)}:
         raise UserInputError(
-            f"mesh.axes: each process needs {math.prod(resolved.ici)} devices for the ici "
-            f"factors {resolved.ici}, but the processes hold {sorted(counts)}"
+            f"mesh.axes: each process needs {math.prod(dims.ici)} devices for the ici "
+            f"factors {dims.ici}, but the processes hold {sorted(counts)}"
         )
-    grid = np.empty(resolved.sizes, dtype=np.int64)
-    blocks = np.arange(len(order)).reshape(resolved.dcn)
-    for block in itertools.product(*(range(d) for d in resolved.dcn)):
-        local = np.array(per_process[order[blocks[block]]]).reshape(resolved.ici)
-        where = tuple(slice(b * i, (b + 1) * i) for b, i in zip(block, resolved.ici))
+    grid = np.empty(dims.sizes, dtype=np.int64)
+    blocks = np.arange(len(order)).reshape(dims.dcn)
+    for block in itertools.product(*(range(d) for d in dims.dcn)):
+        local = np.array(per_process[order[blocks[block]]]).reshape(dims.ici)
+        where = tuple(slice(b * i, (b + 1) * i) for b, i in zip(block, dims.ici))
         grid[where] = local
     return grid
 
@@ -152,15 +213,15 @@ def place_devices(spec: Spec, device_ids: Sequence[int],
     processes = list(processes) if processes is not None else [0] * len(device_ids)
     process_of = dict(zip(device_ids, processes))
     ids = usable_ids(spec, list(device_ids))
-    resolved = resolve_mesh(spec, len(ids))
+    dims = resolve_mesh(spec, len(ids))
     n_processes = len({process_of[i] for i in ids})
-    if math.prod(resolved.dcn) > 1 and n_processes > 1:
-        if n_processes != math.prod(resolved.dcn):
+    if math.prod(dims.dcn) > 1 and n_processes > 1:
+        if n_processes != math.prod(dims.dcn):
             raise UserInputError(
-                f"mesh.axes: dcn factors multiply to {math.prod(resolved.dcn)}, but the devices "
+                f"mesh.axes: dcn factors multiply to {math.prod(dims.dcn)}, but the devices "
                 f"belong to {n_processes} processes"
             )
-        grid = _process_blocks(resolved, ids, [process_of[i] for i in ids])
+        grid = _process_blocks(dims, ids, [process_of[i] for i in ids])
     else:
-        grid = np.array(ids, dtype=np.int64).reshape(resolved.sizes)
-    return PlacedMesh(resolved, grid, np.vectorize(process_of.__getitem__, otypes=[np.int64])(grid))
+        grid = np.array(ids, dtype=np.int64).reshape(dims.sizes)
+    return PlacedMesh(dims, grid, np.vectorize(process_of.__getitem__, otypes=[np.int64])(grid))

@@ -14,7 +14,7 @@ _ENTRY_POINTS = {
     "WrappedStep": "trainspec.jax.step",
     "loss_step": "trainspec.jax.step_forms",
     "grad_step": "trainspec.jax.step_forms",
-    "wrap": "trainspec.jax.semi_sync",  # a WrappedStep, or a SemiSyncStep under `[semi_sync]`
+    "wrap": "trainspec.jax.wrapping",  # a WrappedStep, or a SemiSyncStep under `[semi_sync]`
     "Run": "trainspec.jax.run",
 }
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from trainspec.jax import collectives
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.jax.capabilities import JAX
-from trainspec.jax.collectives.api import GUARANTEE_LEVELS
+from trainspec.jax.backends import backend
 from trainspec.core.errors import UserInputError
 
 
@@ -31,33 +31,22 @@ def _x64(dtype: str):
 
 
 @functools.cache
-def _error_feedback(backend: str, compression: str, block: int):
+def _error_feedback(name: str, compression: str, block: int):
     """(x, residual) -> (dequantized x + residual, new residual) by the backend's kernels: the
     xla_ext handlers on ext, the jnp kernels on xla."""
-    if backend == "ext":
-        from trainspec.jax.collectives import compression_ext as kernels
-
-        def step(x, residual):
-            packed, new_residual = kernels.error_feedback(x, residual, compression, block)
-            return kernels.dequantize_sum(packed[None], compression, block, x.size), new_residual
-    else:
-        from trainspec.jax.collectives import compression as kernels
-
-        def step(x, residual):
-            corrected = x + residual
-            sent = kernels.round_trip(corrected, compression, block)
-            return sent, corrected - sent
-    return jax.jit(step)
+    return jax.jit(functools.partial(backend(name).kernels().feedback_round_trip,
+                                     compression=compression, block=block))
 
 
 class JaxAdapter(Adapter):
     capabilities = JAX
 
-    def __init__(self, backend: str = "xla"):
-        self.name = self.backend = backend
-        self.guarantee_levels = dict.fromkeys(OPS, GUARANTEE_LEVELS[backend])
-        # the step refuses a compression on hierarchical (trainspec/jax/step.py)
-        self.compressions = ("bf16", "int8") if backend in ("xla", "ext") else ()
+    def __init__(self, name: str = "xla"):
+        declared = backend(name)
+        self.name = self.backend = name
+        self.guarantee_levels = dict.fromkeys(OPS, declared.guarantee)
+        # the capability table refuses a compression where the backend has no kernels
+        self.compressions = ("bf16", "int8") if declared.compression_kernels else ()
 
     def process_grid(self) -> tuple[int, int]:
         return jax.process_index(), jax.process_count()

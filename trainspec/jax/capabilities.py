@@ -5,21 +5,20 @@ run. Every field is listed by name, so that a new one is declared, not assumed. 
 like every table."""
 from __future__ import annotations
 
-from trainspec.core.capabilities import Capabilities, Refusal, honoured, refused
-
-def _split_beside_data(r) -> list[str]:
-    return [a for a in r.sizes if r.spec.mesh.role_of(a) != "data" and r.sizes[a] > 1]
-
+from trainspec.core.capabilities import (
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
+from trainspec.jax.backends import backend
 
 EXT_BESIDE_XLA = Refusal(
     "ext, when a non-data axis is split",
-    lambda backend, r: backend == "ext" and bool(_split_beside_data(r)),
+    lambda name, r: not backend(name).beside_xla and bool(r.dims.split_beside("data")),
     "ext needs every mesh axis but the data axes to be 1, got {axes}: its blocking custom "
     "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"",
-    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in _split_beside_data(r))})
+    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in r.dims.split_beside("data"))})
 COMPRESSION_ON_HIERARCHICAL = Refusal(
     "unless none, with the hierarchical backend",
-    lambda compression, r: compression != "none" and r.spec.collectives.backend == "hierarchical",
+    lambda compression, r: (compression != "none"
+                            and not backend(r.spec.collectives.backend).compression_kernels),
     "{value} needs collectives.backend = \"xla\" or \"ext\" (the hierarchical backend "
     "reduces float32)")
 
@@ -70,6 +69,9 @@ JAX = Capabilities("jax", dict([
     *_reference("--spec", "--steps", "--run-dir", "--set", "--summary-json", "--host-devices",
                 "--exclude-devices", "--restart", "--quiet", "--framework"),
     ("--model", honoured("a user's model, loss and data through wrap(loss_step(...))")),
+    ("--init-from", honoured("the file's parameters placed straight into the step's shardings "
+                             "(each process its own shards); a resume wins",
+                             INIT_FROM_WITH_MODEL)),
     ("--nprocs", refused("when given", lambda v: v is not None,
                          "only with --framework torch (JAX jobs start their processes with "
                          "`trainspec launch`)")),

@@ -15,10 +15,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from trainspec.core.errors import UserInputError
-from trainspec.core.spec import Spec
+from trainspec.core.mesh import ParallelDims
 
 
 def _static_fields(node) -> list[tuple[str, Any, bool]]:
@@ -66,10 +66,9 @@ def check_same_structure(planned, built) -> None:
         "init_fn, and refer to those objects inside it")
 
 
-def warn_unannotated(abstract_boxed_state, spec: Spec, mesh: Mesh) -> None:
+def warn_unannotated(abstract_boxed_state, dims: ParallelDims) -> None:
     """Warn when a mesh that could shard parameters finds leaves with no logical names."""
-    shardable = [a for a in mesh.axis_names
-                 if spec.mesh.role_of(a) != "data" and mesh.shape[a] > 1]
+    shardable = dims.split_beside("data")
     if not shardable:
         return  # pure data parallelism replicates the state anyway
     # flax gives an unboxed array P() and a boxed one a name (or None) per dimension.

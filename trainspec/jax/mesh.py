@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from trainspec.core.errors import UserInputError
 from trainspec.core.mesh import place_devices, usable_ids
 from trainspec.core.spec import Spec
+from trainspec.jax.backends import backend
 
 
 def process_grid(mesh: Mesh) -> np.ndarray:
@@ -40,10 +41,10 @@ def users_mesh(spec: Spec, mesh: Mesh) -> Mesh:
 
 
 def check_hierarchical(spec: Spec, mesh: Mesh) -> None:
-    """`collectives.backend = "hierarchical"` reduces over the in-process and the cross-process
-    part of the data axes in separate stages, so each data axis must lie either inside one
-    process or entirely across processes (every step along it changes process)."""
-    if spec.collectives.backend != "hierarchical":
+    """A backend that reduces over the in-process and the cross-process part of the data axes
+    in separate stages (`collectives.backend = "hierarchical"`) needs each data axis either
+    inside one process or entirely across processes (every step along it changes process)."""
+    if not backend(spec.collectives.backend).splits_at_processes:
         return
     procs = process_grid(mesh)
     for i, name in enumerate(mesh.axis_names):
@@ -72,16 +73,16 @@ def build_mesh(spec: Spec, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The spec's mesh over `devices` (default: all devices, less `mesh.exclude_devices`)."""
     devices = list(jax.devices() if devices is None else devices)
     placed = place_devices(spec, [d.id for d in devices], [d.process_index for d in devices])
-    resolved = placed.resolved
+    dims = placed.dims
     if devices[0].platform != "cpu" and placed.ids.size == len(jax.devices()):
         # The whole machine: let jax order it by its physical topology (ICI rings, NVLink).
         usable = usable_devices(spec, devices)
-        if math.prod(resolved.dcn) > 1 and len({d.process_index for d in usable}) > 1:
+        if math.prod(dims.dcn) > 1 and len({d.process_index for d in usable}) > 1:
             grid = mesh_utils.create_hybrid_device_mesh(
-                resolved.ici, resolved.dcn, usable, process_is_granule=True)
+                dims.ici, dims.dcn, usable, process_is_granule=True)
         else:
-            grid = mesh_utils.create_device_mesh(resolved.sizes, usable)
+            grid = mesh_utils.create_device_mesh(dims.sizes, usable)
     else:
         by_id = {d.id: d for d in devices}
         grid = np.vectorize(by_id.__getitem__, otypes=[object])(placed.ids)
-    return Mesh(grid, resolved.names)
+    return Mesh(grid, dims.names)

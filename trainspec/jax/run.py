@@ -45,8 +45,8 @@ class JaxStep:
                  schedule=None):
         self.wrapped, self.model_flops, self.schedule = wrapped, model_flops, schedule
         self.spec, self.gns_note = wrapped.spec, wrapped.gns_note
-        self.mesh_shape = {name: int(size) for name, size in wrapped.mesh.shape.items()}
-        self.replicas = ReplicaFingerprints(wrapped.mesh, self.spec.mesh.axes_with_role("data"))
+        self.mesh_shape = wrapped.dims.shape
+        self.replicas = ReplicaFingerprints(wrapped.mesh, wrapped.dims.axes_with_role("data"))
         self.process_index, processes = jax.process_index(), jax.process_count()
         self.is_writer = self.process_index == 0
         self.participants = [f"process {i}" for i in range(processes)]

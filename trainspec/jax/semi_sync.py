@@ -61,99 +61,72 @@ def nesterov(anchor, mean_delta, momentum, lr: float, mu: float):
     return anchor, momentum
 
 
-class SemiSyncStep(WrappedStep):
-    """A WrappedStep whose call runs the inner program, and the outer one after every H-th step.
-
-    `inner_steps_done` is the run's step count (set by `reset_guard`, as a resume does): the
-    outer step is due after each step that is a multiple of H."""
-
-    runs_semi_sync = True
-
-    def __init__(self, step_fn, spec, mesh=None, devices=None, *, nan_guard: bool = True):
-        super().__init__(step_fn, spec, mesh, devices, nan_guard=nan_guard)
-        settings = spec.semi_sync
-        self.inner_steps = settings.inner_steps
-        if not isinstance(step_fn, LossStep):
-            raise UserInputError("semi_sync: needs a step built with trainspec.jax.loss_step(loss_fn) "
-                                 "(the groups' gradients must be visible)")
-        if self.replicas < 2:
-            raise UserInputError(
-                f"semi_sync: needs at least 2 data-parallel groups, the mesh gives "
-                f"{self.replicas} (data axes {self.mesh_sizes('data')}); one group would be a "
-                "single worker with an outer optimizer, not semi-synchronous training")
-        if spec.layout.optimizer_state == "shard_over_data":
-            raise UserInputError(
-                "layout.optimizer_state: shard_over_data splits the optimizer state over the data "
-                "groups, which semi_sync keeps one per group; use like_params")
-        if spec.metrics.gns:
-            raise UserInputError("metrics.gns = true cannot be measured under semi_sync: no "
-                                 "gradient is reduced over the data-parallel groups")
-        self.gns_source, self.gns_note = None, "semi_sync: no gradient is reduced across groups"
-        self.inner_steps_done = 0
-        self._outer = self._outer_compiled = None
-        self.program_bytes: dict[str, float] = {}  # set when the programs are measured
-
-    def mesh_sizes(self, role: str) -> str:
-        return ", ".join(f"{a}={self.mesh.shape[a]}" for a in self.spec.mesh.axes_with_role(role))
+class Groups:
+    """What the inner step (a WrappedStep with `groups=Groups()`) does per data-parallel group:
+    the state stacked over the groups with the anchor and outer momentum beside it, each group's
+    loss step on its own rows with no reduction over the data axes, one non-finite guard per
+    group, and the groups' metrics combined on the host. `step` is that inner step."""
 
     # -- state --------------------------------------------------------------------------------
-    def plan(self, init_fn, *args):
-        with self.context():
+    @staticmethod
+    def plan(step: WrappedStep, init_fn, *args):
+        with step.context():
             boxed = jax.eval_shape(init_fn, *args)
-        init_checks.warn_unannotated(boxed, self.spec, self.mesh)
-        pspecs = layout.state_partition_specs(boxed, self.spec, self.mesh)
+        init_checks.warn_unannotated(boxed, step.dims)
+        pspecs = layout.state_partition_specs(boxed, step.spec, step.mesh)
         abstract = layout.strip_boxes(boxed)
-        data = self.data_axes
+        data = step.data_axes
         for path, ps in jax.tree_util.tree_leaves_with_path(
                 pspecs.params, is_leaf=lambda x: isinstance(x, P)):
             if any(a in data for entry in ps for a in np.atleast_1d(entry) if a):
                 raise UserInputError(
                     f"layout.rules: parameter {jax.tree_util.keystr(path)} is split over a data "
                     f"axis ({ps}); semi_sync keeps one copy of the parameters per data group")
-        groups = self.replicas
+        groups = step.replicas
         stack = lambda x: jax.ShapeDtypeStruct((groups, *x.shape), x.dtype)  # noqa: E731
         f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         abstract = SemiSyncState(jax.tree.map(stack, abstract), abstract.params,
                                  jax.tree.map(f32, abstract.params))
-        self.state_pspecs = SemiSyncState(
+        step.state_pspecs = SemiSyncState(
             jax.tree.map(lambda ps: _stacked(ps, data), pspecs, is_leaf=is_p),
             pspecs.params, pspecs.params)
-        if self.error_feedback:  # each group's residual of the delta exchange
-            abstract = self._with_residual(abstract, jax.ShapeDtypeStruct)
-            self.state_pspecs = compression.with_residual(self.state_pspecs, jax.tree.map(
+        if step.error_feedback:  # each group's residual of the delta exchange
+            abstract = step._with_residual(abstract, jax.ShapeDtypeStruct)
+            step.state_pspecs = compression.with_residual(step.state_pspecs, jax.tree.map(
                 lambda ps: _stacked(ps, data), pspecs.params, is_leaf=is_p))
-        self.state_shardings = layout.named(self.state_pspecs, self.mesh)
+        step.state_shardings = layout.named(step.state_pspecs, step.mesh)
         return abstract
 
-    def init(self, init_fn, *args):
+    def init(self, step: WrappedStep, init_fn, *args):
         """Every group starts from the same initial state; the anchor is its parameters."""
-        planned = self.plan(init_fn, *args)
-        groups = self.replicas
+        planned = self.plan(step, init_fn, *args)
+        groups = step.replicas
 
         def build(*a):
             state = layout.strip_boxes(init_fn(*a))
             inner = jax.tree.map(lambda x: jnp.broadcast_to(x, (groups, *jnp.shape(x))), state)
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             semi = SemiSyncState(inner, state.params, zeros)
-            if self.error_feedback:
-                semi = self._with_residual(semi, jnp.zeros)
+            if step.error_feedback:
+                semi = step._with_residual(semi, jnp.zeros)
             init_checks.check_same_structure(planned, semi)
             return semi
 
-        with self.context():
-            return jax.jit(build, out_shardings=self.state_shardings)(*args)
+        with step.context():
+            return jax.jit(build, out_shardings=step.state_shardings)(*args)
 
     # -- the inner program --------------------------------------------------------------------
-    def _loss_step_fn(self, batch_shardings):
+    @staticmethod
+    def loss_step_fn(step: WrappedStep, batch_shardings):
         """One step of every group on its own rows: `vmap` over a leading group axis bound to
         the data axes (as the replica-reduced step in trainspec.jax.step), and no reduction of the
         gradients over it."""
-        spec, mesh, data = self.spec, self.mesh, self.data_axes
-        k, n = spec.batch.accumulation_steps, self.replicas
+        spec, mesh, data = step.spec, step.mesh, step.data_axes
+        k, n = spec.batch.accumulation_steps, step.replicas
         precision = Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
         inner_rules = layout.flax_rules(spec, without=data)
-        loss_fn = self.step_fn.loss_fn
+        loss_fn = step.step_fn.loss_fn
 
         def constrain(micro):  # each micro-batch split over the group's own batch axes
             return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
@@ -165,7 +138,7 @@ class SemiSyncStep(WrappedStep):
             new_inner, metrics = apply_update(inner, grad_sum, loss_sum, tokens, aux)
             return new_inner, (loss_sum, tokens, metrics["grad_norm"], aux)
 
-        def step(state, batch):
+        def run(state, batch):
             per_group = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
             with nn.logical_axis_rules(inner_rules):
                 inner, (loss_sums, tokens, norms, aux) = jax.vmap(
@@ -178,28 +151,20 @@ class SemiSyncStep(WrappedStep):
                        **({"aux": aux} if jax.tree.leaves(aux) else {})}
             return state.replace(inner=inner), metrics
 
-        return step
+        return run
 
     # -- the groups' metrics and non-finite guards ---------------------------------------------
-    @property
-    def guard_groups(self) -> int:
-        return self.replicas
-
-    @property
-    def guard_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.data_axes))
-
-    metrics_sharding = guard_sharding  # every metric and guard: (groups, ...) split over data
-
-    def _guarded(self, guard, state, new_state, metrics):
+    @staticmethod
+    def guarded(step: WrappedStep, guard, state, new_state, metrics):
         """Each group keeps its own old inner state when its update is not finite (the anchor,
         momentum and residual change only in the outer program)."""
         inner, guard, metrics = nan_guard.guarded_groups(
-            self.spec.health.nan, guard, state.inner, new_state.inner, metrics, self.mesh,
-            self.state_pspecs.inner, self.data_axes)
+            step.spec.health.nan, guard, state.inner, new_state.inner, metrics, step.mesh,
+            step.state_pspecs.inner, step.data_axes)
         return new_state.replace(inner=inner), guard, metrics
 
-    def to_host(self, tree):
+    @staticmethod
+    def to_host(tree):
         """The groups' values on the host. Where the groups span processes (jax.distributed),
         each process gathers every group's (a collective of its own, run only when the host
         reads metrics or the guard: at records and checkpoints, never inside the step)."""
@@ -209,7 +174,8 @@ class SemiSyncStep(WrappedStep):
             return np.asarray(jax.device_get(x))
         return jax.tree.map(fetch, tree)
 
-    def combine_metrics(self, metrics: dict) -> dict:
+    @staticmethod
+    def combine_metrics(metrics: dict) -> dict:
         """The record's values from the groups' (on the host): `loss` token-weighted over all
         groups, each on its own parameters; `valid_tokens`, `aux` summed; `grad_norm` the root
         mean square of the groups' own norms; `nonfinite` 1 if any group dropped its step;
@@ -228,19 +194,65 @@ class SemiSyncStep(WrappedStep):
             combined["skipped_steps"] = int(np.max(per_group.pop("skipped_steps")))
         return {**per_group, **combined}
 
+
+class SemiSyncStep:
+    """The groups' inner step (`groups`: a WrappedStep that runs every data-parallel group on
+    its own, see Groups), and the outer program after every H-th step.
+
+    `inner_steps_done` is the run's step count (set by `reset_guard`, as a resume does): the
+    outer step is due after each step that is a multiple of H. Everything else a step offers
+    (`init`, `shard_batch`, `host_metrics`, `check_nonfinite`, `mesh`, `state_shardings`, ...)
+    is the inner step's."""
+
+    def __init__(self, step_fn, spec, mesh=None, devices=None, *, nan_guard: bool = True):
+        self.groups = WrappedStep(step_fn, spec, mesh, devices, nan_guard=nan_guard,
+                                  groups=Groups())
+        settings = spec.semi_sync
+        self.inner_steps = settings.inner_steps
+        if not isinstance(step_fn, LossStep):
+            raise UserInputError("semi_sync: needs a step built with trainspec.jax.loss_step(loss_fn) "
+                                 "(the groups' gradients must be visible)")
+        if self.groups.replicas < 2:
+            raise UserInputError(
+                f"semi_sync: needs at least 2 data-parallel groups, the mesh gives "
+                f"{self.groups.replicas} (data axes {self.mesh_sizes('data')}); one group would "
+                "be a single worker with an outer optimizer, not semi-synchronous training")
+        if spec.layout.optimizer_state == "shard_over_data":
+            raise UserInputError(
+                "layout.optimizer_state: shard_over_data splits the optimizer state over the data "
+                "groups, which semi_sync keeps one per group; use like_params")
+        if spec.metrics.gns:
+            raise UserInputError("metrics.gns = true cannot be measured under semi_sync: no "
+                                 "gradient is reduced over the data-parallel groups")
+        self.groups.gns_source = None
+        self.groups.gns_note = "semi_sync: no gradient is reduced across groups"
+        self.inner_steps_done = 0
+        self._outer = self._outer_compiled = None
+        self.program_bytes: dict[str, float] = {}  # set when the programs are measured
+
+    def __getattr__(self, name: str):
+        # only for what this class does not define: the inner step's (see the class docstring)
+        if name == "groups":  # not set yet (inside __init__)
+            raise AttributeError(name)
+        return getattr(self.groups, name)
+
+    def mesh_sizes(self, role: str) -> str:
+        dims = self.groups.dims
+        return ", ".join(f"{a}={dims.shape[a]}" for a in dims.axes_with_role(role))
+
     # -- the outer program --------------------------------------------------------------------
     def _outer_fn(self, state):
         """Mean of the groups' deltas `anchor - params` over the data axes, one Nesterov step
         from the anchor; every group continues from the new anchor (its inner optimizer state
         is its own and kept)."""
-        settings, n = self.spec.semi_sync, self.replicas
+        settings, n = self.spec.semi_sync, self.groups.replicas
         deltas = jax.tree.map(lambda a, p: a[None].astype(jnp.float32) - p.astype(jnp.float32),
                               state.anchor, state.inner.params)
-        if self.error_feedback:
-            total, residual = self._reduce_over_replicas(deltas, state.ef_residual)
+        if self.groups.error_feedback:
+            total, residual = self.groups._reduce_over_replicas(deltas, state.ef_residual)
             state = state.replace(ef_residual=residual)
         else:
-            total = self._reduce_over_replicas(deltas)
+            total = self.groups._reduce_over_replicas(deltas)
         mean = jax.tree.map(lambda t: t / n, total)
         anchor, momentum = nesterov(state.anchor, mean, state.outer_momentum,
                                     settings.outer_lr, settings.outer_momentum)
@@ -251,24 +263,25 @@ class SemiSyncStep(WrappedStep):
     def outer_program(self):
         """The jitted outer step (state -> state), donated and laid out like the state."""
         if self._outer is None:
-            self._outer = jax.jit(self._outer_fn, in_shardings=(self.state_shardings,),
-                                  out_shardings=self.state_shardings, donate_argnums=(0,))
+            shardings = self.groups.state_shardings
+            self._outer = jax.jit(self._outer_fn, in_shardings=(shardings,),
+                                  out_shardings=shardings, donate_argnums=(0,))
         return self._outer
 
     def compile(self, state, batch):
         """Compile the inner program (returned) and the outer one; both run from now on."""
-        compiled = super().compile(state, batch)
-        with self.context():
+        compiled = self.groups.compile(state, batch)
+        with self.groups.context():
             self._outer_compiled = self.outer_program().lower(state).compile()
         return compiled
 
     def comm_volume(self, compiled) -> comm.CommVolume:
         """Per step, amortised: the inner program's collectives, and the outer program's
         counted 1/H times per step."""
-        inner = super().comm_volume(compiled)
+        inner = self.groups.comm_volume(compiled)
         if self._outer_compiled is None:
             return inner
-        outer = comm.analyze_compiled(self._outer_compiled, self.mesh)
+        outer = comm.analyze_compiled(self._outer_compiled, self.groups.mesh)
         self.program_bytes = {"inner_comm_bytes_per_step": inner.total_bytes,
                               "outer_comm_bytes": outer.total_bytes,
                               "outer_comm_bus_bytes": outer.bus_bytes}
@@ -283,25 +296,18 @@ class SemiSyncStep(WrappedStep):
     # -- running ------------------------------------------------------------------------------
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
         """Every group's guard starts from these counts (a checkpoint keeps the largest)."""
-        super().reset_guard(step, skipped, consecutive)
+        self.groups.reset_guard(step, skipped, consecutive)
         self.inner_steps_done = step
 
     def __call__(self, state, batch):
-        state, metrics = super().__call__(state, batch)
+        state, metrics = self.groups(state, batch)
         self.inner_steps_done += 1
         if self.inner_steps_done % self.inner_steps == 0:
-            with self.context():
+            with self.groups.context():
                 state = (self._outer_compiled or self.outer_program())(state)
         return state, metrics
 
     def summary(self) -> dict[str, Any]:
         """The run summary's `semi_sync` entry: schedule and each program's bytes."""
-        return {"inner_steps": self.inner_steps, "groups": self.replicas,
+        return {"inner_steps": self.inner_steps, "groups": self.groups.replicas,
                 **self.program_bytes}
-
-
-def wrap(step_fn, spec, mesh=None, devices=None, *, nan_guard: bool = True) -> WrappedStep:
-    """Apply `spec` to `step_fn` (trainspec.jax.step.wrap): a SemiSyncStep when the spec has a
-    `[semi_sync]` table, else a WrappedStep."""
-    cls = SemiSyncStep if spec.semi_sync is not None else WrappedStep
-    return cls(step_fn, spec, mesh, devices, nan_guard=nan_guard)

@@ -22,11 +22,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trainspec.jax import init_checks, layout
 from trainspec.jax.batching import BatchPlacement
+from trainspec.jax.backends import backend
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.collectives import compression, replica_reduce
 from trainspec.core.capabilities import Request
 from trainspec.core.errors import UserInputError
-from trainspec.core.mesh import check_batch, resolve_mesh
+from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.core.spec import Spec
 from trainspec.jax.health import nan as nan_guard
 from trainspec.jax.mesh import build_mesh, check_hierarchical, users_mesh
@@ -49,24 +50,27 @@ class WrappedStep:
     `state.step` stay as they were), the metrics gain `nonfinite` and `skipped_steps`, and
     `check_nonfinite()` raises HealthHalt when the policy says halt. Off, the step's own output is returned unchanged (docs/wrapping.md).
     `devices`: run on these devices (or the first n) instead of all of them.
+    `groups`: one state, step, guard and metrics per data-parallel group instead of one for all
+    (trainspec.jax.semi_sync.Groups, the inner step of a SemiSyncStep); it plans and builds the
+    state, gives the loss step, guards and reads back what the step computes.
     """
 
-    runs_semi_sync = False  # trainspec.jax.semi_sync.SemiSyncStep runs `[semi_sync]`
-    guard_groups: int | None = None  # one non-finite guard per group (SemiSyncStep), or one
-
     def __init__(self, step_fn, spec: Spec, mesh: Mesh | None = None,
-                 devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True):
-        if spec.semi_sync is not None and not self.runs_semi_sync:
+                 devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True,
+                 groups=None):
+        if spec.semi_sync is not None and groups is None:
             raise UserInputError("semi_sync: this step runs synchronously; wrap it with "
                                  "trainspec.jax.wrap, which runs semi_sync")
-        self.step_fn, self.spec = step_fn, spec
+        self.step_fn, self.spec, self.groups = step_fn, spec, groups
         self.nan_guard = nan_guard
         if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
             devices = jax.devices()[:devices]
         self.mesh = users_mesh(spec, mesh) if mesh is not None else build_mesh(spec, devices)
         self.rules = layout.flax_rules(spec)
-        resolved = resolve_mesh(spec, self.mesh.devices.size)
-        check_batch(spec, resolved, layout.batch_axes(spec, self.mesh))
+        # the mesh's axis sizes, roles and degrees, which everything below reads
+        self.dims = ParallelDims.of(spec, self.mesh.shape)
+        self.backend = backend(spec.collectives.backend)  # what its collectives can do
+        check_batch(spec, self.dims, layout.batch_axes(spec, self.mesh))
         check_hierarchical(spec, self.mesh)
         k = spec.batch.accumulation_steps
         if k > 1 and not isinstance(step_fn, LossStep):
@@ -78,7 +82,7 @@ class WrappedStep:
         # What the spec asks that this implementation cannot run (its capability table): e.g.
         # the ext custom calls beside XLA's collectives inside a replica, which the CPU runtime
         # was seen to deadlock on (docs/collectives.md). Refused rather than hung.
-        JAX.check(Request(spec, {a: int(n) for a, n in self.mesh.shape.items()}))
+        JAX.check(Request(spec, self.dims))
         # collectives.compression: each replica's residual rides in the state (error feedback)
         self.compressed = spec.collectives.compression != "none" and bool(self.data_axes)
         self.error_feedback = self.compressed and spec.collectives.error_feedback
@@ -96,7 +100,7 @@ class WrappedStep:
         self.guard = None  # the nan_guard's record, carried from step to step on device
         # Metrics of the steps still running, oldest first (only for custom-call backends).
         self._in_flight: collections.deque | None = (
-            collections.deque() if spec.collectives.backend != "xla" else None)
+            None if self.backend.native else collections.deque())
 
     @contextlib.contextmanager
     def context(self):
@@ -110,10 +114,12 @@ class WrappedStep:
 
         Returns the abstract (possibly flax-boxed) state; sets `state_pspecs`/`state_shardings`.
         """
+        if self.groups is not None:
+            return self.groups.plan(self, init_fn, *args)
         with self.context():
             abstract = jax.eval_shape(init_fn, *args)
         self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
-        init_checks.warn_unannotated(abstract, self.spec, self.mesh)
+        init_checks.warn_unannotated(abstract, self.dims)
         if self.error_feedback:  # (replicas, *param) per parameter, split over the data axes
             abstract = self._with_residual(abstract, jax.ShapeDtypeStruct)
             self.state_pspecs = compression.with_residual(self.state_pspecs, jax.tree.map(
@@ -125,6 +131,8 @@ class WrappedStep:
     def init(self, init_fn: Callable, *args):
         """Run `init_fn(*args)` under jit with sharded outputs: the state is never whole on one
         device. `init_fn` may return flax-boxed (logically partitioned) leaves."""
+        if self.groups is not None:
+            return self.groups.init(self, init_fn, *args)
         planned = layout.strip_boxes(self.plan(init_fn, *args))
 
         def unboxed(*a):
@@ -154,7 +162,9 @@ class WrappedStep:
     # -- step ---------------------------------------------------------------------------------
     def _build(self, batch):
         batch_shardings = self.batches.shardings(batch)
-        if isinstance(self.step_fn, LossStep):
+        if isinstance(self.step_fn, LossStep) and self.groups is not None:
+            fn = self.groups.loss_step_fn(self, batch_shardings)
+        elif isinstance(self.step_fn, LossStep):
             fn = self._loss_step_fn(batch_shardings)
         elif isinstance(self.step_fn, GradStep) and self.gns_source == gns.REPLICAS:
             fn = self._grad_step_fn()
@@ -175,25 +185,29 @@ class WrappedStep:
         )
 
     def _guarded(self, guard, state, new_state, metrics):
+        if self.groups is not None:
+            return self.groups.guarded(self, guard, state, new_state, metrics)
         return nan_guard.guarded(self.spec.health.nan, guard, state, new_state, metrics,
                                  self.mesh, self.state_pspecs)
 
     @property
     def guard_sharding(self) -> NamedSharding:
         """Where the non-finite guard's record and the step's metrics live: replicated
-        (SemiSyncStep: one per group, split over the data axes)."""
-        return NamedSharding(self.mesh, P())
+        (with `groups`: one per group, split over the data axes)."""
+        return NamedSharding(self.mesh, P(self.data_axes) if self.groups is not None else P())
 
     metrics_sharding = guard_sharding
 
     def to_host(self, tree):
         """Device arrays of this step (metrics, the guard) as NumPy on the host."""
+        if self.groups is not None:
+            return self.groups.to_host(tree)
         return jax.device_get(tree)
 
     def combine_metrics(self, metrics: dict) -> dict:
-        """The record's values from the step's metrics on the host (SemiSyncStep combines the
-        groups' values)."""
-        return metrics
+        """The record's values from the step's metrics on the host (with `groups`: combined
+        from the groups' values)."""
+        return self.groups.combine_metrics(metrics) if self.groups is not None else metrics
 
     def host_metrics(self, metrics: dict) -> dict:
         """A step's metrics as the record reads them: on the host, `loss`, `grad_norm`,
@@ -203,7 +217,8 @@ class WrappedStep:
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
         """Start the non-finite guard `step` steps into the run, with the counts of skipped
         and consecutive non-finite steps a restored checkpoint carries."""
-        record = (nan_guard.init_guard(step, skipped, consecutive, self.guard_groups)
+        per_group = self.replicas if self.groups is not None else None  # else one guard
+        record = (nan_guard.init_guard(step, skipped, consecutive, per_group)
                   if self.nan_guard else {})
         self.guard = jax.device_put(record, self.guard_sharding)
 
@@ -228,7 +243,7 @@ class WrappedStep:
         # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
         # or when the spec names a collectives backend other than XLA's own.
         # GNS over replicas needs each replica's gradient before the reduction, too.
-        if self.data_axes and (k > 1 or spec.collectives.backend != "xla"
+        if self.data_axes and (k > 1 or not self.backend.native
                                or self.gns_source == gns.REPLICAS or self.compressed):
             return self._replica_reduced_step_fn(precision)
 
@@ -244,7 +259,7 @@ class WrappedStep:
     @property
     def replicas(self) -> int:
         """Data-parallel replicas: the product of the data-role axes' sizes."""
-        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
+        return self.dims.replicas
 
     def _reduce_over_replicas(self, stacked, residual=None):
         """Sum per-replica gradients through the spec's collectives backend, compressed per
@@ -280,7 +295,7 @@ class WrappedStep:
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The data-role mesh axes that actually split (size > 1)."""
-        return tuple(a for a in self.spec.mesh.axes_with_role("data") if self.mesh.shape[a] > 1)
+        return self.dims.split("data")
 
     def _replica_reduced_step_fn(self, precision: Precision):
         """The step with the cross-replica gradient sum made explicit: once per step, through
@@ -344,7 +359,8 @@ class WrappedStep:
             "batch": self.spec.batch.model_copy(update={"micro_batch": self.spec.batch.global_batch}),
             # one pass has no micro-batches: GNS over them (metrics.gns = true) cannot apply
             "metrics": self.spec.metrics.model_copy(update={"gns": None})})
-        flat = type(self)(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard)
+        flat = WrappedStep(self.step_fn, one_pass, self.mesh, nan_guard=self.nan_guard,
+                           groups=self.groups)
         flat.state_pspecs, flat.state_shardings = self.state_pspecs, self.state_shardings
         return flat.lower(state, batch)
 
@@ -388,11 +404,3 @@ class WrappedStep:
                 jax.block_until_ready(self._in_flight.popleft())
         return state, metrics
 
-
-def wrap(step_fn, spec: Spec, mesh: Mesh | None = None,
-         devices: int | Sequence[jax.Device] | None = None, *, nan_guard: bool = True) -> WrappedStep:
-    """Apply `spec` to `step_fn`, a plain step or a `loss_step(loss_fn)`. See WrappedStep.
-
-    `devices`: run on these devices (or the first n) instead of all of them; `mesh`: on this
-    mesh as it is."""
-    return WrappedStep(step_fn, spec, mesh, devices, nan_guard=nan_guard)

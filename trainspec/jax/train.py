@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training.train_state import TrainState
 
@@ -33,10 +34,11 @@ from trainspec.jax.health.faults import faulty_reduction
 from trainspec.jax.health.memory import check_host_batch
 from trainspec.jax.health.preflight import preflight
 from trainspec.jax.models.transformer import Transformer, next_token_loss
+from trainspec.jax.params_file import placed, save_initial, with_values
 from trainspec.jax.run import JaxStep, abstract_state
-from trainspec.jax.semi_sync import wrap
 from trainspec.jax.step import WrappedStep
 from trainspec.jax.step_forms import loss_step
+from trainspec.jax.wrapping import wrap
 
 
 def make_schedule(spec: Spec, total_steps: int) -> optax.Schedule:
@@ -74,11 +76,17 @@ class Job:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return {name: int(size) for name, size in self.step.mesh.shape.items()}
+        return self.step.dims.shape
 
-    def init_state(self):
-        """A fresh state, initialised sharded (it is never whole on one device)."""
-        self.state = self.step.init(self.init_fn, jax.random.key(self.spec.seed))
+    def init_state(self, initial: dict[str, np.ndarray] | None = None):
+        """A fresh state, initialised sharded (it is never whole on one device); its
+        parameters those of `initial` (by path: trainspec.core.params_file) when given."""
+        rng = jax.random.key(self.spec.seed)
+        if initial is None:
+            self.state = self.step.init(self.init_fn, rng)
+        else:
+            self.state = self.step.init(self.init_fn, rng,
+                                        placed(self.abstract_state.params, initial))
         return self.state
 
 
@@ -97,9 +105,13 @@ def _components(spec: Spec, total_steps: int):
 
     tx = make_optimizer(spec, total_steps)
 
-    def init_state(rng):
+    def init_state(rng, values=None):
+        """`values`: the parameters to start from (a --init-from file's, placed), in place of
+        the seeded draws, which XLA then leaves out of the program as unused."""
         tokens = jnp.zeros((1, spec.batch.seq_len), jnp.int32)
         params = model.init(rng, tokens)["params"]
+        if values is not None:
+            params = with_values(params, values)
         return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     return model, loss_fn, init_state
@@ -123,14 +135,23 @@ def build_job(spec: Spec, mesh=None, total_steps: int | None = None, init: bool 
     return job
 
 
-def reference_job(spec: Spec, total_steps: int):
+def reference_job(spec: Spec, total_steps: int, run_dir: Path,
+                  initial: dict[str, np.ndarray] | None = None):
     """The reference job as the run loop takes it: (JaxStep, abstract state, init, data), on
-    the largest mesh the spec allows; this process's rows of each batch."""
+    the largest mesh the spec allows; this process's rows of each batch. `init` starts from
+    `initial` (by path) when given, else from the seeded draws, and writes the parameters it
+    starts from to RUN_DIR/initial_params.safetensors (a run that resumes does not call it)."""
     job = build_job(spec, largest_mesh(spec), total_steps=total_steps, init=False)
     rows = local_rows(job.step)
     check_host_batch(job.data.host_bytes(rows.stop - rows.start))  # before it takes the memory
     step = JaxStep(job.step, model_flops(spec), make_schedule(spec, total_steps))
-    return step, job.abstract_state, job.init_state, lambda index: job.data.batch(index, rows)
+
+    def init():
+        state = job.init_state(initial)
+        save_initial(state.params, run_dir, spec.model)
+        return state
+
+    return step, job.abstract_state, init, lambda index: job.data.batch(index, rows)
 
 
 def user_job(spec: Spec, model: UserModel):
@@ -155,6 +176,7 @@ def run(
     restart: bool = False,
     announce=None,
     model: UserModel | None = None,
+    init_from: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Train to step `steps` (default `train.steps`), resuming from the newest good checkpoint
     in `run_dir` (or from step 0 with `restart`, the old checkpoints set aside); write metrics
@@ -169,7 +191,9 @@ def run(
     or a save fails, AlreadyTrained (having changed nothing) when the run is already at or past
     `steps`. Under `health.fingerprints.policy = "rollback"` diverged replicas are excluded and
     the run goes on from the last checkpoint on the devices left. `model`: train a user's
-    model and data (`trainspec train --model`) instead of the reference job."""
+    model and data (`trainspec train --model`) instead of the reference job. `init_from`: the
+    reference model's parameters to start from (trainspec.core.params_file.read) when the run
+    does not resume."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if not restart:  # before orbax lists them (and warns that they are not its own)
         refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")
@@ -177,7 +201,8 @@ def run(
 
     def job(spec: Spec):
         t0 = time.perf_counter()
-        built = reference_job(spec, loop.total_steps) if model is None else user_job(spec, model)
+        built = (reference_job(spec, loop.total_steps, run_dir, init_from) if model is None
+                 else user_job(spec, model))
         loop.goodput.add("initialization", time.perf_counter() - t0)
         return built
 

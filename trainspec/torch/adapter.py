@@ -8,7 +8,6 @@ sizes, in the same (row-major) order, so rank r sits where device r sits in the 
 from __future__ import annotations
 
 import datetime
-import logging
 import math
 import os
 import socket
@@ -17,7 +16,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from trainspec.torch import collectives
 from trainspec.core.adapter import OPS, Adapter
@@ -174,18 +172,16 @@ class TorchAdapter(Adapter):
     # -- the reference job ----------------------------------------------------------------------
     def train_steps(self, spec, params, batches):
         from trainspec.torch.model import Transformer, from_flax, to_flax
+        from trainspec.torch.params_file import whole_params
         from trainspec.torch.step import TorchStep
 
         step = TorchStep(spec, self.build_mesh(spec), spec.train.steps, self.device,
                          from_flax(Transformer(spec.model), params))
-        # gathering a 2-D sharded parameter is two collectives; torch warns each time
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         steps = []
         for batch in batches:
             metrics = step({key: v[step.rows()] for key, v in batch.items()})
-            whole = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-                     for name, p in step.model.named_parameters()}
-            steps.append((metrics["loss"], metrics["grad_norm"], to_flax(step.model, whole)))
+            steps.append((metrics["loss"], metrics["grad_norm"],
+                          to_flax(step.model, whole_params(step.model))))
         return steps
 
     def train_run(self, spec, run_dir, steps):
@@ -216,10 +212,6 @@ def group_of(mesh: DeviceMesh, axes: tuple[str, ...]):
     if len(axes) == 1:
         return mesh.get_group(axes[0])
     return mesh[axes]._flatten().get_group()
-
-
-def axes_size(mesh: DeviceMesh, axes) -> int:
-    return math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in axes)
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -4,7 +4,7 @@ Framework-free, so that a spec is refused in one line before any rank starts."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    Capabilities, Refusal, honoured, refused)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -156,4 +156,6 @@ TORCH = Capabilities("torch", dict([
     ("--exclude-devices", honoured("added to mesh.exclude_devices")),
     ("--restart", honoured("the core's run loop: checkpoints set aside, from step 0")),
     ("--model", honoured("a user's model, loss and data through trainspec.torch.wrap")),
+    ("--init-from", honoured("the file's parameters loaded into the full model on every rank "
+                             "before it is sharded; a resume wins", INIT_FROM_WITH_MODEL)),
 ]))

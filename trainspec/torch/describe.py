@@ -13,22 +13,22 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from trainspec.core.spec import Spec
+from trainspec.core.mesh import ParallelDims
 from trainspec.torch.layout import default_tensor_plan, shard_units
-from trainspec.torch.support import check_layout, split_axes
 
 # (parameter's last name, style) -> the dimension the tensor axis splits
 _TENSOR_DIMS = {("weight", "ColwiseParallel"): 0, ("bias", "ColwiseParallel"): 0,
                 ("weight", "RowwiseParallel"): 1}
 
 
-def parameter_layout(spec: Spec, world: int, model: nn.Module,
+def parameter_layout(dims: ParallelDims, model: nn.Module,
                      fsdp_units: Sequence[str] | None = None,
                      tensor_plan: dict | None = None) -> list[tuple[str, tuple, dict, tuple]]:
     """[(name, full shape, {mesh axis: split dimension}, rank 0's local shape)] for each of
-    `model`'s parameters, in `named_parameters` order; refusals as `wrap` makes them."""
-    sizes = check_layout(spec, world)
-    fsdp, tensor = split_axes(spec, sizes, "fsdp"), split_axes(spec, sizes, "tensor")
+    `model`'s parameters on the mesh `dims` (trainspec.torch.support.check_layout's), in
+    `named_parameters` order; the module-name rules refused as `wrap` refuses them."""
+    sizes = dims.shape
+    fsdp, tensor = dims.split("fsdp"), dims.split("tensor")
     shard_units(model, fsdp_units)  # its rules are checked whatever the mesh
     styles = {}
     if tensor:

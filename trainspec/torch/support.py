@@ -10,7 +10,7 @@ import numpy as np
 from trainspec.core.errors import UserInputError
 from trainspec.core.capabilities import Request
 from trainspec.core.exclusion import first_that_fits, prefixes
-from trainspec.core.mesh import check_batch, place_devices, resolve_mesh, usable_ids
+from trainspec.core.mesh import ParallelDims, check_batch, place_devices, resolve_mesh, usable_ids
 from trainspec.core.spec import Spec
 from trainspec.core.launch import COORDINATOR, PROCESS_ID
 from trainspec.torch.capabilities import TORCH
@@ -44,21 +44,23 @@ LAYOUT_SECTIONS = ("mesh.", "layout.", "precision.", "batch.", "remat.", "collec
                    "optimizer.", "semi_sync", "metrics.gns")
 
 
-def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> dict[str, int]:
+def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> ParallelDims:
     """The torch capability table's refusals of `spec` on `world` ranks (of the `fields`
-    chosen), then the batch's split; the mesh's axis sizes when nothing is refused."""
-    return check_mesh(spec, world, lambda sizes: TORCH.check(Request(spec, sizes, flags or {}),
-                                                           fields))
+    chosen), then the batch's split; the mesh's dims when nothing is refused."""
+    TORCH.check(Request(spec, resolve_mesh(spec, world), flags or {}), fields)
+    return check_mesh(spec, world)
 
 
-def check_mesh(spec: Spec, world: int, check_sizes=lambda sizes: None) -> dict[str, int]:
-    """The spec's axis sizes on `world` ranks, `check_sizes`(them), then the batch's split."""
-    resolved = resolve_mesh(spec, world)
-    sizes = dict(zip(resolved.names, resolved.sizes))
-    check_sizes(sizes)
-    batch_axes = split_axes(spec, sizes, "data") + split_axes(spec, sizes, "fsdp")
-    check_batch(spec, resolved, [a for a in resolved.names if a in batch_axes])
-    return sizes
+def check_mesh(spec: Spec, world: int) -> ParallelDims:
+    """The spec's mesh on `world` ranks, once the batch's rows split over it."""
+    dims = resolve_mesh(spec, world)
+    check_batch(spec, dims, batch_axes(dims))
+    return dims
+
+
+def batch_axes(dims: ParallelDims) -> tuple[str, ...]:
+    """The axes that split the batch's rows (data and fsdp), in mesh order."""
+    return tuple(a for a in dims.names if a in dims.split("data") + dims.split("fsdp"))
 
 
 def ranks_kept(spec: Spec, world: int, left_out) -> list[int]:
@@ -80,9 +82,9 @@ def excluding(spec: Spec, ids) -> Spec:
         update={"exclude_devices": sorted(set(ids))})})
 
 
-def check_layout(spec: Spec, world: int) -> dict[str, int]:
+def check_layout(spec: Spec, world: int) -> ParallelDims:
     """What the torch implementation cannot honour on `world` ranks whatever the model (the
-    reference one or a user's, trainspec.torch.wrap); the mesh's axis sizes when it can."""
+    reference one or a user's, trainspec.torch.wrap); the mesh's dims when it can."""
     return _check(spec, world, lambda field: field.startswith(LAYOUT_SECTIONS))
 
 
@@ -110,7 +112,3 @@ def rank_grid(spec: Spec, hosts: list[int]) -> np.ndarray:
     `mesh.exclude_devices` is not applied: they already left the job (trainspec.torch.members)."""
     return place_devices(excluding(spec, []), list(range(len(hosts))), hosts).ids
 
-
-def split_axes(spec: Spec, sizes: dict[str, int], role: str) -> list[str]:
-    """The axes of `role` that split something (size > 1)."""
-    return [a for a in spec.mesh.axes_with_role(role) if sizes[a] > 1]

@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 from trainspec.core.data import ByteBatches
 from trainspec.core.faults import Faults
+from trainspec.core.health import HealthHalt
 from trainspec.core.loop import train
 from trainspec.core.run import Run
 from trainspec.core.run_files import write_json_atomically
@@ -25,18 +27,28 @@ from trainspec.core.user_model import UserModel
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.members import exclude_at_start, leave_out
 from trainspec.torch.preflight import preflight
+from trainspec.torch.params_file import save_initial, state_dict
 from trainspec.torch.run import TorchRunCheckpointer, TorchRunStep
 from trainspec.torch.step import TorchStep
 from trainspec.torch.support import check_run
 from trainspec.torch.wrapped import WrappedStep
 
 
-def reference_job(spec: Spec, adapter: TorchAdapter, total_steps: int):
+def reference_job(spec: Spec, adapter: TorchAdapter, total_steps: int, run_dir: Path,
+                  initial: dict[str, np.ndarray] | None = None):
     """The reference job as the run loop takes it: (TorchRunStep, the step as restore target,
-    init, this rank's rows of each batch)."""
-    job = TorchStep(spec, adapter.build_mesh(spec), total_steps, adapter.device)
+    init, this rank's rows of each batch). The model starts from `initial` (by path) when
+    given, else from the seeded draws; `init`, called only when the run does not resume,
+    writes those parameters to RUN_DIR/initial_params.safetensors."""
+    job = TorchStep(spec, adapter.build_mesh(spec), total_steps, adapter.device,
+                    None if initial is None else state_dict(initial, spec.model))
     data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), job.rows()
-    return (TorchRunStep(job, adapter, for_spec(spec)), job, lambda: job,
+
+    def init() -> TorchStep:
+        save_initial(job.model, run_dir, spec.model)
+        return job
+
+    return (TorchRunStep(job, adapter, for_spec(spec)), job, init,
             lambda index: data.batch(index, rows))
 
 
@@ -54,13 +66,16 @@ def user_job(spec: Spec, model: UserModel, adapter: TorchAdapter, total_steps: i
 def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "default",
         progress: bool = True, summary_json: Path | None = None,
         adapter: TorchAdapter | None = None, announce=None, restart: bool = False,
-        faults: Faults | None = None, model: UserModel | None = None) -> dict[str, Any]:
+        faults: Faults | None = None, model: UserModel | None = None,
+        init_from: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """One rank of the job: train to step `steps`, resuming from the newest checkpoint (or,
     with `restart`, from step 0, the old checkpoints set aside); saves `spec` as
     RUN_DIR/spec.toml, tells `announce(line)` where a resume starts. AlreadyTrained when the
     run dir is at or past `steps` (nothing changed); HealthHalt, Preempted as the JAX job;
     LeftOut on a rank `mesh.exclude_devices` or a rollback leaves out (trainspec.torch.members).
-    `model`: train a user's model and data instead of the reference job."""
+    `model`: train a user's model and data instead of the reference job; `init_from`: the
+    reference model's parameters to start from (trainspec.core.params_file.read) when the run
+    does not resume."""
     adapter = adapter or TorchAdapter(spec.collectives.timeout_s)
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
@@ -75,7 +90,8 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
 
         def build(job_spec: Spec):
             t0 = time.perf_counter()
-            built = (reference_job(job_spec, adapter, loop.total_steps) if model is None
+            built = (reference_job(job_spec, adapter, loop.total_steps, run_dir, init_from)
+                     if model is None
                      else user_job(job_spec, model, adapter, loop.total_steps))
             loop.goodput.add("initialization", time.perf_counter() - t0)
             return built
@@ -84,7 +100,8 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
             """The job re-formed without the diverged `ranks` (of the job as launched; a
             rollback, then the loop restores the last good checkpoint onto it); LeftOut on
             them."""
-            checkpoints.wait()  # the last save uses the groups about to go
+            checkpoints.wait()  # the last save and the step's stop vote use the groups
+            loop.step.finish(None)  # about to go
             smaller = leave_out(adapter, loop.step.spec, ranks, "its replica diverged")
             checkpoints.rejoined(adapter.is_writer())
             return smaller
@@ -95,7 +112,11 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
             checkpoints.rejoined(adapter.is_writer())  # the job may have lost its rank 0
             return build(checked)
 
-        summary = train(loop, first_build)
+        try:
+            summary = train(loop, first_build)
+        except HealthHalt:  # every rank halts after the same step: the stop vote it started
+            loop.step.finish(None)  # completes before the groups go
+            raise
         if summary_json is not None and adapter.is_writer():
             write_json_atomically(Path(summary_json), summary)
         return summary

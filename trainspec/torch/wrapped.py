@@ -30,21 +30,20 @@ from trainspec.core.collectives_reference import to_groups
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import (
     ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step, odd_copies)
-from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import Spec
-from trainspec.torch.adapter import TORCH_DTYPES, TorchAdapter, axes_size, fingerprint, group_of
+from trainspec.torch.adapter import TORCH_DTYPES, TorchAdapter, fingerprint, group_of
 from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.gns import StepNoiseScale
 from trainspec.torch.layout import (
-    apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block,
-    mesh_size, rows, shard_units)
+    apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
+    shard_units)
 from trainspec.torch.norms import Norms
 from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
 from trainspec.torch.semi_sync import OuterStep
-from trainspec.torch.support import check_layout, split_axes
+from trainspec.torch.support import batch_axes, check_layout
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -87,8 +86,8 @@ class WrappedStep:
                  mesh: DeviceMesh, device: torch.device, optimizer_fn: Callable | None = None,
                  total_steps: int | None = None, fsdp_units: Sequence[str] | None = None,
                  tensor_plan: dict | None = None, autocast: bool = True, nan_guard: bool = True):
-        sizes = check_layout(spec, mesh.size())
-        _check_mesh(mesh, sizes)
+        self.dims = check_layout(spec, mesh.size())  # what everything below reads of the mesh
+        _check_mesh(mesh, self.dims.shape)
         self.spec, self.mesh, self.device, self.loss_fn = spec, mesh, device, loss_fn
         self.total_steps = total_steps or spec.train.steps
         p = spec.precision
@@ -102,13 +101,12 @@ class WrappedStep:
                 "model that casts itself)")
         self.model = self._build(model_fn)
 
-        self.data_axes, fsdp, tensor = (tuple(split_axes(spec, sizes, role))
-                                        for role in ("data", "fsdp", "tensor"))
-        self.batch_axes = tuple(a for a in mesh.mesh_dim_names if a in self.data_axes + fsdp)
+        self.data_axes, fsdp, tensor = (self.dims.split(role) for role in ("data", "fsdp", "tensor"))
+        self.batch_axes = batch_axes(self.dims)
         if tensor_plan is not None:  # checked on any mesh, so a typo shows before it matters
             check_rules_match(self.model, tensor_plan, "tensor_plan")
         if tensor:
-            plan = tensor_plan or default_tensor_plan(self.model, sizes[tensor[0]])
+            plan = tensor_plan or default_tensor_plan(self.model, self.dims.tensor)
             apply_tensor_parallel(self.model, mesh[tensor[0]], plan)
         units = shard_units(self.model, fsdp_units)  # checked on any mesh
         apply_remat(self.model, units, spec.remat.policy)  # inside FSDP2's hooks
@@ -121,14 +119,14 @@ class WrappedStep:
         summed = tuple(a for a in self.batch_axes
                        if spec.semi_sync is None or a not in self.data_axes)
         self.batch_group = group_of(mesh, summed) if summed else None
-        self.shards = axes_size(mesh, self.batch_axes)
+        self.shards = self.dims.size_of(self.batch_axes)
         self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
         self.norms = Norms(mesh, device)
         # metrics.gns: a replica's batch shards are its rows' other axes (fsdp)
         replica_axes = tuple(a for a in self.batch_axes if a not in self.data_axes)
         self.noise_scale = StepNoiseScale(
             spec.metrics.gns if spec.semi_sync is None else False,
-            axes_size(mesh, self.data_axes), spec.batch.accumulation_steps,
+            self.dims.replicas, spec.batch.accumulation_steps,
             self.norms, self.data_group,
             group_of(mesh, replica_axes) if replica_axes else None)
         if spec.semi_sync is not None:
@@ -190,7 +188,7 @@ class WrappedStep:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return {name: mesh_size(self.mesh, name) for name in self.mesh.mesh_dim_names}
+        return self.dims.shape
 
     # -- the step ------------------------------------------------------------------------------
     def __call__(self, batch: Mapping, apply: Callable[[bool], bool] | None = None) -> dict:

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan.hardware import Profile, bus_factor
-from trainspec.core.plan.shards import (DTYPE_BYTES, Layout, data_split_shares, local_elements,
-                                        role_axes, shares)
+from trainspec.core.plan.shards import DTYPE_BYTES, data_split_shares, local_elements, shares
 from trainspec.core.plan.transformer import Param
 from trainspec.core.spec import Spec
 
@@ -92,9 +92,9 @@ def element_bytes(dtype: str, profile: Profile) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def collectives(spec: Spec, layout: Layout, profile: Profile) -> list[Collective]:
+def collectives(spec: Spec, layout: ParallelDims, profile: Profile) -> list[Collective]:
     k, m, precision = spec.batch.accumulation_steps, spec.model, spec.precision
-    data, fsdp, tensor = (role_axes(spec, layout, r) for r in ("data", "fsdp", "tensor"))
+    data, fsdp, tensor = (layout.split(r) for r in ("data", "fsdp", "tensor"))
     semi_sync = spec.semi_sync is not None
     reduce_scatter = "all-reduce" if profile.reduce_scatter_as_all_reduce else "reduce-scatter"
     out = []
@@ -121,7 +121,7 @@ def collectives(spec: Spec, layout: Layout, profile: Profile) -> list[Collective
         if regathered:
             add("all-gather", data, sum(s.elements for s in regathered), precision.param, 1,
                 len(regathered))
-    guarded = tuple(a for a, size in layout.sizes.items()
+    guarded = tuple(a for a, size in layout.shape.items()
                     if size > 1 and not (semi_sync and a in data))
     if guarded:  # the NaN guard's count of non-finite state slices (one int32)
         add("all-reduce", guarded, 1, "int32", 1)

@@ -7,11 +7,11 @@ XLA:CPU keeps (plan.xla_cpu).
 """
 from __future__ import annotations
 
+from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan import xla_cpu
 from trainspec.core.plan.comm import regathered_by_remat
 from trainspec.core.plan.hardware import Profile
-from trainspec.core.plan.shards import (DTYPE_BYTES, Layout, local_elements, optimizer_elements,
-                                        role_axes, shares)
+from trainspec.core.plan.shards import DTYPE_BYTES, local_elements, optimizer_elements, shares
 from trainspec.core.plan.transformer import token_activations
 from trainspec.core.spec import Spec
 
@@ -42,16 +42,16 @@ def peak_phase(mem: dict[str, float]) -> str:
     return max(PHASES, key=lambda phase: sum(mem[k] for k in PHASES[phase]))
 
 
-def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
+def memory(spec: Spec, layout: ParallelDims, profile: Profile) -> dict[str, float]:
     """Bytes per device of each part of `ARGUMENTS` and `PHASES`, and "total": the arguments
     and the largest phase (the buffers of one phase are dead in the others, and XLA reuses
     their memory), the phase times the heap's slack on XLA:CPU."""
     pb, gb, cb = (DTYPE_BYTES[spec.precision.param], DTYPE_BYTES[spec.precision.grad_reduce],
                   DTYPE_BYTES[spec.precision.compute])
     local = local_elements(spec, layout)
-    fsdp_axes = role_axes(spec, layout, "fsdp")
+    fsdp_axes = layout.split("fsdp")
     gathered = local_elements(spec, layout, skip=fsdp_axes)
-    data = role_axes(spec, layout, "data")
+    data = layout.split("data")
     cpu = profile.backend == "XLA:CPU"
     whole_reduction = bool(fsdp_axes) and profile.reduce_scatter_as_all_reduce
     out = {
@@ -75,7 +75,7 @@ def memory(spec: Spec, layout: Layout, profile: Profile) -> dict[str, float]:
     out["new_state"] = out["params"] + out["optimizer"]
     out["kept_state_copy"] = max(s.elements for s in shares(spec, layout)) * pb
     tokens = spec.batch.micro / layout.group(fsdp_axes + data)[0] * spec.batch.seq_len
-    tensor = layout.group(role_axes(spec, layout, "tensor"))[0]
+    tensor = layout.tensor
     if cpu:
         # XLA:CPU gathers float32 weights (a 16-bit parameter converted first)
         out["gathered_params"] = gathered * 4 if fsdp_axes else 0.0

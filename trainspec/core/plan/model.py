@@ -12,12 +12,11 @@ The parts: where the state lives (plan.shards), the collectives (plan.comm) and 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from trainspec.core.plan.comm import Collective, collectives
 from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.memory import ARGUMENTS, PHASES, memory, peak_phase
-from trainspec.core.plan.shards import Layout, role_axes
+from trainspec.core.mesh import ParallelDims
 from trainspec.core.spec import Spec
 
 
@@ -60,11 +59,10 @@ class Prediction:
         return d
 
 
-def check(spec: Spec, layout: Layout) -> list[str]:
+def check(spec: Spec, layout: ParallelDims) -> list[str]:
     """Why this layout cannot run the spec (empty if it can); each reason names a field."""
     m, reasons = spec.model, []
-    tensor = math.prod(layout.sizes[a] for a in role_axes(spec, layout, "tensor"))
-    fsdp = math.prod(layout.sizes[a] for a in role_axes(spec, layout, "fsdp"))
+    tensor, fsdp = layout.tensor, layout.fsdp
     for field, value in (("model.n_heads", m.n_heads), ("model.d_ff", m.d_ff),
                          ("model.vocab_size", m.vocab_size)):
         if value % tensor:
@@ -73,7 +71,7 @@ def check(spec: Spec, layout: Layout) -> list[str]:
     if m.d_model % fsdp:
         reasons.append(f"mesh fsdp size {fsdp} does not divide model.d_model {m.d_model}: the "
                        "parameters would not be sharded")
-    shards = fsdp * math.prod(layout.sizes[a] for a in role_axes(spec, layout, "data"))
+    shards = fsdp * layout.replicas
     if spec.batch.micro % shards:
         reasons.append(f"batch.micro_batch {spec.batch.micro} is not divisible by the {shards} "
                        "batch shards (data x fsdp)")
@@ -92,7 +90,7 @@ def update_bytes(mem: dict[str, float], micro_batches: int) -> float:
             + 2 * state + mem["gradients"] + 2 * state)
 
 
-def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token: float,
+def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_token: float,
             hardware_flops_per_token: float) -> Prediction:
     """Memory, communication, FLOPs, step time and MFU of `spec` under `layout` on `profile`.
 
@@ -101,7 +99,7 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
     state-sized memory traffic (`update_bytes`) at the profile's memory bandwidth, and each
     collective operation costs its link's latency for its group + bus bytes / bandwidth, on
     its ICI part and on its DCN part (hierarchically)."""
-    n = layout.n_devices
+    n = layout.world_size
     reasons = check(spec, layout)
     tokens = spec.batch.global_batch * spec.batch.seq_len
     model_flops = model_flops_per_token * tokens
@@ -127,7 +125,7 @@ def predict(spec: Spec, layout: Layout, profile: Profile, model_flops_per_token:
             f"{profile.memory_bytes / 1e9:.0f} GB of {profile.name}; largest part {biggest} "
             f"{mem[biggest] / 1e9:.1f} GB ({_remedy(biggest, profile)})")
     return Prediction(
-        layout=dict(layout.sizes), dcn=dict(layout.dcn), n_devices=n, memory=mem,
+        layout=layout.shape, dcn=layout.dcn_shape, n_devices=n, memory=mem,
         collectives=comms, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
         compute_s=compute_s, overhead_s=overhead_s, update_s=update_s, comm_s=comm_s, step_time_s=step,
         mfu=model_flops / (step * n * peak) if step > 0 else 0.0, tokens_per_step=tokens,

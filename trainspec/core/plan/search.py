@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import ParallelDims, resolve_mesh
 from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.model import Prediction
-from trainspec.core.plan.shards import Layout
-from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 
 ROLE_ORDER = ("data", "fsdp", "tensor")
@@ -29,7 +29,7 @@ def role_axes(spec: Spec) -> dict[str, str]:
     return out
 
 
-def layout_for(spec: Spec, sizes: dict[str, int], n_devices: int, ici_domain: int) -> Layout:
+def layout_for(spec: Spec, sizes: dict[str, int], n_devices: int, ici_domain: int) -> ParallelDims:
     """Axis sizes with the cross-domain factor placed on the outermost axes that can take it
     (data, then fsdp: their traffic is once per step), or the spec's own dcn factors."""
     dcn = {a: spec.mesh.axes[a].dcn for a in sizes}
@@ -43,20 +43,19 @@ def layout_for(spec: Spec, sizes: dict[str, int], n_devices: int, ici_domain: in
             raise UserInputError(
                 f"--devices {n_devices}: {max(1, n_devices // ici_domain)} hosts do not divide the "
                 f"data and fsdp axes ({sizes}); tensor parallelism stays within a host")
-    return Layout(sizes, dcn)
+    return ParallelDims.of(spec, sizes, dcn)
 
 
-def spec_layout(spec: Spec, n_devices: int, ici_domain: int) -> Layout:
+def spec_layout(spec: Spec, n_devices: int, ici_domain: int) -> ParallelDims:
     """The spec's own mesh (its -1 axis resolved) for n devices."""
     fixed = math.prod(a.size for a in spec.mesh.axes.values() if a.size != -1)
-    if fixed > n_devices or n_devices % fixed:
+    if fixed > n_devices or n_devices % fixed:  # said in the flag's terms, before resolve_mesh
         raise UserInputError(f"mesh.axes: the fixed axis sizes multiply to {fixed}, which does not "
                              f"divide --devices {n_devices}")
-    sizes = {n: (a.size if a.size != -1 else n_devices // fixed) for n, a in spec.mesh.axes.items()}
-    return layout_for(spec, sizes, n_devices, ici_domain)
+    return layout_for(spec, resolve_mesh(spec, n_devices).shape, n_devices, ici_domain)
 
 
-def all_layouts(spec: Spec, n_devices: int, ici_domain: int) -> list[Layout]:
+def all_layouts(spec: Spec, n_devices: int, ici_domain: int) -> list[ParallelDims]:
     """Every factorisation of n over the role axes (others at size 1); tensor within a domain."""
     roles = role_axes(spec)
     out = []
@@ -85,7 +84,7 @@ def ranked(predictions: list[Prediction]) -> list[Prediction]:
 
 
 def best_per_count(spec_for: Callable[[int], Spec], counts, profile: Profile,
-                   predict: Callable[[Spec, Layout], Prediction]) -> list[tuple[int, Prediction | None]]:
+                   predict: Callable[[Spec, ParallelDims], Prediction]) -> list[tuple[int, Prediction | None]]:
     """The fastest layout that fits at each device count (None where none fits)."""
     out = []
     for n in counts:

@@ -1,37 +1,18 @@
-"""Where the reference model's state lives: the layout's mesh axes and each parameter's share
-of one device, as trainspec.jax.layout places them (the same logical rules, an uneven split
-replicated, ZeRO-1's extra split of the optimizer state over the data axes)."""
+"""Where the reference model's state lives: each parameter's share of one device under a
+layout (the mesh's `ParallelDims`), as trainspec.jax.layout places them (the same logical rules,
+an uneven split replicated, ZeRO-1's extra split of the optimizer state over the data axes)."""
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 from trainspec.core.layout_rules import dim_axes, logical_rules
+from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan.transformer import Param, parameters
 from trainspec.core.spec import Spec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Mesh axis sizes and their cross-host factors, in the spec's axis order."""
-
-    sizes: Mapping[str, int]
-    dcn: Mapping[str, int]
-
-    @property
-    def n_devices(self) -> int:
-        return math.prod(self.sizes.values())
-
-    def group(self, axes) -> tuple[int, int]:
-        return (math.prod(self.sizes[a] for a in axes), math.prod(self.dcn[a] for a in axes))
-
-
-def role_axes(spec: Spec, layout: Layout, role: str) -> tuple[str, ...]:
-    """The mesh axes of `role` that split (size > 1)."""
-    return tuple(a for a in spec.mesh.axes_with_role(role) if layout.sizes[a] > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +24,11 @@ class Share:
     axes: frozenset[str]
 
 
-def shares(spec: Spec, layout: Layout, skip: tuple[str, ...] = ()) -> Iterator[Share]:
+def shares(spec: Spec, layout: ParallelDims, skip: tuple[str, ...] = ()) -> Iterator[Share]:
     """Every parameter's share of one device, with the mesh axes in `skip` treated as size 1
     (skip the fsdp axes: the share a device holds once fsdp has gathered it)."""
     rules = logical_rules(spec)
-    shape = {a: (1 if a in skip else s) for a, s in layout.sizes.items()}
+    shape = {a: (1 if a in skip else s) for a, s in layout.shape.items()}
     for p in parameters(spec.model):
         used: set[str] = set()
         split = 1
@@ -56,11 +37,11 @@ def shares(spec: Spec, layout: Layout, skip: tuple[str, ...] = ()) -> Iterator[S
         yield Share(p, p.size // split, frozenset(used))
 
 
-def local_elements(spec: Spec, layout: Layout, skip: tuple[str, ...] = ()) -> int:
+def local_elements(spec: Spec, layout: ParallelDims, skip: tuple[str, ...] = ()) -> int:
     return sum(s.elements for s in shares(spec, layout, skip))
 
 
-def data_split_shares(spec: Spec, layout: Layout) -> list[Share]:
+def data_split_shares(spec: Spec, layout: ParallelDims) -> list[Share]:
     """The parameters whose optimizer state ZeRO-1 (`layout.optimizer_state =
     "shard_over_data"`) also splits over the free data axes: those with a dimension no rule
     splits that the data axes divide evenly (trainspec.jax.layout). Each is updated on its
@@ -68,20 +49,20 @@ def data_split_shares(spec: Spec, layout: Layout) -> list[Share]:
     if spec.layout.optimizer_state != "shard_over_data":
         return []
     rules = logical_rules(spec)
-    data = role_axes(spec, layout, "data")
+    data = layout.split("data")
     out = []
     for share in shares(spec, layout):
-        n = math.prod(layout.sizes[a] for a in data if a not in share.axes)
+        n = math.prod(layout.shape[a] for a in data if a not in share.axes)
         if n > 1 and any(not any(a in share.axes for a in rules.get(lg, ())) and dim % n == 0
                          for dim, lg in zip(share.param.shape, share.param.logical)):
             out.append(share)
     return out
 
 
-def optimizer_elements(spec: Spec, layout: Layout) -> float:
+def optimizer_elements(spec: Spec, layout: ParallelDims) -> float:
     """Optimizer-state elements per device per copy: like the parameter, less what ZeRO-1
     splits over the free data axes."""
-    data = role_axes(spec, layout, "data")
-    split = {s.param.path: math.prod(layout.sizes[a] for a in data if a not in s.axes)
+    data = layout.split("data")
+    split = {s.param.path: math.prod(layout.shape[a] for a in data if a not in s.axes)
              for s in data_split_shares(spec, layout)}
     return sum(s.elements / split.get(s.param.path, 1) for s in shares(spec, layout))

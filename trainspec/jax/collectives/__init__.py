@@ -1,6 +1,5 @@
 """Collectives over named mesh axes with interchangeable backends (see api.py, docs/collectives.md)."""
 from trainspec.jax.collectives.api import (
-    BACKEND_MODULES,
     all_gather,
     all_reduce,
     all_to_all,
@@ -15,7 +14,6 @@ from trainspec.jax.collectives.api import (
 )
 
 __all__ = [
-    "BACKEND_MODULES",
     "all_gather",
     "all_reduce",
     "all_to_all",

@@ -8,13 +8,13 @@ backend modules are thin and trust the checked, normalised arguments it passes t
 
 Backend selection, highest priority first: the `backend=` argument; the innermost
 `use_backend(...)` block (what the train step uses for the spec's `collectives.backend`); the
-process default set by `set_default_backend` ("xla" unless changed).
+process default set by `set_default_backend` ("xla" unless changed). What each backend is and
+can do is declared in trainspec.jax.backends.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 from types import ModuleType
 
 import jax
@@ -23,23 +23,7 @@ import numpy as np
 from jax import lax
 
 from trainspec.core.collective_calls import check_call
-from trainspec.core.errors import UserInputError
-
-# Backend name -> module implementing the six ops. Imported on first use, so the xla backend
-# works on an install where the compiled extension (needed by "ext") is missing.
-BACKEND_MODULES = {
-    "xla": "trainspec.jax.collectives.xla",
-    "ext": "trainspec.jax.collectives.ext",
-    "hierarchical": "trainspec.jax.collectives.hierarchical",
-}
-
-# The guarantee level each backend declares (definitions: docs/spec.md, section 4). xla: XLA documents no reduction order, and NCCL picks ring or tree
-# algorithms by size and topology, so no bitwise promise can be made for it in general.
-# hierarchical: its cross-process stage is the native runtime (gloo, NCCL), so it can promise no
-# more than xla does, although its in-process stages are ext's rank-order sums.
-GUARANTEE_LEVELS = {"xla": "nondeterministic", "ext": "deterministic",
-                    "hierarchical": "nondeterministic"}
-
+from trainspec.jax.backends import backend
 
 _default_backend = "xla"
 _scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -47,24 +31,16 @@ _scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-def _check_name(name: str) -> str:
-    if name not in BACKEND_MODULES:
-        raise UserInputError(
-            f"unknown collectives backend {name!r}; known: {', '.join(BACKEND_MODULES)}"
-        )
-    return name
-
-
 def set_default_backend(name: str) -> None:
     """Process-wide default backend (used when no `backend=` and no `use_backend` applies)."""
     global _default_backend
-    _default_backend = _check_name(name)
+    _default_backend = backend(name).name
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
     """Within this block (while tracing), ops without `backend=` use `name`."""
-    token = _scoped_backend.set(_check_name(name))
+    token = _scoped_backend.set(backend(name).name)
     try:
         yield
     finally:
@@ -76,16 +52,13 @@ def current_backend() -> str:
 
 
 def get_backend(name: str | None = None) -> ModuleType:
-    """The module implementing backend `name` (default: `current_backend()`)."""
-    name = _check_name(name or current_backend())
-    try:
-        return importlib.import_module(BACKEND_MODULES[name])
-    except ImportError as err:
-        raise UserInputError(f"collectives backend {name!r} is not available: {err}") from err
+    """The module implementing backend `name` (default: `current_backend()`), imported on
+    first use."""
+    return backend(name or current_backend()).ops()
 
 
 def guarantee_level(name: str) -> str:
-    return GUARANTEE_LEVELS[_check_name(name)]
+    return backend(name).guarantee
 
 
 # ---- trace-time checks shared by all backends -------------------------------------------------

@@ -48,6 +48,14 @@ def round_trip(flat: jax.Array, compression: str, block: int) -> jax.Array:
     return dequantize_int8(*quantize_int8(flat, block), flat.size)
 
 
+def feedback_round_trip(x: jax.Array, residual: jax.Array, compression: str,
+                        block: int) -> tuple[jax.Array, jax.Array]:
+    """(what the receivers see of x + residual, what that lost): one replica's error feedback."""
+    corrected = x + residual
+    sent = round_trip(corrected, compression, block)
+    return sent, corrected - sent
+
+
 def _encode(chunks: jax.Array, compression: str, block: int):
     """What goes on the wire for rows of float32 `chunks` (rows, chunk): bfloat16 as its uint16
     bits (XLA would otherwise move the float32 convert before the collective), or the int8
@@ -105,8 +113,10 @@ def two_stage_sum(flat: jax.Array, residual: jax.Array | None, group, replicas: 
 
 
 def compressed_sum(flat: jax.Array, residual: jax.Array | None, group, replicas: int,
-                   compression: str, block: int) -> tuple[jax.Array, jax.Array | None]:
-    """two_stage_sum with the jnp quantizers and XLA's all-to-all and all-gather."""
+                   compression: str, block: int,
+                   timeout_s: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """two_stage_sum with the jnp quantizers and XLA's all-to-all and all-gather (which take
+    no timeout: `timeout_s` is there for the signature every backend's kernels share)."""
     def encode(rows, residual_rows):
         corrected = rows + residual_rows
         wire = _encode(corrected, compression, block)

@@ -59,6 +59,13 @@ def error_feedback(g: jax.Array, residual: jax.Array, compression: str, block: i
     return call(g, residual, **_attrs(compression, block))
 
 
+def feedback_round_trip(x: jax.Array, residual: jax.Array, compression: str,
+                        block: int) -> tuple[jax.Array, jax.Array]:
+    """compression.feedback_round_trip by the handlers: packed, then unpacked."""
+    packed, new_residual = error_feedback(x, residual, compression, block)
+    return dequantize_sum(packed[None], compression, block, x.size), new_residual
+
+
 def compressed_sum(flat: jax.Array, residual: jax.Array | None, group, replicas: int,
                    compression: str, block: int,
                    timeout_s: float | None = None) -> tuple[jax.Array, jax.Array | None]:

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from trainspec.jax import collectives
-from trainspec.jax.collectives import compression
+from trainspec.jax.backends import backend
 from trainspec.core.spec import Spec
 
 
@@ -25,13 +25,10 @@ def reduce_over_replicas(spec: Spec, mesh: Mesh, data: tuple[str, ...], param_ps
     compression) and returns (sum, new residual); the residual, stacked like the gradients,
     is None without error feedback."""
     group = data if len(data) > 1 else data[0]
-    if spec.collectives.backend == "ext":  # the xla_ext packed-buffer handlers
-        from trainspec.jax.collectives import compression_ext  # needs the compiled extension
-
-        compressed_sum = functools.partial(compression_ext.compressed_sum,
+    if compressed:  # the backend's kernels (ext's need the compiled extension)
+        kernels = backend(spec.collectives.backend).kernels()
+        compressed_sum = functools.partial(kernels.compressed_sum,
                                            timeout_s=spec.collectives.timeout_s)
-    else:
-        compressed_sum = compression.compressed_sum
 
     def body(g, r=None):
         # Fused (Horovod's tensor fusion): one all-reduce of every local gradient

@@ -12,14 +12,14 @@ from jax.sharding import Mesh
 from trainspec.jax import layout
 from trainspec.core.errors import UserInputError
 from trainspec.core.exclusion import first_that_fits, prefixes
-from trainspec.core.mesh import check_batch, resolve_mesh
+from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.jax.mesh import build_mesh, usable_devices
 from trainspec.core.spec import Spec
 
 
 def _checked_mesh(spec: Spec, devices: Sequence[jax.Device]) -> Mesh:
     mesh = build_mesh(spec, devices)
-    check_batch(spec, resolve_mesh(spec, len(devices)), layout.batch_axes(spec, mesh))
+    check_batch(spec, ParallelDims.of(spec, mesh.shape), layout.batch_axes(spec, mesh))
     return mesh
 
 

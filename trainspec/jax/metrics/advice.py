@@ -71,8 +71,7 @@ def advise(path: Path, spec: Spec) -> dict:
         raise UserInputError(
             f"spec: batch.global_batch x batch.seq_len = {spec.batch.global_batch * seq_len} "
             f"tokens, but the run recorded {batch_tokens} per step; pass the run's spec (--spec)")
-    resolved = resolve_mesh(spec, last["n_devices"])
-    replicas = resolved.size_of(spec.mesh.axes_with_role("data"))
+    replicas = resolve_mesh(spec, last["n_devices"]).replicas
     trade = TradeOff.from_run(b_noise, batch_tokens, steps)
     step_time = statistics.median(r["step_time_s"] for r in records if r["step_time_s"])
     current = Layout(spec.batch.global_batch, spec.batch.micro, replicas)

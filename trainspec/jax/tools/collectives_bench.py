@@ -41,7 +41,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from trainspec.jax import collectives
+from trainspec.jax import backends, collectives
 from trainspec.core.errors import UserInputError
 from trainspec.jax.metrics.comm import bus_factor
 
@@ -176,7 +176,7 @@ def _mesh() -> Mesh:
 def group_of(backend: str, mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes a backend is measured over: all of them, except that `ext` (an in-process
     rendezvous) spans only the devices of one process when there are several."""
-    if backend == "ext" and PROCESS_AXIS in mesh.axis_names:
+    if backends.backend(backend).in_process_only and PROCESS_AXIS in mesh.axis_names:
         return (AXIS,)
     return tuple(mesh.axis_names)
 

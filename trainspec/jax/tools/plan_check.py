@@ -23,7 +23,6 @@ from trainspec.core.data import ByteBatches
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.plan.hardware import Profile, calibrate, load_profile
 from trainspec.core.plan.model import Prediction, predict
-from trainspec.core.plan.shards import Layout
 from trainspec.core.plan.search import all_layouts
 from trainspec.core.spec import Spec, load_spec
 from trainspec.jax.mesh import build_mesh
@@ -31,11 +30,6 @@ from trainspec.jax.metrics import memory
 from trainspec.jax.metrics.cpu_peak import matmul_peak
 from trainspec.core.transformer_flops import for_spec
 from trainspec.jax.train import build_abstract_job, build_job
-
-
-def layout_of(spec: Spec, n_devices: int) -> Layout:
-    resolved = resolve_mesh(spec, n_devices)
-    return Layout(dict(zip(resolved.names, resolved.sizes)), dict(zip(resolved.names, resolved.dcn)))
 
 
 # The validation model (docs/plan.md): small enough to compile 30 layouts in a minute
@@ -61,7 +55,7 @@ def validation_layouts() -> list[tuple[int, int, int, int]]:
     out = []
     for n in range(1, 9):
         for lay in all_layouts(validation_spec(1, 1, 1), n, cpu.ici_domain):
-            d, f, t = (lay.sizes[a] for a in ("data", "fsdp", "tensor"))
+            d, f, t = (lay.shape[a] for a in ("data", "fsdp", "tensor"))
             if not predict(validation_spec(d, f, t), lay, cpu, 0, 0).reasons:
                 out.append((d, f, t, 1))
     return out + [(2, 1, 4, 2)]
@@ -69,7 +63,7 @@ def validation_layouts() -> list[tuple[int, int, int, int]]:
 
 def predict_for(spec: Spec, n_devices: int, profile: Profile) -> Prediction:
     f = for_spec(spec)
-    return predict(spec, layout_of(spec, n_devices), profile, f.model_per_token(), f.hardware_per_token())
+    return predict(spec, resolve_mesh(spec, n_devices), profile, f.model_per_token(), f.hardware_per_token())
 
 
 _HOST_STATES: dict[str, list] = {}

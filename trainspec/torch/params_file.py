@@ -1,0 +1,39 @@
+"""The framework-neutral parameter file (trainspec.core.params_file) on torch: the file's
+parameters as the reference model's state dict, and a sharded model's parameters gathered
+whole to write one."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainspec.core import params_file
+from trainspec.core.spec import ModelSpec
+from trainspec.core.reference_train import leaves
+from trainspec.torch.model import Transformer, from_flax, to_flax
+
+
+def state_dict(flat: dict[str, np.ndarray], model: ModelSpec) -> dict[str, torch.Tensor]:
+    """The reference Transformer's state dict holding the file's parameters (by path)."""
+    return from_flax(Transformer(model), params_file.unflatten(flat))
+
+
+def whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by its torch name: a collective over the ranks that shard it
+    (every rank must call it)."""
+    # gathering a 2-D sharded parameter is two collectives; torch warns each time
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def save_initial(model: Transformer, run_dir: Path, spec_model: ModelSpec) -> None:
+    """RUN_DIR/initial_params.safetensors from a (sharded) reference model (rank 0 writes)."""
+    whole = leaves(to_flax(model, whole_params(model)))
+    if dist.get_rank() == 0:
+        params_file.write(params_file.initial_params_path(run_dir), whole, spec_model)
