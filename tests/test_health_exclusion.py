@@ -6,7 +6,8 @@ import pytest
 
 from trainspec.cli.main import main
 from trainspec.core.errors import UserInputError
-from trainspec.jax.health.exclusion import exclude, largest_mesh
+from trainspec.core.exclusion import exclude
+from trainspec.jax.health.exclusion import largest_mesh
 
 from tiny import tiny_spec
 

@@ -266,7 +266,9 @@ def test_a_resume_under_another_compression_is_refused(tmp_path):
     """What the state holds depends on it (an error-feedback residual), as on JAX."""
     step = wrap()
     step(batch())
-    step.save(trainspec.torch.TorchCheckpointer(step.spec, tmp_path), 1)
+    saved = trainspec.torch.TorchCheckpointer(step.spec, tmp_path)
+    step.save(saved, 1)
+    saved.wait()  # checkpoint.async_save: written in the background
     other = wrap(overrides=['collectives.compression="int8"'])
     checkpoints = trainspec.torch.TorchCheckpointer(other.spec, tmp_path)
     assert _refusal(lambda: other.restore(checkpoints)) == (
@@ -277,7 +279,9 @@ def test_a_resume_under_another_compression_is_refused(tmp_path):
 def test_a_checkpoint_is_refused_by_a_model_of_other_shapes(tmp_path):
     step = wrap()
     step(batch())
-    step.save(trainspec.torch.TorchCheckpointer(step.spec, tmp_path), 1)
+    saved = trainspec.torch.TorchCheckpointer(step.spec, tmp_path)
+    step.save(saved, 1)
+    saved.wait()  # checkpoint.async_save: written in the background
     wider = wrap(gpt(n_embd=48))
     checkpoints = trainspec.torch.TorchCheckpointer(wider.spec, tmp_path)
     message = _refusal(lambda: wider.restore(checkpoints))

@@ -79,7 +79,9 @@ def main(job_path: str) -> None:
     for name, resume in job.get("resumes", {}).items():
         first, record = build(job, adapter, resume["first"]), {}
         train(first, range(resume["at"]), {})
-        first.save(TorchCheckpointer(first.spec, Path(job["dir"]) / name), resume["at"])
+        saved = TorchCheckpointer(first.spec, Path(job["dir"]) / name)
+        first.save(saved, resume["at"])
+        saved.wait()  # checkpoint.async_save: complete before another checkpointer reads it
         record["residual_saved"] = residual_sum(first)
         train(first, range(resume["at"], job["steps"]), record.setdefault("saver", {}))
         then = build(job, adapter, resume["then"])

@@ -150,7 +150,7 @@ def run(args) -> int:
     spec_path = spec_to_use(args, say)
     from trainspec.core import user_model
     from trainspec.core.health import HealthHalt
-    from trainspec.jax.health.exclusion import exclude
+    from trainspec.core.exclusion import exclude
     from trainspec.jax.health.faults import Faults
     from trainspec.jax.checkpoint import CheckpointSaveError
     from trainspec.core.loop import Preempted

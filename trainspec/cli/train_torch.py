@@ -25,6 +25,10 @@ def run(args) -> int:
     TORCH.check_flags(given_flags(args))
     spec_path = spec_to_use(args, silent if launched() else announce)  # said once, by the launcher
     spec = load_spec(Path(spec_path), args.overrides)
+    if args.exclude_devices:
+        from trainspec.core.exclusion import exclude
+
+        spec = exclude(spec, args.exclude_devices)  # ranks of the job as launched
     model = user_model.load(args.model, spec) if args.model else None  # checked before ranks
     # checked (and its resume note said) once, before the ranks start; each rank reads it
     init_from = initial_params(args, spec, silent if launched() else announce)
@@ -37,25 +41,38 @@ def run(args) -> int:
     from trainspec.core.health import HealthHalt
     from trainspec.core.loop import Preempted
     from trainspec.core.run_files import AlreadyTrained
+    from trainspec.torch.adapter import TorchAdapter
+    from trainspec.torch.members import LeftOut
+
+    adapter = TorchAdapter(spec.collectives.timeout_s)
+
+    def writer() -> bool:
+        """Whether this process speaks for the job: the first of the ranks it has now (the
+        job may have been re-formed without the launched rank 0)."""
+        return (adapter.launched_ids or [0])[0] == rank_from_env()
 
     try:
         summary = train(spec, args.run_dir, steps=args.steps, spec_label=str(spec_path),
-                        progress=not args.quiet, summary_json=args.summary_json,
+                        adapter=adapter, progress=not args.quiet, summary_json=args.summary_json,
                         announce=announce, restart=args.restart, model=model,
                         init_from=init_from,
                         faults=Faults.from_env())  # nothing unless TRAINSPEC_FAULTS is set (tests)
     except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
-        if rank_from_env() == 0:
+        if writer():
             announce(str(done))
         return 0
-    except HealthHalt as halt:
-        print(f"trainspec: halted: {halt}", file=sys.stderr)
+    except LeftOut as out:  # the others train on without this rank
+        print(f"trainspec: {out}", file=sys.stderr)
+        return 0
+    except HealthHalt as halt:  # every rank halts on the same: said once
+        if writer():
+            print(f"trainspec: halted: {halt}", file=sys.stderr)
         return 3
     except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
-        if rank_from_env() == 0:
+        if writer():
             print(f"trainspec: stopped: {stop}", file=sys.stderr)
         return stop.exit_status
-    if rank_from_env() == 0:
+    if writer():
         from trainspec.cli.summary import print_summary
 
         print_summary(summary)
@@ -63,12 +80,13 @@ def run(args) -> int:
 
 
 def _start_ranks(args, spec, model) -> int:
-    from trainspec.torch.support import check_run
+    from trainspec.torch.support import check_run, ranks_kept
     from trainspec.core.launch import run as launch
     from trainspec.core.run_files import refuse_foreign_checkpoints
 
     nprocs = args.nprocs or default_ranks()
-    check_run(spec, nprocs, own_model=model is not None)  # one line here, not one per rank
+    kept = ranks_kept(spec, nprocs, spec.mesh.exclude_devices)  # the ranks that will train
+    check_run(spec, len(kept), own_model=model is not None)  # one line here, not one per rank
     # The ranks would refuse another framework's checkpoints too, each in its own line.
     refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, "torch")
     argv = list(args.argv)

@@ -48,7 +48,7 @@ class Request:
 
 
 def _walk(node, parts: list[str]):
-    if not parts:
+    if not parts or node is None:  # None: an optional section that is absent, and its fields
         return node
     if parts[0] == "*":
         return [_walk(v, parts[1:]) for v in node.values()]

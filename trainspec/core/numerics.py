@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import ml_dtypes
 import numpy as np
 
 DTYPES = ("float32", "bfloat16", "float16")  # the float dtypes the self-test checks
@@ -69,13 +68,20 @@ def matmul_error_bound(a: np.ndarray, b: np.ndarray, working: str, output: str) 
 
 
 SUM_SCALE = 1000.0  # inputs are scaled so every sum stays near this: float16 overflows at 65504
-_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-def selftest_inputs(shape, dtype: str, seed: int) -> np.ndarray:
-    """Positive values in [0.5, 1.5) x min(1, 1000 / n), rounded to `dtype` and returned as
-    float64: a dropped element moves a sum by a share 1/n of it, far above the rounding
-    bounds, and the reference sees exactly the values the device sums."""
+def numpy_rounding(x: np.ndarray, dtype: str) -> np.ndarray:
+    """`x` rounded to `dtype` by NumPy (bfloat16 through ml_dtypes, which jax brings)."""
+    import ml_dtypes  # not a dependency of the torch path, which rounds through torch
+
+    kinds = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    return x.astype(kinds[dtype])
+
+
+def selftest_inputs(shape, dtype: str, seed: int, rounding=numpy_rounding) -> np.ndarray:
+    """Positive values in [0.5, 1.5) x min(1, 1000 / n), rounded to `dtype` (`rounding(x,
+    dtype)`) and returned as float64: a dropped element moves a sum by a share 1/n of it, far
+    above the rounding bounds, and the reference sees exactly the values the device sums."""
     scale = min(1.0, SUM_SCALE / shape[-1])
     x = np.random.default_rng(seed).uniform(0.5, 1.5, shape) * scale
-    return x.astype(_NUMPY_DTYPES[dtype]).astype(np.float64)
+    return np.asarray(rounding(x, dtype)).astype(np.float64)

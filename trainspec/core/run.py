@@ -171,7 +171,13 @@ class Run:
             self.recorder = Recorder(self.spec, facts, sinks, self.steps, self.goodput,
                                      self.at + 1, reader=self.step,
                                      per_record=self.step.per_record)
+            self._writes = self.step.is_writer
         else:  # after a rollback: records after the restored step are redone
+            if self.step.is_writer != self._writes:  # the writer was left out (torch): this
+                self.recorder.close()                 # process writes the records now
+                self.recorder.sinks = sinks_for(self.spec, self.run_dir, self.step.is_writer,
+                                                append=True)
+                self._writes = self.step.is_writer
             self.recorder.reader = self.step
             self.recorder.per_record = self.step.per_record
             self.recorder.restart(facts, self.at + 1)
@@ -307,6 +313,9 @@ class Run:
         step, target, init, self._data = job
         self._restore(step, target, init)
         self.rollbacks[-1]["restored_step"] = self.at
+        if step.participants != self.stragglers.participants:  # processes were left out
+            self.stragglers = StragglerDetector(self.spec.health.stragglers, step.participants)
+            self._times.clear()
         self.goodput.lose_steps(diverged_at - self.at)
         self._prefetched = self._batch(self.at)
         self._open_records(self._prefetched)

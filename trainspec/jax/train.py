@@ -28,7 +28,8 @@ from trainspec.core.user_model import UserModel
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.distributed import is_writer
 from trainspec.jax.feed import local_rows
-from trainspec.jax.health.exclusion import exclude, largest_mesh
+from trainspec.core.exclusion import exclude
+from trainspec.jax.health.exclusion import largest_mesh
 from trainspec.jax.health.faults import faulty_reduction
 from trainspec.jax.health.memory import check_host_batch
 from trainspec.jax.health.preflight import preflight

@@ -10,22 +10,22 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainspec.torch import collectives
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.torch.collectives import Group
 from trainspec.torch.capabilities import TORCH
-from trainspec.torch.support import env_int
+from trainspec.torch.support import env_int, rank_grid
 from trainspec.core.collectives_reference import to_groups
 from trainspec.core.fingerprint import fingerprint_reference
 from trainspec.core.errors import UserInputError
 from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID
-from trainspec.core.mesh import ParallelDims, resolve_mesh
 from trainspec.core.spec import Spec
 
 
@@ -45,11 +45,13 @@ class TorchAdapter(Adapter):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._joined_here = False
         self._groups: dict[tuple, dict[int, Group]] = {}
+        self.launched_ids: list[int] = []  # rank -> its rank in the job as launched
 
     # -- processes and devices -------------------------------------------------------------
     def join(self) -> None:
         """Join the job the environment describes (a one-rank job when it describes none)."""
         if dist.is_initialized():
+            self.launched_ids = self.launched_ids or list(range(dist.get_world_size()))
             return
         if os.environ.get(COORDINATOR):
             world, rank = env_int(NUM_PROCESSES), env_int(PROCESS_ID)
@@ -68,6 +70,34 @@ class TorchAdapter(Adapter):
         dist.init_process_group(self.backend, init_method=init, world_size=world, rank=rank,
                                 timeout=self.timeout)
         self._joined_here = True
+        self.launched_ids = list(range(world))
+
+    def hosts(self) -> list[int]:
+        """The host of each rank of the job: ranks are numbered host by host, torchrun's
+        LOCAL_WORLD_SIZE on each; all on this one without it (trainspec launch starts them
+        all locally)."""
+        per_host = os.environ.get("LOCAL_WORLD_SIZE")
+        launched = self.launched_ids or list(range(dist.get_world_size()))  # joined elsewhere
+        return [rank // int(per_host) if per_host else 0 for rank in launched]
+
+    def rejoin(self, kept: list[int]) -> bool:
+        """Re-form the job over the ranks `kept` (every rank calls it): they join a new job,
+        numbered in that order, over a rendezvous the first of them opens; whether this rank
+        is one of them (the others are out of every group)."""
+        me = dist.get_rank()
+        address = [f"{_own_host()}:{_free_port()}" if me == kept[0] else None]
+        dist.broadcast_object_list(address, src=kept[0])
+        launched = self.launched_ids
+        dist.destroy_process_group()
+        self._groups.clear()
+        if me not in kept:
+            self._joined_here = False
+            return False
+        dist.init_process_group(self.backend, init_method=f"tcp://{address[0]}",
+                                world_size=len(kept), rank=kept.index(me), timeout=self.timeout)
+        self._joined_here = True
+        self.launched_ids = [launched[r] for r in kept]
+        return True
 
     def leave(self) -> None:
         if self._joined_here and dist.is_initialized():
@@ -89,13 +119,10 @@ class TorchAdapter(Adapter):
     # -- the mesh --------------------------------------------------------------------------
     def build_mesh(self, spec: Spec) -> DeviceMesh:
         """The spec's axes as a DeviceMesh of the job's ranks (one device per rank), same
-        names, sizes and row-major order as the JAX mesh."""
-        return self.device_mesh(resolve_mesh(spec, self.process_count))
-
-    def device_mesh(self, dims: ParallelDims) -> DeviceMesh:
-        """The DeviceMesh of resolved `dims` over this job's ranks."""
-        return init_device_mesh(self.device_type, dims.sizes, mesh_dim_names=dims.names)
-
+        names and sizes as the JAX mesh: row-major on one host, host-major with dcn factors
+        across hosts (support.rank_grid)."""
+        return DeviceMesh(self.device_type, torch.from_numpy(rank_grid(spec, self.hosts())),
+                          mesh_dim_names=tuple(spec.mesh.axes))
 
     # -- collectives ------------------------------------------------------------------------
     def groups(self, mesh_shape: tuple[int, ...], axes_dims: tuple[int, ...]) -> dict[int, Group]:
@@ -189,6 +216,14 @@ def group_of(mesh: DeviceMesh, axes: tuple[str, ...]):
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float64": torch.float64, "int32": torch.int32}
+
+
+def _own_host() -> str:
+    """This host as the others reach it: the launcher's loopback coordinator when all ranks
+    run here, else its name."""
+    coordinator = os.environ.get(COORDINATOR, os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    host = coordinator.rsplit(":", 1)[0]
+    return host if host in ("127.0.0.1", "localhost") else socket.gethostname()
 
 
 def _free_port() -> int:

@@ -4,7 +4,7 @@ Framework-free, so that a spec is refused in one line before any rank starts."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused, refused_section)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -35,23 +35,40 @@ NOTHING_TO_MEASURE_GNS = Refusal(
     "batch size")
 
 
+def _semi_sync(when: str, test, reason: str) -> Refusal:
+    return Refusal(when, lambda value, r: value is not None and test(r), reason)
+
+
+SEMI_SYNC_REFUSALS = (
+    _semi_sync("with fewer than 2 data groups", lambda r: len(r.split("data")) == 0,
+               "needs at least 2 data-parallel groups (a split data axis); one group would be "
+               "a single worker with an outer optimizer"),
+    _semi_sync("with a compression", lambda r: r.spec.collectives.compression != "none",
+               "the torch implementation exchanges the outer deltas uncompressed; set "
+               "collectives.compression = \"none\""),
+    _semi_sync("with shard_over_data", lambda r: r.spec.layout.optimizer_state == "shard_over_data",
+               "each data group keeps its own optimizer state; set layout.optimizer_state = "
+               "\"like_params\""),
+    _semi_sync("with metrics.gns = true", lambda r: r.spec.metrics.gns is True,
+               "metrics.gns = true cannot be measured: no gradient is reduced across groups"),
+)
+
+
 TORCH = Capabilities("torch", dict([
     ("spec_version", honoured("validated by the core")),
     ("seed", honoured("seeds the initialisation (torch's generator: the same distributions "
                       "as JAX's, other numbers) and the data order (the core's ByteBatches)")),
     ("mesh.axes.*.role", honoured("data: gradients all-reduced over the data group; fsdp: "
                                   "FSDP2 fully_shard; tensor: DTensor column/row-wise plans")),
-    ("mesh.axes.*.size", honoured("init_device_mesh with the spec's names, sizes and row-major "
+    ("mesh.axes.*.size", honoured("a DeviceMesh with the spec's names, sizes and row-major "
                                   "order, one rank per device",
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"))),
-    ("mesh.axes.*.dcn", refused(
-        "unless 1", lambda dcn: any(d != 1 for d in dcn),
-        "the torch implementation lays its ranks out row-major (init_device_mesh) and applies "
-        "no cross-host factor; leave dcn = 1")),
-    ("mesh.exclude_devices", refused(
-        "unless empty", bool,
-        "the torch implementation runs one device per rank and cannot leave ranks out of a "
-        "started job; start fewer ranks instead")),
+    ("mesh.axes.*.dcn", honoured(
+        "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
+        "of hosts, each host's ranks in the ici shape; on one host laid out within it")),
+    ("mesh.exclude_devices", honoured(
+        "ranks of the job as launched: they leave it, and the rest form a new job over the "
+        "longest prefix of them the mesh and batch fit (trainspec.torch.members)")),
     ("layout.rules", refused(
         "unless empty", bool,
         "the torch implementation lays a model out by module names (FSDP2 units, a DTensor "
@@ -102,14 +119,13 @@ TORCH = Capabilities("torch", dict([
     ("checkpoint.keep", honoured()),
     ("checkpoint.dir", honoured()),
     ("checkpoint.async_save", honoured(
-        "false: training waits for each save",
-        Refusal("when true and checkpoints are written",
-                lambda value, r: value and r.spec.checkpoint.interval > 0,
-                "the torch implementation saves synchronously; set "
-                "checkpoint.async_save = false"))),
-    ("health.preflight", refused(
-        "when true", bool, "the torch implementation runs no per-device preflight checks; "
-        "run `trainspec doctor` before the job, or set false")),
+        "true: DCP's async_save over a gloo group of its own; the state is copied to host "
+        "memory before the step goes on, and marked good once every rank's shards are written; "
+        "false: training waits for each save")),
+    ("health.preflight", honoured(
+        "every rank: a matmul in each float dtype against the float64 product, an all-reduce "
+        "of known integers over the job and each split axis; failing ranks named and left out "
+        "(trainspec.torch.preflight)")),
     ("health.nan.policy", honoured(
         "skip, halt: the core's state machine, per step; rollback: the core's run loop on the "
         "global loss and gradient norm (the state itself is not checked)")),
@@ -121,17 +137,16 @@ TORCH = Capabilities("torch", dict([
     ("health.fingerprints.interval", honoured("every rank fingerprints its blocks; the core "
                                               "votes over the data group")),
     ("health.fingerprints.policy", honoured(
-        "halt",
-        Refusal("rollback, when fingerprints are compared (interval > 0, data replicas)",
-                lambda value, r: value == "rollback" and r.spec.health.fingerprints.interval > 0
-                and bool(r.split("data")),
-                "rollback leaves the diverged ranks out, which a running torch job cannot "
-                "do; set halt (a restart on the healthy ranks resumes from the last "
-                "checkpoint)"))),
+        "halt; rollback: the diverged ranks leave, the rest form a new job on the mesh that "
+        "fits them and restore the last good checkpoint onto it")),
     *((f"health.stragglers.{name}", honoured("the core's rule over every rank's step times"))
       for name in ("window", "k", "min_excess")),
-    ("semi_sync", refused_section("the torch implementation trains synchronously only; "
-                                  "remove the [semi_sync] table")),
+    ("semi_sync.inner_steps", honoured(
+        "DiLoCo: each data group steps on its rows with no data-axis traffic, the outer step "
+        "every H steps (trainspec/torch/semi_sync.py)", *SEMI_SYNC_REFUSALS)),
+    *((f"semi_sync.{name}", honoured("the outer step: SGD with Nesterov momentum on the "
+                                     "groups' mean delta"))
+      for name in ("outer_optimizer", "outer_lr", "outer_momentum")),
     # the flags of `trainspec train`
     ("--spec", honoured()),
     ("--steps", honoured()),
@@ -144,9 +159,7 @@ TORCH = Capabilities("torch", dict([
     ("--host-devices", refused(
         "when given", lambda v: v is not None,
         "a JAX flag; torch runs one device per rank (set the ranks with --nprocs)")),
-    ("--exclude-devices", refused(
-        "when given", bool, "the torch implementation cannot leave ranks out of a job; start "
-        "fewer ranks with --nprocs")),
+    ("--exclude-devices", honoured("added to mesh.exclude_devices")),
     ("--restart", honoured("the core's run loop: checkpoints set aside, from step 0")),
     ("--model", honoured("a user's model, loss and data through trainspec.torch.wrap")),
     ("--init-from", honoured("the file's parameters loaded into the full model on every rank "

@@ -31,9 +31,9 @@ from trainspec.core import flops
 from trainspec.core import run as core_run
 from trainspec.core.health import (
     check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step)
-from trainspec.core.recorder import OnHost
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.comm import BUS_FACTOR, CommCounter, mesh_axes_of
 from trainspec.torch.layout import local_block
 from trainspec.torch.optim import learning_rate
 from trainspec.torch.peak import peak_flops
@@ -44,13 +44,12 @@ from trainspec.torch.wrapped import WrappedStep
 NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile_time_s",
                 "memory_peak_bytes", "memory_argument_bytes", "memory_output_bytes",
                 "memory_alias_bytes", "memory_temp_bytes", "memory_generated_code_bytes",
-                "memory_xla_peak_bytes", "memory_live_bytes", "comm_bytes_per_step",
-                "comm_bus_bytes_per_step")
+                "memory_xla_peak_bytes", "memory_live_bytes")
 
 
-class TorchRunStep(OnHost):
+class TorchRunStep:
     """trainspec.core.loop.Step over a wrapped torch `step` of this rank; the state is the step
-    itself; its metrics are host numbers when it returns (OnHost). `model_flops`: the model's
+    itself; its metrics are host numbers when it returns. `model_flops`: the model's
     analytic FLOPs (MFU is null without them)."""
 
     framework = "torch"
@@ -65,9 +64,30 @@ class TorchRunStep(OnHost):
         self.participants = [f"rank {r}" for r in range(adapter.process_count)]
         self.guard = init_nan_guard()
         self._stop_vote = None  # the all-reduce of the last step's stop signals, in flight
+        self._facts: dict | None = None  # the records' facts, until the first step counted
+        self.semi_sync: dict | None = None  # the summary's semi_sync entry, once counted
 
     def __call__(self, state, batch):
-        return state, state(batch, apply=self._take)
+        """The step; the first one after `facts` runs with its collectives counted, and the
+        facts (the records' and summary's) gain the communication volume."""
+        if self._facts is None:
+            return state, state(batch, apply=self._take)
+        with CommCounter() as counter:
+            metrics = state(batch, apply=self._take)
+        axes_of, outer = mesh_axes_of(state.mesh), state.outer
+        if outer is None:
+            self._facts.update(counter.volume(axes_of))
+        else:  # amortised over the round, as the JAX records are (docs/metrics.md)
+            h = outer.settings.inner_steps
+            self._facts.update(counter.volume(axes_of, outer.exchange(), h))
+            inner = counter.volume(axes_of, outer.exchange(), h=float("inf"))
+            kind, size, ranks = outer.exchange()
+            self.semi_sync = {"inner_steps": h, "groups": outer.groups,
+                              "inner_comm_bytes_per_step": inner["comm_bytes_per_step"],
+                              "outer_comm_bytes": size,
+                              "outer_comm_bus_bytes": size * BUS_FACTOR[kind](len(ranks))}
+        self._facts = None
+        return state, metrics
 
     def _take(self, finite: bool) -> bool:
         """The core's non-finite state machine: whether this step's update is applied."""
@@ -81,7 +101,7 @@ class TorchRunStep(OnHost):
         peak = peak_flops(spec, self.adapter.device_type, local_ranks)
         convention = spec.metrics.flops_convention
         model = self.model_flops
-        return {
+        self._facts = {
             "model_flops_per_step": model and model.model_per_token(convention) * tokens,
             "flops_convention": convention if model else None,
             "peak_flops_per_device": peak.flops_per_device,
@@ -90,51 +110,100 @@ class TorchRunStep(OnHost):
             "batch_tokens": tokens,
             **dict.fromkeys(NOT_MEASURED),
             "gns_source": self.job.gns_source,
+            # filled in by the first step (__call__), counted as it runs
+            **dict.fromkeys(("comm_bytes_per_step", "comm_bus_bytes_per_step")),
             "comm_bytes_by_kind": {},
             "comm_bytes_by_axis": {},
         }
+        return self._facts
 
     @staticmethod
     def per_record() -> dict:
         return {}
 
+    # -- [semi_sync]: the groups' values, combined at records ----------------------------------
+    def to_host(self, tree):
+        """(metrics, tokens, noise-scale parts) of a record. Under [semi_sync] each group's own
+        (nothing crossed the data axes in its steps): gathered over the data group here, at
+        the record only; the metrics by group, the tokens summed over groups."""
+        if self.job.outer is None:
+            return tree
+        every: list = [None] * self.job.outer.groups
+        dist.all_gather_object(every, tree, group=self.job.data_group)
+        metrics = {key: np.array([m[key] for m, _, _ in every]) for key in every[0][0]}
+        tokens = [sum(t) for t in zip(*(t for _, t, _ in every))]
+        return metrics, tokens, every[0][2]
+
+    def combine_metrics(self, metrics: dict) -> dict:
+        """The record's values from the groups' (as the JAX semi_sync step combines them):
+        `loss` token-weighted over the groups, `valid_tokens` summed, `grad_norm` the root mean
+        square of the groups' norms, `nonfinite` 1 if any group dropped its step."""
+        if self.job.outer is None:
+            return metrics
+        per_group = dict(metrics)
+        weights = per_group.pop("loss_tokens")
+        combined = {
+            "loss": float(np.sum(per_group.pop("loss") * weights) / max(np.sum(weights), 1.0)),
+            "valid_tokens": float(np.sum(per_group.pop("valid_tokens"))),
+            "grad_norm": float(np.sqrt(np.mean(np.square(per_group.pop("grad_norm"))))),
+            "nonfinite": int(np.max(per_group.pop("nonfinite"))),
+        }
+        return {**{key: values[0] for key, values in per_group.items()}, **combined}
+
     def learning_rate(self, updates: int) -> float:
         """The spec's schedule over the step's run length (a resumed run keeps its own)."""
         return learning_rate(self.spec.optimizer, self.job.total_steps, updates)
 
-    @staticmethod
-    def summary_fields() -> dict:
-        return {}
+    def summary_fields(self) -> dict:
+        """Under [semi_sync], the schedule and each part's bytes (as the JAX summary)."""
+        return {"semi_sync": self.semi_sync} if self.semi_sync else {}
 
     # -- health ----------------------------------------------------------------------------
     def reset_guard(self, step: int, skipped: int, consecutive: int) -> None:
         self.guard = init_nan_guard(step, skipped, consecutive)
+        if self.job.outer is not None:  # the outer schedule follows the data position
+            self.job.outer.steps_done = step
 
     def check_nonfinite(self) -> int:
-        return check_nan_guard(self.spec.health.nan, self.guard)
+        """The steps skipped; HealthHalt when the guard tripped. Under [semi_sync] each group
+        guards its own steps: every group's guard is read (at records and checkpoints), so
+        that every rank halts when one group's guard tripped."""
+        if self.job.outer is None:
+            return check_nan_guard(self.spec.health.nan, self.guard)
+        every: list = [None] * self.job.outer.groups
+        dist.all_gather_object(every, self.guard, group=self.job.data_group)
+        return max(check_nan_guard(self.spec.health.nan, guard) for guard in every)
 
     def nonfinite_counts(self) -> dict[str, int]:
         return nan_guard_counts(self.guard)
 
     def verdict_inputs(self, metrics: dict):
         """Under `rollback`, the step's host metrics (loss and gradient norm are global: every
-        rank judges alike); None otherwise."""
-        return metrics if self.spec.health.nan.policy == "rollback" else None
+        rank judges alike); None otherwise. Under [semi_sync] each group's are its own, so
+        they are gathered over the data group and combined as a record's, or the groups
+        would judge apart and one roll back alone."""
+        if self.spec.health.nan.policy != "rollback":
+            return None
+        if self.job.outer is None:
+            return metrics
+        every: list = [None] * self.job.outer.groups
+        dist.all_gather_object(every, metrics, group=self.job.data_group)
+        return self.combine_metrics({key: np.array([m[key] for m in every]) for key in every[0]})
 
     @staticmethod
     def read_verdict(metrics: dict) -> tuple[bool, float]:
         return math.isfinite(metrics["grad_norm"]), float(metrics["loss"])
 
-    @staticmethod
-    def check_replicas(state, step: int, last_good_step: int | None) -> None:
-        """The wrapped step's vote over the data axes' copies. torch cannot leave ranks out of
-        a running job, so a mismatch halts under either policy (docs/adapters.md): a restart
-        with the healthy ranks resumes from the last checkpoint."""
-        state.check_replicas(step, last_good_step or 0)
+    def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
+        """The wrapped step's vote over the data axes' copies, the same on every rank, naming
+        ranks of the job as launched: under `rollback` the run re-forms the job without them
+        (trainspec.torch.train)."""
+        state.check_replicas(step, last_good_step or 0, self.adapter.launched_ids)
 
     def corrupt(self, state, target: int):
-        """Bit 20 of the first element of rank `target`'s copy of the first parameter."""
-        if target == self.process_index:
+        """Bit 20 of the first element of rank `target`'s copy of the first parameter (a rank
+        of the job as launched: once it was left out, nothing is flipped)."""
+        if target == self.adapter.launched_ids[self.process_index]:
             with torch.no_grad():
                 first = local_block(state.params[0]).view(-1)[:1]
                 first.view(torch.int32).bitwise_xor_(1 << 20)
@@ -188,16 +257,23 @@ class TorchRunCheckpointer:
     def due(self, step: int, last_step: int) -> bool:
         return self.dcp.due(step, last_step)
 
+    def rejoined(self, writer: bool) -> None:
+        """The job was re-formed (trainspec.torch.members): whether this rank writes now; the
+        background saves' group is made again in the new job."""
+        self.writer = self.dcp.writer = writer
+        self.dcp.forget_groups()
+
     def save(self, step: int, state, total_steps: int, health: dict) -> None:
         self.dcp.save(step, state.model, state.optimizer, total_steps, state.updates,
                       health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"],
-                      health.get("skipped_batches", []))
+                      health.get("skipped_batches", []), state.outer)
 
     def wait(self) -> None:
-        """Saves are synchronous."""
+        """Block until the last save is complete (`checkpoint.async_save`: written behind)."""
+        self.dcp.wait()
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
-        meta = self.dcp.restore_latest(target.model, target.optimizer)
+        meta = self.dcp.restore_latest(target.model, target.optimizer, target.outer)
         if meta is None:
             return None, None
         target.total_steps, target.updates = meta["total_steps"], meta["updates"]

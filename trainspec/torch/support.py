@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from trainspec.core.errors import UserInputError
 from trainspec.core.capabilities import Request
-from trainspec.core.mesh import ParallelDims, check_batch, resolve_mesh
+from trainspec.core.exclusion import first_that_fits, prefixes
+from trainspec.core.mesh import ParallelDims, check_batch, place_devices, resolve_mesh, usable_ids
 from trainspec.core.spec import Spec
 from trainspec.core.launch import COORDINATOR, PROCESS_ID
 from trainspec.torch.capabilities import TORCH
@@ -44,8 +47,13 @@ LAYOUT_SECTIONS = ("mesh.", "layout.", "precision.", "batch.", "remat.", "collec
 def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> ParallelDims:
     """The torch capability table's refusals of `spec` on `world` ranks (of the `fields`
     chosen), then the batch's split; the mesh's dims when nothing is refused."""
+    TORCH.check(Request(spec, resolve_mesh(spec, world), flags or {}), fields)
+    return check_mesh(spec, world)
+
+
+def check_mesh(spec: Spec, world: int) -> ParallelDims:
+    """The spec's mesh on `world` ranks, once the batch's rows split over it."""
     dims = resolve_mesh(spec, world)
-    TORCH.check(Request(spec, dims, flags or {}), fields)
     check_batch(spec, dims, batch_axes(dims))
     return dims
 
@@ -53,6 +61,25 @@ def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> Pa
 def batch_axes(dims: ParallelDims) -> tuple[str, ...]:
     """The axes that split the batch's rows (data and fsdp), in mesh order."""
     return tuple(a for a in dims.names if a in dims.split("data") + dims.split("fsdp"))
+
+
+def ranks_kept(spec: Spec, world: int, left_out) -> list[int]:
+    """The ranks of a `world`-rank job that go on without `left_out` (ranks of the job as it
+    is now): the longest prefix of the others the spec's mesh and batch fit
+    (trainspec.core.exclusion); the rest idle."""
+    def fits(ranks: list[int]) -> list[int]:
+        check_mesh(spec, len(ranks))
+        return ranks
+
+    usable = usable_ids(excluding(spec, left_out), list(range(world)))
+    return first_that_fits(prefixes(usable), fits)
+
+
+def excluding(spec: Spec, ids) -> Spec:
+    """`spec` with exactly `ids` in `mesh.exclude_devices` (the job's earlier exclusions are
+    ids of the job as launched, already gone)."""
+    return spec.model_copy(update={"mesh": spec.mesh.model_copy(
+        update={"exclude_devices": sorted(set(ids))})})
 
 
 def check_layout(spec: Spec, world: int) -> ParallelDims:
@@ -74,3 +101,14 @@ def check_run(spec: Spec, world: int, flags: dict | None = None,
     starts (never a silent fallback)."""
     fields = (lambda field: not field.startswith("model.")) if own_model else None
     _check(spec, world, fields, flags)
+
+
+def rank_grid(spec: Spec, hosts: list[int]) -> np.ndarray:
+    """The rank at each position of the spec's mesh, for a job whose rank r runs on host
+    `hosts[r]` (ranks numbered host by host, as torchrun and trainspec launch number them): on
+    one host row-major, the dcn factors laid out within it; on several, the core's hybrid
+    layout (trainspec.core.mesh.place_devices): a dcn-shaped grid of hosts, each host's ranks
+    in the ici shape, so an axis that spans hosts puts only its dcn part across them.
+    `mesh.exclude_devices` is not applied: they already left the job (trainspec.torch.members)."""
+    return place_devices(excluding(spec, []), list(range(len(hosts))), hosts).ids
+

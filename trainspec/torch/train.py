@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from trainspec.core.data import ByteBatches
 from trainspec.core.faults import Faults
+from trainspec.core.health import HealthHalt
 from trainspec.core.loop import train
 from trainspec.core.run import Run
 from trainspec.core.run_files import write_json_atomically
@@ -24,6 +25,8 @@ from trainspec.core.spec import Spec
 from trainspec.core.transformer_flops import for_spec
 from trainspec.core.user_model import UserModel
 from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.members import exclude_at_start, leave_out
+from trainspec.torch.preflight import preflight
 from trainspec.torch.params_file import save_initial, state_dict
 from trainspec.torch.run import TorchRunCheckpointer, TorchRunStep
 from trainspec.torch.step import TorchStep
@@ -68,7 +71,8 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
     """One rank of the job: train to step `steps`, resuming from the newest checkpoint (or,
     with `restart`, from step 0, the old checkpoints set aside); saves `spec` as
     RUN_DIR/spec.toml, tells `announce(line)` where a resume starts. AlreadyTrained when the
-    run dir is at or past `steps` (nothing changed); HealthHalt, Preempted as the JAX job.
+    run dir is at or past `steps` (nothing changed); HealthHalt, Preempted as the JAX job;
+    LeftOut on a rank `mesh.exclude_devices` or a rollback leaves out (trainspec.torch.members).
     `model`: train a user's model and data instead of the reference job; `init_from`: the
     reference model's parameters to start from (trainspec.core.params_file.read) when the run
     does not resume."""
@@ -76,20 +80,43 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
     try:
+        spec = exclude_at_start(adapter, spec)  # LeftOut on the ranks it names
         # every field, whoever started the ranks (a user's model: all but the reference model's)
         check_run(spec, adapter.process_count, own_model=model is not None)
-        loop = Run(spec, run_dir, TorchRunCheckpointer(spec, run_dir, adapter.is_writer()),
-                   steps or spec.train.steps, restart=restart, progress=progress,
-                   announce=announce, faults=faults, spec_label=spec_label)
-        def build(loop: Run):
+        checkpoints = TorchRunCheckpointer(spec, run_dir, adapter.is_writer())
+        loop = Run(spec, run_dir, checkpoints, steps or spec.train.steps, restart=restart,
+                   progress=progress, announce=announce, faults=faults, spec_label=spec_label,
+                   rebuild=lambda ranks: build(without(ranks)))
+
+        def build(job_spec: Spec):
             t0 = time.perf_counter()
-            built = (reference_job(spec, adapter, loop.total_steps, run_dir, init_from)
+            built = (reference_job(job_spec, adapter, loop.total_steps, run_dir, init_from)
                      if model is None
-                     else user_job(spec, model, adapter, loop.total_steps))
+                     else user_job(job_spec, model, adapter, loop.total_steps))
             loop.goodput.add("initialization", time.perf_counter() - t0)
             return built
 
-        summary = train(loop, build)
+        def without(ranks: list[int]) -> Spec:
+            """The job re-formed without the diverged `ranks` (of the job as launched; a
+            rollback, then the loop restores the last good checkpoint onto it); LeftOut on
+            them."""
+            checkpoints.wait()  # the last save and the step's stop vote use the groups
+            loop.step.finish(None)  # about to go
+            smaller = leave_out(adapter, loop.step.spec, ranks, "its replica diverged")
+            checkpoints.rejoined(adapter.is_writer())
+            return smaller
+
+        def first_build(loop: Run):
+            checked, loop.summary_fields["preflight"] = preflight(  # health.preflight
+                adapter, spec, loop.goodput, faults and faults.faulty_reduction)
+            checkpoints.rejoined(adapter.is_writer())  # the job may have lost its rank 0
+            return build(checked)
+
+        try:
+            summary = train(loop, first_build)
+        except HealthHalt:  # every rank halts after the same step: the stop vote it started
+            loop.step.finish(None)  # completes before the groups go
+            raise
         if summary_json is not None and adapter.is_writer():
             write_json_atomically(Path(summary_json), summary)
         return summary

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainspec.core.collectives_reference import to_groups
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import (
     ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step, odd_copies)
@@ -41,6 +42,7 @@ from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optim
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
+from trainspec.torch.semi_sync import OuterStep
 from trainspec.torch.support import batch_axes, check_layout
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -112,20 +114,29 @@ class WrappedStep:
             apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype)
         self.fsdp = bool(fsdp)
         self.data_group = group_of(mesh, self.data_axes) if self.data_axes else None
-        self.batch_group = group_of(mesh, self.batch_axes) if self.batch_axes else None
+        # [semi_sync]: each data group steps on its own rows, nothing crosses the data axes
+        # but the outer step (trainspec/torch/semi_sync.py)
+        summed = tuple(a for a in self.batch_axes
+                       if spec.semi_sync is None or a not in self.data_axes)
+        self.batch_group = group_of(mesh, summed) if summed else None
         self.shards = self.dims.size_of(self.batch_axes)
         self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
         self.norms = Norms(mesh, device)
         # metrics.gns: a replica's batch shards are its rows' other axes (fsdp)
         replica_axes = tuple(a for a in self.batch_axes if a not in self.data_axes)
         self.noise_scale = StepNoiseScale(
-            spec.metrics.gns, self.dims.replicas, spec.batch.accumulation_steps,
+            spec.metrics.gns if spec.semi_sync is None else False,
+            self.dims.replicas, spec.batch.accumulation_steps,
             self.norms, self.data_group,
             group_of(mesh, replica_axes) if replica_axes else None)
+        if spec.semi_sync is not None:
+            self.noise_scale.note = "semi_sync: no gradient is reduced across groups"
 
         self.params = list(self.model.parameters())
         self.reduction = None
-        if self.data_group is not None:
+        self.outer = OuterStep(spec.semi_sync, self.params, self.data_group) \
+            if spec.semi_sync is not None else None
+        if self.data_group is not None and self.outer is None:
             self.reduction = DataReduction(spec.collectives, self.data_group, self.grad_dtype,
                                            self.model.named_parameters(), self.packing_order)
         optimizer = (spec_optimizer(spec.optimizer, self.params) if optimizer_fn is None
@@ -212,6 +223,9 @@ class WrappedStep:
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "learning_rate": lr,
                    "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite),
                    **self.noise_scale.parts(small_batch, grad_norm, tokens)}
+        if self.outer is not None:  # this group's values: the run combines the groups'
+            metrics["loss_tokens"] = tokens
+            self.outer.after_inner_step()
         if self.nan_guard and apply is None:
             metrics["skipped_steps"] = check_nan_guard(self.spec.health.nan, self.guard)
         return metrics
@@ -279,21 +293,42 @@ class WrappedStep:
         return local
 
     # -- health and checkpoints ----------------------------------------------------------------
-    def check_replicas(self, step: int, last_good_step: int = 0) -> None:
+    def check_replicas(self, step: int, last_good_step: int = 0,
+                       ids: list[int] | None = None) -> None:
         """Fingerprint every parameter's local block; the copies across the data axes must
         agree. ReplicaMismatch names the first parameter whose copies differ and the ranks the
-        core's majority vote finds odd (torch cannot leave ranks out of a running job)."""
+        core's majority vote finds odd in any data group: the fingerprints are gathered from
+        every rank, so that every rank raises the same (a rollback re-forms the job on all).
+        `ids[rank]`: how to name a rank (default: by its rank; a run names the ranks of the
+        job as launched)."""
         if self.data_group is None:
             return
-        mine = [fingerprint(local_block(q.detach())) for q in self.params]
-        every: list = [None] * dist.get_world_size(self.data_group)
-        dist.all_gather_object(every, mine, group=self.data_group)
-        ranks = dist.get_process_group_ranks(self.data_group)
-        for i, (name, _) in enumerate(self.model.named_parameters()):
-            odd = [ranks[j] for j in odd_copies([struct.pack("<II", *c[i]) for c in every])]
-            if odd:
-                raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {name} "
-                                      f"on ranks {odd}", last_good_step, odd)
+        # under [semi_sync] the groups agree on the anchor (their own parameters differ
+        # between outer steps)
+        blocks = self.outer.anchor if self.outer else [local_block(q.detach()) for q in self.params]
+        mine = [fingerprint(block) for block in blocks]
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        names = [name for name, _ in self.model.named_parameters()]
+        odd, first = set(), None
+        for ranks in self._data_groups():
+            for i, name in enumerate(names):
+                diverged = odd_copies([struct.pack("<II", *every[r][i]) for r in ranks])
+                if diverged:
+                    odd.update(ranks[j] for j in diverged)
+                    first = first or name
+                    break
+        if odd:
+            named = sorted(ids[r] if ids else r for r in odd)
+            raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {first} on "
+                                  f"ranks {named}", last_good_step, named)
+
+    def _data_groups(self) -> list[list[int]]:
+        """The global ranks of each data group (the copies of the same blocks)."""
+        grid = self.mesh.mesh.numpy()
+        names = list(self.mesh.mesh_dim_names)
+        members, _ = to_groups(grid, grid.ndim, tuple(names.index(a) for a in self.data_axes))
+        return members.tolist()
 
     def save(self, checkpointer: TorchCheckpointer, step: int) -> None:
         """Checkpoint the state after `step` (its data position), replicas checked first."""
@@ -301,14 +336,16 @@ class WrappedStep:
         counts = nan_guard_counts(self.guard)
         checkpointer.save(step, self.model, self.optimizer, self.total_steps, self.updates,
                           counts["skipped_steps"], self.mesh_shape,
-                          counts["consecutive_nonfinite"])
+                          counts["consecutive_nonfinite"], self.outer)
 
     def restore(self, checkpointer: TorchCheckpointer) -> int:
         """Load the newest checkpoint, resharded onto this layout (any mesh); the data position
         to continue from (0 when there is none). The schedule keeps the saved run's length."""
-        meta = checkpointer.restore_latest(self.model, self.optimizer)
+        meta = checkpointer.restore_latest(self.model, self.optimizer, self.outer)
         if meta is None:
             return 0
+        if self.outer is not None:
+            self.outer.steps_done = meta["data_position"]
         self.total_steps, self.updates = meta["total_steps"], meta["updates"]
         self.guard = init_nan_guard(meta["data_position"], meta["skipped_steps"],
                                     meta.get("consecutive_nonfinite", 0))

@@ -1,30 +1,20 @@
-"""Device exclusion: rebuild the mesh without bad devices, as large as the spec allows.
-
-Bad devices come from the user (`mesh.exclude_devices`, `trainspec train --exclude-devices`) or
-from a detector (replica fingerprints name the diverged devices). The spec's fixed axis sizes
-and the batch divisibility stay constraints; what may shrink is the device count: the largest n
-of the usable devices for which the spec still resolves (the `-1` axis absorbs the change) and
-the micro-batch still splits evenly is used, the rest idle.
+"""Device exclusion: rebuild the mesh without bad devices, as large as the spec allows
+(trainspec.core.exclusion says which devices and why): the largest n of the usable devices for
+which the spec still resolves and the micro-batch still splits evenly is used, the rest idle.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
 
 from trainspec.jax import layout
 from trainspec.core.errors import UserInputError
+from trainspec.core.exclusion import first_that_fits, prefixes
 from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.jax.mesh import build_mesh, usable_devices
-from trainspec.core.spec import Spec, load_spec
-
-
-def exclude(spec: Spec, device_ids: Iterable[int]) -> Spec:
-    """`spec` with `device_ids` added to `mesh.exclude_devices`."""
-    data = spec.to_dict()
-    data["mesh"]["exclude_devices"] = sorted(set(spec.mesh.exclude_devices) | set(device_ids))
-    return load_spec(data)
+from trainspec.core.spec import Spec
 
 
 def _checked_mesh(spec: Spec, devices: Sequence[jax.Device]) -> Mesh:
@@ -42,7 +32,7 @@ def _candidates(usable: Sequence[jax.Device]) -> list[list[jax.Device]]:
     for d in usable:
         by_process.setdefault(d.process_index, []).append(d)
     if len(by_process) == 1:
-        return [list(usable[:n]) for n in range(len(usable), 0, -1)]
+        return prefixes(usable)
     most = min(len(ds) for ds in by_process.values())
     return [[d for ds in by_process.values() for d in ds[:k]] for k in range(most, 0, -1)]
 
@@ -62,10 +52,4 @@ def largest_mesh(spec: Spec, devices: Sequence[jax.Device] | None = None) -> Mes
     unfiltered = spec.model_copy(update={"mesh": spec.mesh.model_copy(update={"exclude_devices": []})})
     if not usable:
         raise UserInputError(f"mesh.exclude_devices: all {len(spec.mesh.exclude_devices)} devices are excluded")
-    errors = []
-    for candidate in _candidates(usable):
-        try:
-            return _checked_mesh(unfiltered, candidate)
-        except UserInputError as err:
-            errors.append(err)
-    raise errors[0]
+    return first_that_fits(_candidates(usable), lambda devices: _checked_mesh(unfiltered, devices))

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from trainspec.jax.health import doctor
-from trainspec.jax.health.exclusion import exclude
+from trainspec.core.exclusion import exclude
 from trainspec.core.spec import Spec
 
 log = logging.getLogger(__name__)
