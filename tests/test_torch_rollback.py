@@ -62,7 +62,7 @@ def test_a_diverged_replica_leaves_and_the_rest_roll_back_onto_a_smaller_mesh(
     four, two = four_then_two
     out, summary = _run(tmp_path, 4, env={"TRAINSPEC_FAULTS": '{"bitflip": [6, 0]}'})
     assert summary["rollbacks"] == [{
-        "step": 6, "excluded": [0],
+        "step": 6, "excluded": [0], "restored_step": 4,
         "reason": "replica fingerprints differ after step 6: embedding on ranks [0]"}]
     assert summary["excluded_devices"] == [0] and summary["mesh"]["data"] == 2
     assert "[rank 0] trainspec: rank 0 left the job (excluded; its replica diverged)" in out
@@ -88,7 +88,7 @@ def test_a_rollback_after_an_exclusion_names_ranks_as_launched(tmp_path, four_th
     out, summary = _run(tmp_path, 5, "--exclude-devices", "0",
                         env={"TRAINSPEC_FAULTS": '{"bitflip": [6, 2]}'})
     assert summary["rollbacks"] == [{
-        "step": 6, "excluded": [2],
+        "step": 6, "excluded": [2], "restored_step": 4,
         "reason": "replica fingerprints differ after step 6: embedding on ranks [2]"}]
     assert summary["excluded_devices"] == [0, 2] and summary["mesh"]["data"] == 2
     assert "[rank 4] trainspec: rank 4 left the job (idle: the mesh does not fit it" in out

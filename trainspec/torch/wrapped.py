@@ -336,7 +336,7 @@ class WrappedStep:
         counts = nan_guard_counts(self.guard)
         checkpointer.save(step, self.model, self.optimizer, self.total_steps, self.updates,
                           counts["skipped_steps"], self.mesh_shape,
-                          counts["consecutive_nonfinite"], self.outer)
+                          counts["consecutive_nonfinite"], outer=self.outer)
 
     def restore(self, checkpointer: TorchCheckpointer) -> int:
         """Load the newest checkpoint, resharded onto this layout (any mesh); the data position
