@@ -110,18 +110,22 @@ ENTRY %main (a: f32[8]) -> f32[8] {{
     assert ambiguous.by_kind_and_axis()["reduce-scatter"] == {"?": 3 * 32}
 
 
-def test_ext_gradient_all_reduce_moves_the_same_bytes_as_xla():
+@pytest.mark.parametrize("policy", ["rollback", "skip"])
+def test_ext_gradient_all_reduce_moves_the_same_bytes_as_xla(policy):
     """The same data-parallel step through XLA's all-reduce and through xla_ext's custom call.
     XLA folds the step's few scalars (loss sum, tokens) into the gradient all-reduce; with ext
     they stay a separate small XLA all-reduce, so the collectives differ in number, not bytes.
-    Both also carry the NaN guard's verdict: one int32 all-reduced after the update."""
-    job, _, xla_volume, _ = compiled_layout("data")
-    _, _, ext_volume, _ = compiled_layout("data", "collectives.backend=ext")
+    The NaN guard adds no collective under rollback (each device flags its own slices); under
+    skip it all-reduces its verdict, one int32, after the update."""
+    nan = f"health.nan.policy={policy}"
+    job, _, xla_volume, _ = compiled_layout("data", nan)
+    _, _, ext_volume, _ = compiled_layout("data", "collectives.backend=ext", nan)
     p = param_bytes(job.abstract_state.params)
-    # the custom call (the gradient), the scalars, the guard's verdict
-    assert sorted(c.bytes for c in ext_volume.collectives)[0] == 4
-    assert len(ext_volume.collectives) == 3
-    assert max(c.bytes for c in ext_volume.collectives) == p
+    sizes = sorted(c.bytes for c in ext_volume.collectives)
+    # the custom call (the gradient), the scalars, under skip the guard's verdict
+    assert sizes[-1] == p
+    assert (sizes[0] == 4) == (policy == "skip")
+    assert len(sizes) == (3 if policy == "skip" else 2)
     assert ext_volume.by_kind_and_axis() == xla_volume.by_kind_and_axis()
     assert ext_volume.bus_bytes == pytest.approx(xla_volume.bus_bytes)
 

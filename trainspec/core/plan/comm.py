@@ -16,9 +16,10 @@ device and micro-batch, T tokens per row, L layers, width d:
   (2 + 4 L) + 3 operations (XLA combines the q, k and v input gradients into one all-reduce,
   one scalar rides with an activation); with full remat, each block's recomputed attention
   output once more (its MLP output is not needed by the backward, so not recomputed);
-- every step on more than one device: the NaN guard's (health.nan) all-reduce of one int32,
-  its count of non-finite state slices, over the whole mesh (each group's own axes under
-  semi_sync).
+- every step on more than one device, under `health.nan.policy` skip or halt: the NaN guard's
+  all-reduce of one int32, its count of non-finite state slices, over the whole mesh (each
+  group's own axes under semi_sync). Under rollback (the default) each device only flags its
+  own slices and the host reads the flags a step late: no collective.
 
 Which backend runs them matters: XLA:CPU lowers a reduce-scatter to an all-reduce and a slice
 (`Profile.reduce_scatter_as_all_reduce`), and moves 16-bit data as float32 in every collective
@@ -37,6 +38,13 @@ from trainspec.core.spec import Spec
 
 LOSS_SCALARS_PER_TOKEN = 4  # vocabulary-split log-softmax: max, sum, target logit, backward sum
 LOSS_OPS = 3  # the all-reduces that carry them (XLA sends one along with an activation)
+
+
+def guard_meets(spec: Spec) -> bool:
+    """Whether the NaN guard decides on device, every device agreeing (skip and halt: an
+    all-reduce, and a copy of the state it keeps); under rollback each device flags its own
+    slices and the host judges the step one step late (trainspec.jax.nan_guard)."""
+    return spec.health.nan.policy != "rollback"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +131,7 @@ def collectives(spec: Spec, layout: ParallelDims, profile: Profile) -> list[Coll
                 len(regathered))
     guarded = tuple(a for a, size in layout.shape.items()
                     if size > 1 and not (semi_sync and a in data))
-    if guarded:  # the NaN guard's count of non-finite state slices (one int32)
+    if guarded and guard_meets(spec):  # the NaN guard's count of non-finite state slices (one int32)
         add("all-reduce", guarded, 1, "int32", 1)
     if tensor:
         tokens = spec.batch.micro / layout.group(data + fsdp)[0] * spec.batch.seq_len

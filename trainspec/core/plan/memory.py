@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan import xla_cpu
-from trainspec.core.plan.comm import regathered_by_remat
+from trainspec.core.plan.comm import guard_meets, regathered_by_remat
 from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.shards import DTYPE_BYTES, local_elements, optimizer_elements, shares
 from trainspec.core.plan.transformer import token_activations
@@ -31,9 +31,9 @@ PHASES = {
                        "reduce_scatter_output"),
     # after the loop, data > 1: the local gradient and its all-reduced copy
     "data_reduction": ("gradients", "data_reduction_buffer"),
-    # the update: the NaN guard (health.nan) chooses between the old state and the new after
-    # both exist, so the new parameters and optimizer state are whole beside the old, and the
-    # chosen state is copied out leaf by leaf (at most the largest leaf at once)
+    # the update: the new parameters and optimizer state whole beside the old; under
+    # `health.nan.policy` skip or halt the NaN guard chooses between them after both exist and
+    # copies the chosen state out leaf by leaf (at most the largest leaf at once)
     "update": ("new_state", "kept_state_copy"),
 }
 
@@ -73,7 +73,8 @@ def memory(spec: Spec, layout: ParallelDims, profile: Profile) -> dict[str, floa
         * BATCH_BYTES_PER_TOKEN,
     }
     out["new_state"] = out["params"] + out["optimizer"]
-    out["kept_state_copy"] = max(s.elements for s in shares(spec, layout)) * pb
+    out["kept_state_copy"] = (max(s.elements for s in shares(spec, layout)) * pb
+                              if guard_meets(spec) else 0.0)
     tokens = spec.batch.micro / layout.group(fsdp_axes + data)[0] * spec.batch.seq_len
     tensor = layout.tensor
     if cpu:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainspec.core.plan.comm import Collective, collectives
+from trainspec.core.plan.comm import Collective, collectives, guard_meets
 from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.memory import ARGUMENTS, PHASES, memory, peak_phase
 from trainspec.core.mesh import ParallelDims
@@ -78,16 +78,17 @@ def check(spec: Spec, layout: ParallelDims) -> list[str]:
     return reasons
 
 
-def update_bytes(mem: dict[str, float], micro_batches: int) -> float:
+def update_bytes(mem: dict[str, float], micro_batches: int, guard_copies: bool) -> float:
     """Memory traffic per device of the step's work on whole state-sized buffers: each
     micro-batch adds its gradient into the accumulator (reads both, writes one); the data
     reduction packs the gradient into one buffer and back; the update reads the parameters,
-    optimizer state and gradients and writes the new parameters and optimizer state, and the
-    NaN guard copies the state it keeps (read and write; `PHASES`). Data parallelism
-    replicates all of it on every device; fsdp and tensor split it."""
+    optimizer state and gradients and writes the new parameters and optimizer state; the NaN
+    guard reads the new state for its flags (rollback), or copies the state it keeps (skip and
+    halt: read and write; `PHASES`). Data parallelism replicates all of it on every device;
+    fsdp and tensor split it."""
     state = mem["params"] + mem["optimizer"]
     return (3 * micro_batches * mem["gradients"] + 2 * mem["data_reduction_buffer"]
-            + 2 * state + mem["gradients"] + 2 * state)
+            + 2 * state + mem["gradients"] + (2 if guard_copies else 1) * state)
 
 
 def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_token: float,
@@ -114,8 +115,9 @@ def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_
     comm_s = {"ici": ici, "dcn": dcn, "exposed": (ici + dcn) * (1 - profile.comm_overlap)}
     overhead_s = profile.program_overhead_s
     mem = memory(spec, layout, profile) if not reasons else {"total": float("nan")}
-    update_s = (profile.memory_time(update_bytes(mem, spec.batch.accumulation_steps), per_host)
-                if not reasons else 0.0)
+    traffic = (update_bytes(mem, spec.batch.accumulation_steps, guard_meets(spec))
+               if not reasons else 0.0)
+    update_s = profile.memory_time(traffic, per_host)
     step = compute_s + overhead_s + update_s + comm_s["exposed"]
     peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
     if not reasons and mem["total"] > profile.memory_bytes:
