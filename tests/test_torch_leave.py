@@ -1,5 +1,5 @@
 """A torch rank leaves no process group behind (trainspec.torch.adapter.leave): once `run`
-returns, every group of the job (the default one, the mesh's, the collectives') is freed, so
+returns, every group the job had when it left is freed (on one rank: the default group), so
 that gloo's worker and transport threads are joined while the interpreter is whole. Left to
 interpreter exit, a loaded rank sometimes aborted after its job had finished (SIGABRT,
 "terminate called without an active exception")."""
