@@ -8,6 +8,7 @@ sizes, in the same (row-major) order, so rank r sits where device r sits in the 
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import os
 import socket
@@ -100,9 +101,20 @@ class TorchAdapter(Adapter):
         return True
 
     def leave(self) -> None:
+        """Leave the job this adapter joined: every process group destroyed, and freed now.
+
+        destroy_process_group() only forgets the groups: a gloo group's worker and transport
+        threads stop when its last Python reference (a DeviceMesh, a step's group, ours) is
+        freed, and the run's objects hold them in reference cycles. Freed at interpreter exit
+        instead, in whatever order finalization takes, a rank under load sometimes aborted
+        after its job had finished ("terminate called without an active exception", SIGABRT).
+        So the references go here and the cycles are collected, which joins those threads
+        while the interpreter is whole; the caller drops its own (trainspec.torch.train)."""
         if self._joined_here and dist.is_initialized():
             dist.destroy_process_group()
             self._joined_here = False
+        self._groups.clear()
+        gc.collect()
 
     def process_grid(self) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()

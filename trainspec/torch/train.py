@@ -9,6 +9,7 @@ eagerly, so the non-finite guard (the core's state machine) is applied per step.
 from __future__ import annotations
 
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -80,46 +81,58 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
     try:
-        spec = exclude_at_start(adapter, spec)  # LeftOut on the ranks it names
-        # every field, whoever started the ranks (a user's model: all but the reference model's)
-        check_run(spec, adapter.process_count, own_model=model is not None)
-        checkpoints = TorchRunCheckpointer(spec, run_dir, adapter.is_writer())
-        loop = Run(spec, run_dir, checkpoints, steps or spec.train.steps, restart=restart,
-                   progress=progress, announce=announce, faults=faults, spec_label=spec_label,
-                   rebuild=lambda ranks: build(without(ranks)))
-
-        def build(job_spec: Spec):
-            t0 = time.perf_counter()
-            built = (reference_job(job_spec, adapter, loop.total_steps, run_dir, init_from)
-                     if model is None
-                     else user_job(job_spec, model, adapter, loop.total_steps))
-            loop.goodput.add("initialization", time.perf_counter() - t0)
-            return built
-
-        def without(ranks: list[int]) -> Spec:
-            """The job re-formed without the diverged `ranks` (of the job as launched; a
-            rollback, then the loop restores the last good checkpoint onto it); LeftOut on
-            them."""
-            checkpoints.wait()  # the last save and the step's stop vote use the groups
-            loop.step.finish(None)  # about to go
-            smaller = leave_out(adapter, loop.step.spec, ranks, "its replica diverged")
-            checkpoints.rejoined(adapter.is_writer())
-            return smaller
-
-        def first_build(loop: Run):
-            checked, loop.summary_fields["preflight"] = preflight(  # health.preflight
-                adapter, spec, loop.goodput, faults and faults.faulty_reduction)
-            checkpoints.rejoined(adapter.is_writer())  # the job may have lost its rank 0
-            return build(checked)
-
-        try:
-            summary = train(loop, first_build)
-        except HealthHalt:  # every rank halts after the same step: the stop vote it started
-            loop.step.finish(None)  # completes before the groups go
-            raise
-        if summary_json is not None and adapter.is_writer():
-            write_json_atomically(Path(summary_json), summary)
-        return summary
+        # In a function of its own: the run's objects (the step, its mesh and groups) form
+        # reference cycles, garbage once it returns, so that leave() can free them.
+        return _run(spec, run_dir, steps, spec_label, progress, summary_json, adapter, announce,
+                    restart, faults, model, init_from)
+    except BaseException as err:  # its traceback's frames would keep the run's objects alive
+        traceback.clear_frames(err.__traceback__)
+        raise
     finally:
         if owns_job:
             adapter.leave()
+
+
+def _run(spec, run_dir, steps, spec_label, progress, summary_json, adapter, announce, restart,
+         faults, model, init_from) -> dict[str, Any]:
+    """`run` on the joined job."""
+    spec = exclude_at_start(adapter, spec)  # LeftOut on the ranks it names
+    # every field, whoever started the ranks (a user's model: all but the reference model's)
+    check_run(spec, adapter.process_count, own_model=model is not None)
+    checkpoints = TorchRunCheckpointer(spec, run_dir, adapter.is_writer())
+    loop = Run(spec, run_dir, checkpoints, steps or spec.train.steps, restart=restart,
+               progress=progress, announce=announce, faults=faults, spec_label=spec_label,
+               rebuild=lambda ranks: build(without(ranks)))
+
+    def build(job_spec: Spec):
+        t0 = time.perf_counter()
+        built = (reference_job(job_spec, adapter, loop.total_steps, run_dir, init_from)
+                 if model is None
+                 else user_job(job_spec, model, adapter, loop.total_steps))
+        loop.goodput.add("initialization", time.perf_counter() - t0)
+        return built
+
+    def without(ranks: list[int]) -> Spec:
+        """The job re-formed without the diverged `ranks` (of the job as launched; a
+        rollback, then the loop restores the last good checkpoint onto it); LeftOut on
+        them."""
+        checkpoints.wait()  # the last save and the step's stop vote use the groups
+        loop.step.finish(None)  # about to go
+        smaller = leave_out(adapter, loop.step.spec, ranks, "its replica diverged")
+        checkpoints.rejoined(adapter.is_writer())
+        return smaller
+
+    def first_build(loop: Run):
+        checked, loop.summary_fields["preflight"] = preflight(  # health.preflight
+            adapter, spec, loop.goodput, faults and faults.faulty_reduction)
+        checkpoints.rejoined(adapter.is_writer())  # the job may have lost its rank 0
+        return build(checked)
+
+    try:
+        summary = train(loop, first_build)
+    except HealthHalt:  # every rank halts after the same step: the stop vote it started
+        loop.step.finish(None)  # completes before the groups go
+        raise
+    if summary_json is not None and adapter.is_writer():
+        write_json_atomically(Path(summary_json), summary)
+    return summary
