@@ -2,9 +2,11 @@
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from trainspec.cli.main import main
+from trainspec.core import numerics
 from trainspec.core.topology import transparent_huge_pages
 from trainspec.jax.health import doctor
 
@@ -63,3 +65,19 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main(["doctor", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
+
+
+def test_the_matmul_bound_admits_any_summation_order_and_not_a_dropped_term():
+    """A kernel may sum a dot product's terms in any order (torch's float32 CPU kernel on an
+    AVX-512 Xeon went past the pairwise bound): a float32 sum in sequence stays within the
+    bound, the same sum with one term left out does not."""
+    a = numerics.selftest_inputs(doctor.MATMUL[0], "float32", 11)
+    b = numerics.selftest_inputs(doctor.MATMUL[1], "float32", 12)
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    in_sequence = np.zeros((a.shape[0], b.shape[1]), np.float32)
+    for t in range(a.shape[1]):
+        in_sequence += np.outer(a32[:, t], b32[t])  # float32 += float32: rounded each time
+    bound = numerics.matmul_error_bound(a, b, "float32", "float32")
+    assert np.all(np.abs(in_sequence - a @ b) <= bound)
+    dropped = in_sequence - np.outer(a32[:, 100], b32[100])
+    assert np.all(np.abs(dropped - a @ b) > bound)

@@ -59,11 +59,16 @@ class Result:
 
 
 def matmul_error_bound(a: np.ndarray, b: np.ndarray, working: str, output: str) -> np.ndarray:
-    """Per element of a @ b: a dot product of k terms, each product exact in the working
-    precision plus a pairwise sum: (ceil(log2 k) + 1) u |a||b| + u_out |a b|."""
+    """Per element of a @ b: a dot product of k terms, each product rounded in the working
+    precision, summed in whatever order the library's kernel picks: k u |a||b| + u_out |a b|.
+    The order is the kernel's, so the bound is the one every order meets, the sequential one:
+    torch's float32 CPU kernel on an AVX-512 Xeon summed k = 255 terms with an error of
+    0.000236, above the pairwise (tree) bound 0.000146 and within this one (0.0037). A
+    dropped or doubled term still moves an element by at least 0.25 (every input lies in
+    [0.5, 1.5)), 67x this bound at the self-tests' k = 255."""
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     k = a64.shape[-1]
-    return ((depth("pairwise", k) + 1) * EPS[working] / 2 * (np.abs(a64) @ np.abs(b64))
+    return ((depth("sequential", k) + 1) * EPS[working] / 2 * (np.abs(a64) @ np.abs(b64))
             + EPS[output] / 2 * np.abs(a64 @ b64) + np.finfo(np.float64).tiny)
 
 
