@@ -204,3 +204,21 @@ def test_every_element_of_the_new_state_is_flagged_by_some_device(layout):
         state = wrapped.init(init, jax.random.key(0))
         got, loss = wrapped.read_verdict(wrapped.verdict_inputs(metrics))
         assert (got, np.isfinite(loss)) == (finite, True), (at, bad)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("sliced", [False, True])
+def test_the_check_finds_inf_and_nan_anywhere_and_passes_the_largest_finite_values(dtype, sliced):
+    """Both reductions of the flags (max|x| over a whole block, all(isfinite) over a slice):
+    +inf, -inf or NaN at the first, a middle or the last element is found; a vector holding
+    the dtype's largest finite values of both signs is not flagged (a norm would overflow)."""
+    import jax.numpy as jnp
+
+    from trainspec.jax.health.nan import _has_nonfinite
+
+    big = float(jnp.finfo(dtype).max)
+    clean = jnp.asarray(np.linspace(-1, 1, 101), dtype).at[3].set(big).at[4].set(-big)
+    assert not bool(_has_nonfinite(clean, sliced))
+    for bad in (np.inf, -np.inf, np.nan):
+        for at in (0, 50, 100):
+            assert bool(_has_nonfinite(clean.at[at].set(bad), sliced)), (bad, at)
