@@ -64,12 +64,12 @@ def rolled_back(tmp_path_factory):
 
 def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back, capsys):
     _, run_dir, summary = rolled_back
-    # The NaN of step 12 is read one step late (after step 13 is dispatched): back to
+    # The NaN of step 12 is read a few steps late (VERDICT_LAG): back to
     # checkpoint 8, batch 11 skipped. With batch 11 gone, step 27 reads batch 27, whose loss
     # spikes (read after step 28): back to checkpoint 24, batch 27 skipped.
     got = [(r["bad_step"], r["restored_step"], r["skipped_batches"], r["reason"].split(" at ")[0])
            for r in summary["rollbacks"]]
-    assert got == [(12, 8, [11], "non-finite loss, gradients or state"),
+    assert got == [(12, 8, [11], "non-finite loss or gradients"),
                    (27, 24, [27], "loss spike")], summary["rollbacks"]
     assert summary["skipped_batches"] == [11, 27]
     records = _records(run_dir)
@@ -82,7 +82,7 @@ def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back, capsys):
         jsonschema.validate(record, json_schema())
     print_summary(summary)  # what `trainspec train` prints
     printed = capsys.readouterr().out
-    assert "rolled back    to step 8: non-finite loss, gradients or state at step 12" in printed
+    assert "rolled back    to step 8: non-finite loss or gradients at step 12" in printed
     assert "skipped        batches 11, 27 (health.nan.policy = rollback)" in printed
 
 
@@ -124,10 +124,60 @@ def test_a_lasting_rise_halts_after_max_rollbacks(tmp_path):
 
 def test_without_a_checkpoint_to_roll_back_to_the_run_halts_in_one_line(tmp_path):
     spec = tiny_spec(*SPEC)
-    with pytest.raises(RollbackLimit, match=r"^non-finite loss, gradients or state at step 2, "
+    with pytest.raises(RollbackLimit, match=r"^non-finite loss or gradients at step 2, "
                        r"and no checkpoint to roll back to \(") as err:
         run(spec, tmp_path, steps=STEPS, progress=False, faults=Faults(nan_steps=frozenset({2})))
     assert "\n" not in str(err.value)
+
+
+def test_a_nonfinite_state_no_loss_shows_is_found_before_a_checkpoint_and_its_step_skipped(
+        tmp_path):
+    """An own loop whose step writes a NaN into a leaf its loss never reads, at step 14 (batch
+    13): every loss and gradient norm stays finite. The check before checkpoint 16 finds the
+    state non-finite; the run goes back to checkpoint 8 and replays, checking every state,
+    which names step 14; back to 8 again without batch 13. The run is then bit for bit the
+    clean run that never read batch 13."""
+    import jax.numpy as jnp
+
+    import trainspec.jax
+
+    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=8", "checkpoint.async_save=false")
+    rows, poisoned = spec.batch.global_batch, 13
+
+    def batch_at(i):
+        x = np.random.default_rng(i).normal(size=(rows, 4)).astype(np.float32)
+        return {"x": x, "y": x.sum(1), "poison": np.full(rows, np.nan if i == poisoned else 0.0,
+                                                         np.float32)}
+
+    def step(state, batch):
+        loss, grad = jax.value_and_grad(
+            lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2))(state["w"])
+        return ({"w": state["w"] - 0.05 * grad, "unused": state["unused"] + batch["poison"][0]},
+                {"loss": loss, "grad_norm": jnp.linalg.norm(grad)})
+
+    def own_loop(run_dir, data):
+        wrapped = trainspec.jax.wrap(step, spec)
+        with trainspec.jax.Run(spec, run_dir, wrapped, 20, progress=False) as loop:
+            state = loop.resume(lambda: {"w": jnp.zeros(4), "unused": jnp.zeros(3)})
+            for batch in loop.batches(data):
+                state, metrics = wrapped(state, batch)
+                state = loop.after_step(state, metrics)
+        return loop.summary(), jax.tree.map(np.asarray, state)
+
+    summary, state = own_loop(tmp_path / "poisoned", batch_at)
+    got = [(r["bad_step"], r["restored_step"], r["skipped_batches"], r.get("searched_to_step"))
+           for r in summary["rollbacks"]]
+    assert got == [(None, 8, [], 16), (14, 8, [13], None)], summary["rollbacks"]
+    assert summary["rollbacks"][1]["reason"] == "non-finite state after step 14"
+    assert summary["skipped_batches"] == [13]
+    clean_summary, clean = own_loop(tmp_path / "clean", lambda i: batch_at(batch_index(i, {13})))
+    assert clean_summary["rollbacks"] == []
+    assert np.isfinite(state["unused"]).all()
+    for ours, theirs in zip(jax.tree.leaves(state), jax.tree.leaves(clean), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    ours, theirs = _records(tmp_path / "poisoned"), _records(tmp_path / "clean")
+    assert sorted(ours) == list(range(1, 21))
+    assert [ours[s]["loss"] for s in ours] == [theirs[s]["loss"] for s in ours]
 
 
 def _compiled_ops(spec, nan_guard=True):
@@ -163,10 +213,10 @@ def test_the_default_guard_adds_no_all_reduce_and_no_copy(layout):
 
 
 @pytest.mark.parametrize("layout", ["data", "fsdp2", "tensor"])
-def test_every_element_of_the_new_state_is_flagged_by_some_device(layout):
+def test_every_element_of_the_state_is_checked_by_some_device(layout):
     """A finite loss and gradient norm, one non-finite element of the new parameters (first,
-    inside or last of a leaf split by the layout): some device flags it, and the verdict read
-    on the host says not finite; the clean step reads finite."""
+    inside or last of a leaf split by the layout): the step's own verdict cannot see it, the
+    state check (run before each checkpoint) finds it; the clean state passes."""
     import flax.linen as nn
     import jax.numpy as jnp
     import optax
@@ -200,10 +250,10 @@ def test_every_element_of_the_new_state_is_flagged_by_some_device(layout):
     for at, bad, finite in ((0, 0.0, True), (0, np.nan, False), (200, np.inf, False),
                             (16 * 24 - 1, -np.inf, False), (16 * 24 - 1, 3e38, True)):
         batch = {"x": x, "at": np.full(rows, at, np.int32), "bad": np.full(rows, bad, np.float32)}
-        _, metrics = wrapped(state, batch)  # donated: the state is the same before each
+        new, metrics = wrapped(state, batch)  # donated: the state is the same before each
         state = wrapped.init(init, jax.random.key(0))
-        got, loss = wrapped.read_verdict(wrapped.verdict_inputs(metrics))
-        assert (got, np.isfinite(loss)) == (finite, True), (at, bad)
+        assert wrapped.read_verdict(wrapped.verdict_inputs(metrics))[0], (at, bad)
+        assert wrapped.state_is_finite(new) == finite, (at, bad)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -101,6 +101,24 @@ def test_rollback_policy_skips_a_nan_batch_and_resumes_bitwise(tmp_path, adapter
     assert meta["skipped_batches"] == [5]
 
 
+def test_the_state_check_finds_a_nan_the_loss_does_not_read(tmp_path, adapter):
+    """The check the run makes before each checkpoint: after a clean run the state passes; a
+    NaN in the optimizer's state, or an inf in a parameter, fails it."""
+    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0")
+    job, run, _ = _own_loop(spec, tmp_path, 2, adapter)
+    assert run.step.state_is_finite(job)
+    moments = [v for per_param in job.optimizer.state.values() for v in per_param.values()
+               if torch.is_tensor(v) and v.is_floating_point() and v.numel() > 1]
+    with torch.no_grad():
+        saved = moments[-1].view(-1)[-1].item()
+        moments[-1].view(-1)[-1] = float("nan")
+        assert not run.step.state_is_finite(job)
+        moments[-1].view(-1)[-1] = saved
+        assert run.step.state_is_finite(job)
+        job.params[0].view(-1)[0] = float("inf")
+        assert not run.step.state_is_finite(job)
+
+
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 def test_sixteen_bit_compute_learns(tmp_path, adapter, compute):
     spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0", f"precision.compute={compute}",

@@ -1,12 +1,13 @@
 """The `rollback` policy's decisions (health.nan.policy = "rollback", docs/reliability.md),
 framework-free, so that every implementation judges a step by one rule.
 
-A step is bad when its loss or gradient norm is not finite, when a device flagged a non-finite
-element of the new state, or when its loss is a spike: above median + k * MAD of the last good
-steps' losses (and `min_excess` above the median). The run loop (trainspec.core.run) asks this
-module for a verdict on each step, one step late, rolls back to the newest good checkpoint on a
-bad one and trains on without the offending batches: their indices are left out of the data
-stream (`batch_index`), so the step after the checkpoint reads the next batch not skipped.
+A step is bad when its loss or gradient norm is not finite, or when its loss is a spike: above
+median + k * MAD of the last good steps' losses (and `min_excess` above the median). The run
+loop (trainspec.core.run) asks this module for a verdict on each step, a few steps late, rolls back
+to the newest good checkpoint on a bad one and trains on without the offending batches: their
+indices are left out of the data stream (`batch_index`), so the step after the checkpoint reads
+the next batch not skipped. The state itself is checked before each checkpoint and at the end
+(a non-finite element no loss showed starts a replay that checks every state, to name its step).
 """
 from __future__ import annotations
 
@@ -59,9 +60,9 @@ class LossSpikes:
 
 def verdict(step: int, finite: bool, loss: float | None, spikes: LossSpikes) -> str | None:
     """Why step `step` is bad, or None (a good step's loss joins the window). `finite`: the
-    gradient norm and every device's state flags; `loss`: the step's loss on the host."""
+    gradient norm; `loss`: the step's loss on the host."""
     if not finite or (loss is not None and not math.isfinite(loss)):
-        return f"non-finite loss, gradients or state at step {step}"
+        return f"non-finite loss or gradients at step {step}"
     if loss is None:
         return None
     limit = spikes.threshold()

@@ -68,11 +68,15 @@ class Step(Protocol):
         """The guard's counts to checkpoint with the state."""
 
     def verdict_inputs(self, metrics) -> Any:
-        """What judges this step under health.nan.policy = rollback (the device's flags and
-        loss, not yet read: no sync); None when the step carries no guard."""
+        """What judges this step under health.nan.policy = rollback (its loss and gradient
+        norm, not yet read: no sync); None when the step carries no guard."""
 
     def read_verdict(self, inputs) -> tuple[bool, float | None]:
-        """(every flag and the gradient norm finite, the loss) on the host, from `inputs`."""
+        """(the gradient norm finite, the loss) on the host, from `inputs`."""
+
+    def state_is_finite(self, state) -> bool:
+        """Every floating element of the state finite, the same answer on every process: run
+        before each checkpoint and at the end (trainspec.core.run), not per step."""
 
     def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
         """Raise ReplicaMismatch naming the copies that differ from their majority."""

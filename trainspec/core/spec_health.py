@@ -14,7 +14,7 @@ class NanSpec(Section):
 
     policy: Literal["rollback", "skip", "halt"] = Field(
         "rollback", description="On a bad step: `rollback` (the step adds no work; the host "
-        "judges each step one step late) restores the newest good checkpoint and skips the "
+        "judges each step a few steps late) restores the newest good checkpoint and skips the "
         "offending batches; `skip` drops a non-finite update inside the step (it keeps the old "
         "state until a verdict: a copy and an all-reduce per step); `halt` stops with the last "
         "good state checkpointed."

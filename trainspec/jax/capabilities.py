@@ -59,12 +59,13 @@ JAX = Capabilities("jax", dict([
     *_reference("checkpoint.dir"),
     ("health.preflight", honoured("trainspec doctor's checks; failing devices excluded")),
     ("health.nan.policy", honoured(
-        "rollback: each device flags its own slices of the new state, the run loop reads the "
-        "flags and the loss one step late; skip and halt: decided inside the step")),
+        "rollback: the core's run loop on the loss and gradient norm, a few steps late, and on "
+        "the state (each device its slices) before each checkpoint; skip and halt: decided "
+        "inside the step")),
     *_reference("health.nan.max_consecutive_skips"),
     *((f"health.nan.{name}", honoured("the core's run loop")) for name in (
         "max_rollbacks", "skip_batches")),
-    *((f"health.spikes.{name}", honoured("the core's rule on the loss read one step late"))
+    *((f"health.spikes.{name}", honoured("the core's rule on the loss read a few steps late"))
       for name in ("window", "k", "min_excess", "min_steps")),
     *_reference("health.fingerprints.interval"),
     ("health.fingerprints.policy", honoured("halt, or rollback on the remaining devices")),

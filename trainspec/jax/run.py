@@ -97,6 +97,9 @@ class JaxStep:
     def read_verdict(self, inputs) -> tuple[bool, float | None]:
         return self.wrapped.read_verdict(inputs)
 
+    def state_is_finite(self, state) -> bool:
+        return self.wrapped.state_is_finite(state)
+
     def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
         found = self.replicas.check(state)
         if found:

@@ -47,9 +47,10 @@ VERDICT_METRICS = ("loss", "grad_norm", "loss_tokens", "valid_tokens")
 class WrappedStep:
     """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`.
 
-    `nan_guard` (default on): under `health.nan.policy = rollback` (the default) each device
-    flags non-finite elements of its slices of the new state, and the run loop judges the step
-    one step late (`verdict_inputs`, `read_verdict`) and rolls back a bad one; under `skip` and
+    `nan_guard` (default on): under `health.nan.policy = rollback` (the default) the step is
+    its own output, unchanged; the run loop judges it a few steps late by its loss and gradient
+    norm (`verdict_inputs`, `read_verdict`), checks the state itself before each checkpoint
+    (`state_is_finite`), and rolls back a bad step; under `skip` and
     `halt` an update whose loss, gradients or new state are not finite is dropped on device
     (state and `state.step` stay as they were), the metrics gain `nonfinite` and
     `skipped_steps`, and `check_nonfinite()` raises HealthHalt when the policy says halt. Off,
@@ -104,6 +105,7 @@ class WrappedStep:
         self._jitted = None
         self._compiled = None  # set by compile(): the executable that then runs every step
         self.guard = None  # the nan_guard's record, carried from step to step on device
+        self._state_check = None  # the compiled state check (`state_is_finite`)
         # Metrics of the steps still running, oldest first (only for custom-call backends).
         self._in_flight: collections.deque | None = (
             None if self.backend.native else collections.deque())
@@ -179,18 +181,15 @@ class WrappedStep:
 
         def guarded_step(state, guard, batch):  # health.nan: decided on device, no host sync
             new_state, metrics = fn(state, batch)
-            if not self.nan_guard:
+            if not self.nan_guard or self.rolls_back:  # rollback: judged by the run loop
                 return new_state, guard, metrics
-            if self.rolls_back:  # flags only: no collective, no copy
-                return nan_guard.flagged(new_state, metrics, self.mesh, self.state_pspecs)
             return self._guarded(guard, state, new_state, metrics)
 
         return jax.jit(
             guarded_step,
-            in_shardings=(self.state_shardings, self.guard_slot_sharding, batch_shardings),
-            out_shardings=(self.state_shardings, self.guard_slot_sharding, self.metrics_sharding),
-            # the rollback flags are read one step late: their buffer must outlive the next step
-            donate_argnums=(0,) if self.rolls_back else (0, 1),
+            in_shardings=(self.state_shardings, self.guard_sharding, batch_shardings),
+            out_shardings=(self.state_shardings, self.guard_sharding, self.metrics_sharding),
+            donate_argnums=(0, 1),
         )
 
     def _guarded(self, guard, state, new_state, metrics):
@@ -206,11 +205,6 @@ class WrappedStep:
         return NamedSharding(self.mesh, P(self.data_axes) if self.groups is not None else P())
 
     metrics_sharding = guard_sharding
-
-    @property
-    def guard_slot_sharding(self) -> NamedSharding:
-        """The step's guard argument and output: the rollback flags, or the guard record."""
-        return nan_guard.flag_sharding(self.mesh) if self.rolls_back else self.guard_sharding
 
     def to_host(self, tree):
         """Device arrays of this step (metrics, the guard) as NumPy on the host."""
@@ -231,12 +225,9 @@ class WrappedStep:
     def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
         """Start the non-finite guard `step` steps into the run, with the counts of skipped
         and consecutive non-finite steps a restored checkpoint carries."""
-        if self.rolls_back:
-            self.guard = nan_guard.init_flags(self.mesh)
-            return
         per_group = self.replicas if self.groups is not None else None  # else one guard
         record = (nan_guard.init_guard(step, skipped, consecutive, per_group)
-                  if self.nan_guard else {})
+                  if self.nan_guard and not self.rolls_back else {})
         self.guard = jax.device_put(record, self.guard_sharding)
 
     def check_nonfinite(self) -> int:
@@ -254,20 +245,26 @@ class WrappedStep:
         return nan_guard.counts(self.to_host(self.guard))
 
     def verdict_inputs(self, metrics: dict):
-        """Under `rollback`: this step's flags and the metrics that judge it, still on device
-        (read later by `read_verdict`); None otherwise."""
+        """Under `rollback`: the metrics that judge this step, still on device (read later by
+        `read_verdict`); None otherwise."""
         if not self.rolls_back:
             return None
-        return self.guard, {k: v for k, v in metrics.items() if k in VERDICT_METRICS}
+        return {k: v for k, v in metrics.items() if k in VERDICT_METRICS}
 
-    def read_verdict(self, inputs) -> tuple[bool, float | None]:
-        """(no device flagged its slices and the gradient norm is finite, the loss): a host
-        read of one int per local device and a few scalars."""
-        flags, metrics = inputs
-        flags, host = self.to_host((nan_guard.local_flags(flags), metrics))  # one transfer
-        host = self.combine_metrics(host)
-        finite = not np.any(flags) and bool(np.all(np.isfinite(host.get("grad_norm", 0.0))))
+    def read_verdict(self, metrics) -> tuple[bool, float | None]:
+        """(the gradient norm is finite, the loss): a host read of a few scalars."""
+        host = self.combine_metrics(self.to_host(metrics))
+        finite = bool(np.all(np.isfinite(host.get("grad_norm", 0.0))))
         return finite, float(host["loss"]) if "loss" in host else None
+
+    def state_is_finite(self, state) -> bool:
+        """Every floating element of `state` finite: each device checks its slices, one
+        all-reduce of one integer, compiled once (run before checkpoints, not per step)."""
+        if self._state_check is None:
+            check = lambda s: nan_guard.state_is_finite(s, self.mesh, self.state_pspecs)  # noqa: E731
+            self._state_check = jax.jit(check, out_shardings=NamedSharding(self.mesh, P()))
+        with self.context():
+            return bool(self._state_check(state))
 
     def _loss_step_fn(self, batch_shardings):
         spec, k = self.spec, self.spec.batch.accumulation_steps

@@ -128,7 +128,8 @@ TORCH = Capabilities("torch", dict([
         "(trainspec.torch.preflight)")),
     ("health.nan.policy", honoured(
         "skip, halt: the core's state machine, per step; rollback: the core's run loop on the "
-        "global loss and gradient norm (the state itself is not checked)")),
+        "global loss and gradient norm, and on the state (each rank its blocks) before each "
+        "checkpoint")),
     ("health.nan.max_consecutive_skips", honoured("the core's state machine, per step")),
     *((f"health.nan.{name}", honoured("the core's run loop")) for name in (
         "max_rollbacks", "skip_batches")),

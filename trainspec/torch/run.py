@@ -194,6 +194,18 @@ class TorchRunStep:
     def read_verdict(metrics: dict) -> tuple[bool, float]:
         return math.isfinite(metrics["grad_norm"]), float(metrics["loss"])
 
+    def state_is_finite(self, state) -> bool:
+        """Every floating element of this rank's blocks of the parameters and the optimizer
+        state finite, on every rank: one all-reduce (max) of one integer."""
+        tensors = [*state.params, *(value for per_param in state.optimizer.state.values()
+                                    for value in per_param.values() if torch.is_tensor(value))]
+        bad = any(not bool(torch.isfinite(local_block(t)).all())
+                  for t in tensors if t.is_floating_point())
+        flag = torch.tensor([int(bad)], dtype=torch.int32)
+        if len(self.participants) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not int(flag)
+
     def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
         """The wrapped step's vote over the data axes' copies, the same on every rank, naming
         ranks of the job as launched: under `rollback` the run re-forms the job without them

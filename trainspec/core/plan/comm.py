@@ -42,8 +42,8 @@ LOSS_OPS = 3  # the all-reduces that carry them (XLA sends one along with an act
 
 def guard_meets(spec: Spec) -> bool:
     """Whether the NaN guard decides on device, every device agreeing (skip and halt: an
-    all-reduce, and a copy of the state it keeps); under rollback each device flags its own
-    slices and the host judges the step one step late (trainspec.jax.nan_guard)."""
+    all-reduce, and a copy of the state it keeps); under rollback the step is the user's own
+    and the run loop judges it a few steps late (trainspec.core.run)."""
     return spec.health.nan.policy != "rollback"
 
 

@@ -82,13 +82,13 @@ def update_bytes(mem: dict[str, float], micro_batches: int, guard_copies: bool) 
     """Memory traffic per device of the step's work on whole state-sized buffers: each
     micro-batch adds its gradient into the accumulator (reads both, writes one); the data
     reduction packs the gradient into one buffer and back; the update reads the parameters,
-    optimizer state and gradients and writes the new parameters and optimizer state; the NaN
-    guard reads the new state for its flags (rollback), or copies the state it keeps (skip and
-    halt: read and write; `PHASES`). Data parallelism replicates all of it on every device;
-    fsdp and tensor split it."""
+    optimizer state and gradients and writes the new parameters and optimizer state; under
+    skip and halt the NaN guard copies the state it keeps (read and write; `PHASES`), under
+    rollback it adds nothing to the step (the state is checked before checkpoints only). Data
+    parallelism replicates all of it on every device; fsdp and tensor split it."""
     state = mem["params"] + mem["optimizer"]
     return (3 * micro_batches * mem["gradients"] + 2 * mem["data_reduction_buffer"]
-            + 2 * state + mem["gradients"] + (2 if guard_copies else 1) * state)
+            + 2 * state + mem["gradients"] + (2 * state if guard_copies else 0))
 
 
 def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_token: float,
