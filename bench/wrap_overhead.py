@@ -6,12 +6,16 @@ that takes `value_and_grad` of the cross-entropy, applies the gradients and retu
 `(state, metrics)`. Both sides get the same host (NumPy) batches, so both pay the transfer:
 - plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
 - rollback: `trainspec.jax.wrap(train_step, spec)` under the default `health.nan.policy =
-  rollback` (placement, donation, each device's flags over its slices of the new state), with
-  what the run loop adds per step: the previous step's flags and loss read on the host after
-  this step is dispatched, and judged (trainspec.core.bad_steps);
+  rollback` (placement, donation; the step is the user's own), with what the run loop adds per
+  step: the loss (and gradient norm, where the step has one) of the step VERDICT_LAG steps
+  back read on the host, and judged (trainspec.core.run, trainspec.core.bad_steps). The state
+  itself is checked before each checkpoint only, and there is none here;
+- flags: the state checked after every step instead, for comparison: the wrapped step
+  (unguarded) also counting, on each device, the non-finite elements of its slices of the new
+  state (trainspec.jax.health.nan), those flags read with the loss as late;
 - skip: the same under `health.nan.policy = skip`, the guard that keeps the old state until a
   verdict (an all-reduce of the state's check and a `lax.cond`), read by nothing per step;
-- unguarded: the same with `nan_guard=False`, to show what the guard's on-device check costs;
+- unguarded: the same with `nan_guard=False`: nothing judged, nothing read per step;
 - the skip guard's two costs apart, as plain jit of the step followed by one of them alone:
   `meeting`, one all-reduce of one scalar that depends on every floating leaf of the new state
   (the end-of-step meeting of the devices that any verdict on the new state needs, with no
@@ -50,6 +54,8 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
 
     import trainspec.jax
     from trainspec.core import bad_steps
+    from trainspec.core.run import VERDICT_LAG
+    from trainspec.jax.health import nan as nan_guard
 
     class ConvNet(nn.Module):
         """Two conv/pool stages and two dense layers: the usual MNIST-sized classifier."""
@@ -94,22 +100,49 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
                              check_vma=False)
         return new_state, {**metrics, "meeting": meet(leaves)}
 
+    def flags_step(state, batch):
+        new_state, metrics = train_step(state, batch)
+        leaves = [x for x in jax.tree.leaves(new_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        specs = [P()] * len(leaves)  # replicated: each device checks 1/n of every leaf
+        on = jax.sharding.get_abstract_mesh()  # the wrapped step's mesh
+        flags = jax.shard_map(lambda xs: nan_guard._bad_slices(xs, specs, on)[None], mesh=on,
+                              in_specs=(specs,), out_specs=P(on.axis_names),
+                              check_vma=False)(leaves)
+        return new_state, {**metrics, "flags": flags}
+
+    def flags_read_late(step):
+        """The state checked after every step: each step's flags (this process's devices')
+        and loss read VERDICT_LAG steps after it is dispatched, as the loss alone is."""
+        pending = []
+
+        def call(state, batch):
+            state, metrics = step(state, batch)
+            pending.append(([s.data for s in metrics["flags"].addressable_shards],
+                            metrics["loss"]))
+            if len(pending) > VERDICT_LAG:
+                flags, loss = jax.device_get(pending.pop(0))
+                if np.any(flags) or not np.isfinite(loss):
+                    bad_verdicts.append("flags: a non-finite state or loss")
+            return state, metrics
+
+        return call
+
     def copy_step(state, batch):
         new_state, metrics = train_step(state, batch)
         keep = jnp.isfinite(metrics["loss"])
         return jax.lax.cond(keep, lambda: new_state, lambda: state), metrics
 
-    def judged_one_step_late(step, spec):
+    def judged_late(step, spec):
         """The wrapped step as trainspec.core.run drives it under rollback: after dispatching
-        a step, the previous one's verdict is read and judged (a bad one is only counted:
-        there is no checkpoint to roll back to here)."""
+        a step, the verdict of the one VERDICT_LAG steps back is read and judged (a bad one is
+        only counted: there is no checkpoint to roll back to here)."""
         spikes, pending = bad_steps.LossSpikes(spec.health.spikes), []
         steps_done = itertools.count(1)
 
         def call(state, batch):
             state, metrics = step(state, batch)
             pending.append((next(steps_done), step.verdict_inputs(metrics)))
-            if len(pending) > 1:
+            if len(pending) > VERDICT_LAG:
                 at, inputs = pending.pop(0)
                 reason = bad_steps.verdict(at, *step.read_verdict(inputs), spikes)
                 if reason is not None:
@@ -127,10 +160,12 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     skip = trainspec.load_spec(spec, ["health.nan.policy=skip"])
     wrapped = {"rollback": trainspec.jax.wrap(train_step, spec),
                "skip": trainspec.jax.wrap(train_step, skip),
-               "unguarded": trainspec.jax.wrap(train_step, spec, nan_guard=False)}
+               "unguarded": trainspec.jax.wrap(train_step, spec, nan_guard=False),
+               "flags": trainspec.jax.wrap(flags_step, spec, nan_guard=False)}
     raw = {"plain": train_step, "meeting": meeting_step, "copy": copy_step}
     calls = {**{name: plain_jit(fn) for name, fn in raw.items()}, **wrapped,
-             "rollback": judged_one_step_late(wrapped["rollback"], spec)}
+             "rollback": judged_late(wrapped["rollback"], spec),
+             "flags": flags_read_late(wrapped["flags"])}
     states = {name: step.init(create_state, jax.random.key(0)) for name, step in wrapped.items()}
     states.update({name: jax.device_put(create_state(jax.random.key(0)),
                                         NamedSharding(mesh, P())) for name in raw})
