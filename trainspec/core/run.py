@@ -269,16 +269,17 @@ class Run:
         if inputs is None:  # no rollback policy, or a step without the guard
             return False
         searching = self.at <= self._search_until
+        now = now or searching
         self._pending.append((self.at, inputs))
         judged = []
-        while self._pending and (now or searching or len(self._pending) > VERDICT_LAG):
+        while self._pending and (now or len(self._pending) > VERDICT_LAG):
             judged.append(self._pending.popleft())
         for step, step_inputs in judged:
             reason = bad_steps.verdict(step, *self.step.read_verdict(step_inputs), self.spikes)
             if reason is not None:
                 self._roll_back_bad_step(step, reason)
                 return True
-        if (now or searching) and not self.step.state_is_finite(self.state):
+        if now and not self.step.state_is_finite(self.state):
             if searching:  # every state since the checkpoint was checked: this step made it
                 self._roll_back_bad_step(self.at, f"non-finite state after step {self.at}")
             else:
@@ -308,7 +309,7 @@ class Run:
         without a new finding at a later step."""
         found = self.at
         reason = (f"non-finite state at step {found}, which no loss or gradient norm showed: "
-                  f"replayed with the state checked after every step")
+                  "replayed with the state checked after every step")
         self._halt_unless_rollback_possible(reason)
         self._search_until = found
         self.roll_back(reason, (self.step, *self._job, self._data))

@@ -195,12 +195,10 @@ class TorchRunStep:
         return math.isfinite(metrics["grad_norm"]), float(metrics["loss"])
 
     def state_is_finite(self, state) -> bool:
-        """Every floating element of this rank's blocks of the parameters and the optimizer
-        state finite, on every rank: one all-reduce (max) of one integer."""
-        tensors = [*state.params, *(value for per_param in state.optimizer.state.values()
-                                    for value in per_param.values() if torch.is_tensor(value))]
-        bad = any(not bool(torch.isfinite(local_block(t)).all())
-                  for t in tensors if t.is_floating_point())
+        """Every floating element of what this rank's checkpoints carry finite, on every rank:
+        one all-reduce (max) of one integer."""
+        bad = any(not bool(torch.isfinite(t).all())
+                  for t in state.state_tensors() if t.is_floating_point())
         flag = torch.tensor([int(bad)], dtype=torch.int32)
         if len(self.participants) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -293,6 +293,16 @@ class WrappedStep:
         return local
 
     # -- health and checkpoints ----------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's blocks of everything its checkpoints carry: the parameters, the
+        optimizer's state, the error-feedback residual and semi_sync's anchor and momentum."""
+        optimizer = [v for per_param in self.optimizer.state.values() for v in per_param.values()
+                     if torch.is_tensor(v)]
+        compressed = self.reduction.compressed if self.reduction is not None else None
+        residual = [compressed.residual] if compressed and compressed.residual is not None else []
+        outer = [*self.outer.anchor, *self.outer.momentum] if self.outer is not None else []
+        return [local_block(t) for t in (*self.params, *optimizer, *residual, *outer)]
+
     def check_replicas(self, step: int, last_good_step: int = 0,
                        ids: list[int] | None = None) -> None:
         """Fingerprint every parameter's local block; the copies across the data axes must
