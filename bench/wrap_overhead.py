@@ -6,10 +6,13 @@ that takes `value_and_grad` of the cross-entropy, applies the gradients and retu
 `(state, metrics)`. Both sides get the same host (NumPy) batches, so both pay the transfer:
 - plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
 - rollback: `trainspec.jax.wrap(train_step, spec)` under the default `health.nan.policy =
-  rollback` (placement, donation; the step is the user's own), with what the run loop adds per
-  step: the loss (and gradient norm, where the step has one) of the step VERDICT_LAG steps
-  back read on the host, and judged (trainspec.core.run, trainspec.core.bad_steps). The state
-  itself is checked before each checkpoint only, and there is none here;
+  rollback` (placement, donation; the step is the user's own), with what the run loop adds:
+  the losses (and gradient norms, where the step has one) of the steps before the newest
+  VERDICT_LAG (3) read on the host VERDICT_BATCH (10) at a time, and judged
+  (trainspec.core.bad_steps.PendingVerdicts). The state itself is checked before each
+  checkpoint only, and there is none here;
+- each: the same, the verdict of the step VERDICT_LAG back read after every step (the timing
+  before batching, for the A/B);
 - flags: the state checked after every step instead, for comparison: the wrapped step
   (unguarded) also counting, on each device, the non-finite elements of its slices of the new
   state (trainspec.jax.health.nan), those flags read with the loss as late;
@@ -22,12 +25,13 @@ that takes `value_and_grad` of the cross-entropy, applies the gradients and retu
   check and no copy), and `copy`, a `lax.cond` keeping the new state or the old one on the loss
   alone (a value the step has already all-reduced, so no new meeting): the copy of the state
   into the donated buffer that keeping the old state until a verdict costs.
-Rounds alternate (and swap order) so that machine drift hits both; each round times
-`--steps` steps ended by one `block_until_ready`, in wall time and in this process's CPU time
+Each line's round is paired with a plain-jit round next to it, before or after in turn, and
+the lines' order swaps every round, so that machine drift hits both sides of a ratio; a round
+times `--steps` steps ended by one `block_until_ready`, in wall time and in this process's CPU time
 (all its threads: host dispatch and XLA's compute alike; on a loaded machine the CPU time is the
 steadier of the two, as waiting for a core does not count). Prints the median ms/step of each,
-the median of the per-round ratios, and the load average (the machine may be shared).
-    python bench/wrap_overhead.py [--devices 1 8] [--rounds 15] [--steps 20]
+the median of the per-pair ratios, and the load average (the machine may be shared).
+    python bench/wrap_overhead.py [--devices 1 8] [--rounds 15] [--steps 20] [--lines rollback ...]
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ import time
 BATCH = 128
 
 
-def _measure(n_devices: int, rounds: int, steps: int) -> None:
+def _measure(n_devices: int, rounds: int, steps: int, only: list[str],
+             log_every: int | None) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
     import flax.linen as nn
     import jax
@@ -54,7 +59,6 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
 
     import trainspec.jax
     from trainspec.core import bad_steps
-    from trainspec.core.run import VERDICT_LAG
     from trainspec.jax.health import nan as nan_guard
 
     class ConvNet(nn.Module):
@@ -110,43 +114,55 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
                               check_vma=False)(leaves)
         return new_state, {**metrics, "flags": flags}
 
-    def flags_read_late(step):
+    def flags_read_late():
         """The state checked after every step: each step's flags (this process's devices')
-        and loss read VERDICT_LAG steps after it is dispatched, as the loss alone is."""
-        pending = []
+        and loss read as late as the rollback line reads its verdicts."""
+        pending = bad_steps.PendingVerdicts()
 
-        def call(state, batch):
-            state, metrics = step(state, batch)
-            pending.append(([s.data for s in metrics["flags"].addressable_shards],
-                            metrics["loss"]))
-            if len(pending) > VERDICT_LAG:
-                flags, loss = jax.device_get(pending.pop(0))
+        def judge(at, metrics, now):
+            pending.add(at, ([s.data for s in metrics["flags"].addressable_shards],
+                             metrics["loss"]))
+            for _, inputs in pending.due(now):
+                flags, loss = jax.device_get(inputs)
                 if np.any(flags) or not np.isfinite(loss):
                     bad_verdicts.append("flags: a non-finite state or loss")
-            return state, metrics
 
-        return call
+        return judge
 
     def copy_step(state, batch):
         new_state, metrics = train_step(state, batch)
         keep = jnp.isfinite(metrics["loss"])
         return jax.lax.cond(keep, lambda: new_state, lambda: state), metrics
 
-    def judged_late(step, spec):
-        """The wrapped step as trainspec.core.run drives it under rollback: after dispatching
-        a step, the verdict of the one VERDICT_LAG steps back is read and judged (a bad one is
-        only counted: there is no checkpoint to roll back to here)."""
-        spikes, pending = bad_steps.LossSpikes(spec.health.spikes), []
+    def judged_late(step, **timing):
+        """What trainspec.core.run does after each step under rollback: the verdicts that are
+        due (bad_steps.PendingVerdicts, `timing` its lag and batch; all of them at a record)
+        read and judged (a bad one is only counted: there is no checkpoint to roll back to)."""
+        spikes, pending = bad_steps.LossSpikes(spec.health.spikes), bad_steps.PendingVerdicts(**timing)
+
+        def judge(at, metrics, now):
+            pending.add(at, step.verdict_inputs(metrics))
+            for judged, inputs in pending.due(now):
+                reason = bad_steps.verdict(judged, *step.read_verdict(inputs), spikes)
+                if reason is not None:
+                    bad_verdicts.append(reason)
+
+        return judge
+
+    def loop(step_call, judge=None):
+        """A training loop around a step: the step's loss read on the host every `log_every`
+        steps (flax's examples log every `log_every_steps`; trainspec's run loop records
+        every `metrics.interval`), and `judge(at, metrics, logs)` after each step, if any."""
         steps_done = itertools.count(1)
 
         def call(state, batch):
-            state, metrics = step(state, batch)
-            pending.append((next(steps_done), step.verdict_inputs(metrics)))
-            if len(pending) > VERDICT_LAG:
-                at, inputs = pending.pop(0)
-                reason = bad_steps.verdict(at, *step.read_verdict(inputs), spikes)
-                if reason is not None:
-                    bad_verdicts.append(reason)
+            state, metrics = step_call(state, batch)
+            at = next(steps_done)
+            logs = log_every > 0 and at % log_every == 0
+            if judge is not None:
+                judge(at, metrics, logs)
+            if logs:
+                jax.device_get(metrics["loss"])
             return state, metrics
 
         return call
@@ -158,14 +174,17 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
     bad_verdicts: list[str] = []
     spec = trainspec.load_spec({"batch": {"global_batch": BATCH}})
     skip = trainspec.load_spec(spec, ["health.nan.policy=skip"])
+    log_every = spec.metrics.interval if log_every is None else log_every
     wrapped = {"rollback": trainspec.jax.wrap(train_step, spec),
                "skip": trainspec.jax.wrap(train_step, skip),
+               "each": trainspec.jax.wrap(train_step, spec),
                "unguarded": trainspec.jax.wrap(train_step, spec, nan_guard=False),
                "flags": trainspec.jax.wrap(flags_step, spec, nan_guard=False)}
     raw = {"plain": train_step, "meeting": meeting_step, "copy": copy_step}
-    calls = {**{name: plain_jit(fn) for name, fn in raw.items()}, **wrapped,
-             "rollback": judged_late(wrapped["rollback"], spec),
-             "flags": flags_read_late(wrapped["flags"])}
+    judges = {"rollback": judged_late(wrapped["rollback"]),
+              "each": judged_late(wrapped["each"], batch=1), "flags": flags_read_late()}
+    calls = {name: loop(plain_jit(fn)) for name, fn in raw.items()}
+    calls.update({name: loop(step, judges.get(name)) for name, step in wrapped.items()})
     states = {name: step.init(create_state, jax.random.key(0)) for name, step in wrapped.items()}
     states.update({name: jax.device_put(create_state(jax.random.key(0)),
                                         NamedSharding(mesh, P())) for name in raw})
@@ -180,26 +199,35 @@ def _measure(n_devices: int, rounds: int, steps: int) -> None:
         states[name] = state
         return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
-    for name in calls:  # compile and warm up
+    lines = [name for name in calls if name != "plain" and (not only or name in only)]
+    for name in ["plain", *lines]:  # compile and warm up
         timed_round(name)
     load_before = open("/proc/loadavg").read().split()[:3]
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+    # Each line's round is paired with a plain round right before or after it (alternating),
+    # so that a ratio compares two runs seconds apart, not the line with a plain run made
+    # up to a whole round earlier.
+    pairs: dict[str, list[tuple[tuple[float, float], tuple[float, float]]]] = {
+        name: [] for name in lines}
     for r in range(rounds):
-        for name in list(calls) if r % 2 == 0 else list(calls)[::-1]:
-            times[name].append(timed_round(name))
+        for j, name in enumerate(lines if r % 2 == 0 else lines[::-1]):
+            if (r + j) % 2 == 0:
+                plain = timed_round("plain")
+                pairs[name].append((timed_round(name), plain))
+            else:
+                pairs[name].append((timed_round(name), timed_round("plain")))
     print(f"{n_devices} device(s), {os.cpu_count()} cores, batch {BATCH}, {rounds} rounds x "
-          f"{steps} steps; load average before {load_before}, after "
+          f"{steps} steps, the loss read every {log_every or 'no'} steps; load average before {load_before}, after "
           f"{open('/proc/loadavg').read().split()[:3]}")
     if bad_verdicts:
         print(f"  rollback judged {len(bad_verdicts)} step(s) bad (counted, not rolled back), "
               f"first: {bad_verdicts[0]}")
     for i, clock in enumerate(("wall", "CPU")):
-        plain = statistics.median(t[i] for t in times["plain"]) * 1e3
+        plain = statistics.median(p[i] for name in lines for _, p in pairs[name]) * 1e3
         print(f"  {clock:4s} plain jit {plain:8.2f} ms/step")
-        for name in [n for n in calls if n != "plain"]:
-            ms = statistics.median(t[i] for t in times[name]) * 1e3
-            ratios = [w[i] / p[i] for w, p in zip(times[name], times["plain"])]
-            print(f"       {name:9s} {ms:8.2f} ms/step  /plain: median of rounds "
+        for name in lines:
+            ms = statistics.median(w[i] for w, _ in pairs[name]) * 1e3
+            ratios = [w[i] / p[i] for w, p in pairs[name]]
+            print(f"       {name:9s} {ms:8.2f} ms/step  /plain: median of pairs "
                   f"{statistics.median(ratios):.3f}x [{min(ratios):.3f} .. {max(ratios):.3f}]")
 
 
@@ -208,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lines", nargs="+", default=[], metavar="LINE",
+                        help="time only these lines against plain jit (default: all)")
+    parser.add_argument("--log-every", type=int, default=None, metavar="K",
+                        help="every line's loop reads its loss every K steps (default: the "
+                             "spec's metrics.interval, 10; 0: never)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -215,11 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     if args.one:  # a child: XLA_FLAGS must be set before jax is imported
-        _measure(args.devices[0], args.rounds, args.steps)
+        _measure(args.devices[0], args.rounds, args.steps, args.lines, args.log_every)
         return
     for n in args.devices:  # each device count in a fresh process
         subprocess.run([sys.executable, __file__, "--one", "--devices", str(n),
-                        "--rounds", str(args.rounds), "--steps", str(args.steps)], check=True)
+                        "--rounds", str(args.rounds), "--steps", str(args.steps),
+                        *(["--lines", *args.lines] if args.lines else []),
+                        *(["--log-every", str(args.log_every)] if args.log_every is not None
+                          else [])], check=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from trainspec.cli.summary import print_summary
-from trainspec.core.bad_steps import RollbackLimit, batch_index
+from trainspec.core.bad_steps import (VERDICT_BATCH, VERDICT_LAG, PendingVerdicts,
+                                       RollbackLimit, batch_index)
 from trainspec.core.faults import Faults
 from trainspec.core.loop import train
 from trainspec.core.records import json_schema
@@ -64,9 +65,9 @@ def rolled_back(tmp_path_factory):
 
 def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back, capsys):
     _, run_dir, summary = rolled_back
-    # The NaN of step 12 is read a few steps late (VERDICT_LAG): back to
+    # The NaN of step 12 is judged at its own record (metrics.interval = 1): back to
     # checkpoint 8, batch 11 skipped. With batch 11 gone, step 27 reads batch 27, whose loss
-    # spikes (read after step 28): back to checkpoint 24, batch 27 skipped.
+    # spikes (judged at its record): back to checkpoint 24, batch 27 skipped.
     got = [(r["bad_step"], r["restored_step"], r["skipped_batches"], r["reason"].split(" at ")[0])
            for r in summary["rollbacks"]]
     assert got == [(12, 8, [11], "non-finite loss or gradients"),
@@ -109,6 +110,36 @@ def test_a_resume_leaves_the_skipped_batches_out_too(rolled_back, tmp_path):
     ours, theirs = _records(tmp_path / "resumed"), _records(tmp_path / "clean")
     assert [ours[s]["loss"] for s in range(1, STEPS + 5)] == [
         theirs[s]["loss"] for s in range(1, STEPS + 5)]
+
+
+def test_verdicts_wait_for_a_batch_behind_the_newest_steps_or_for_a_sync():
+    """The host reads no verdict of the newest VERDICT_LAG steps, and the older ones
+    VERDICT_BATCH at a time; at a record, checkpoint or last step (`now`), every one."""
+    pending, judged = PendingVerdicts(), []
+    first_due = VERDICT_LAG + VERDICT_BATCH
+    for step in range(1, first_due + VERDICT_BATCH + 1):
+        pending.add(step, f"inputs of {step}")
+        judged.append([s for s, _ in pending.due(now=False)])
+    assert judged[first_due - 1] == list(range(1, VERDICT_BATCH + 1))
+    assert judged[-1] == list(range(VERDICT_BATCH + 1, 2 * VERDICT_BATCH + 1))
+    assert sum(map(bool, judged)) == 2
+    pending.add(99, "inputs of 99")
+    due = pending.due(now=True)
+    assert [s for s, _ in due] == [*range(2 * VERDICT_BATCH + 1, first_due + VERDICT_BATCH + 1), 99]
+    assert due[-1][1] == "inputs of 99" and pending.due(now=True) == []
+
+
+def test_a_bad_step_between_syncs_is_judged_with_its_batch(tmp_path):
+    """Records far apart (metrics.interval = 100): a NaN at step 18, after checkpoint 16, is
+    read with the batch of verdicts due VERDICT_LAG + VERDICT_BATCH steps after that
+    checkpoint judged every step, and rolled back from as at its own record."""
+    spec = tiny_spec(*SPEC, "metrics.interval=100", "checkpoint.interval=16")
+    summary = run(spec, tmp_path, steps=STEPS, progress=False,
+                  faults=Faults(nan_steps=frozenset({18})))
+    (rollback,) = summary["rollbacks"]
+    assert (rollback["bad_step"], rollback["restored_step"], rollback["skipped_batches"]) == (
+        18, 16, [17])
+    assert rollback["step"] == 16 + VERDICT_LAG + VERDICT_BATCH
 
 
 def test_a_lasting_rise_halts_after_max_rollbacks(tmp_path):

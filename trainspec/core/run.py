@@ -21,7 +21,6 @@ for a step of theirs).
 """
 from __future__ import annotations
 
-import collections
 import logging
 import signal
 import sys
@@ -42,13 +41,6 @@ from trainspec.core.run_files import AlreadyTrained, resume_line, resume_mark, s
 from trainspec.core.sinks import sinks_for
 
 log = logging.getLogger("trainspec")
-
-# Under `rollback` a step is judged this many steps after it was dispatched: its loss is then
-# long computed, and reading it does not hold up the device. Read one step late, the wait
-# cost the bench's wrapped step 1.5% on 8 simulated devices, three steps late nothing
-# measurable (0.997x; 2 Xeon cores, 35 rounds). A bad step found later only trains a few more
-# steps that the rollback undoes (a checkpoint step first judges every step still pending).
-VERDICT_LAG = 3
 
 # What the loop trains: (step, target, init, data) as `resume` and `batches` take them.
 Job = tuple[Step, Any, Callable[[], Any], Callable[[int], dict]]
@@ -82,7 +74,7 @@ class Run:
         self.rolls_back = spec.health.nan.policy == "rollback"
         self.skipped_batches: set[int] = set()
         self.spikes = bad_steps.LossSpikes(spec.health.spikes)
-        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
+        self._pending = bad_steps.PendingVerdicts()
         self._search_until = 0  # a non-finite state's search: check every state to this step
         self._bad_step_rollbacks = 0
         self.rollback_mark: dict | None = None
@@ -259,22 +251,21 @@ class Run:
 
     # -- bad steps (health.nan.policy = rollback) ------------------------------------------
     def _rolled_back_after_bad_step(self, metrics: dict, now: bool) -> bool:
-        """Judge the step VERDICT_LAG steps back by its loss and gradient norm, long done
-        while this one runs; with `now` (a checkpoint or the last step follows) every step not
-        yet judged, this one too, waiting for it, and then the state itself, so that no
-        checkpoint and no final state holds a non-finite element. While a search for the step
-        that made a non-finite state is on, every step is judged so. On a bad step, roll back;
-        returns whether it did."""
+        """Judge the steps whose verdict is due (bad_steps.PendingVerdicts: a few steps late,
+        in batches) by their loss and gradient norm; with `now` (a checkpoint or the last
+        step follows) every step not yet judged, this one too, waiting for it, and then the
+        state itself, so that no checkpoint and no final state holds a non-finite element.
+        While a search for the step that made a non-finite state is on, every step is judged
+        so. On a bad step, roll back; returns whether it did."""
         inputs = self.step.verdict_inputs(metrics) if self.rolls_back else None
         if inputs is None:  # no rollback policy, or a step without the guard
             return False
         searching = self.at <= self._search_until
         now = now or searching
-        self._pending.append((self.at, inputs))
-        judged = []
-        while self._pending and (now or len(self._pending) > VERDICT_LAG):
-            judged.append(self._pending.popleft())
-        for step, step_inputs in judged:
+        self._pending.add(self.at, inputs)
+        # a record reads this step's metrics anyway: judging every pending step first adds
+        # no wait
+        for step, step_inputs in self._pending.due(now or self.recorder.due(self.at)):
             reason = bad_steps.verdict(step, *self.step.read_verdict(step_inputs), self.spikes)
             if reason is not None:
                 self._roll_back_bad_step(step, reason)
