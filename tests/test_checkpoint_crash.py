@@ -7,13 +7,11 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
-from trainspec.core.records import read_jsonl
-from run_dirs import signal_when
+from run_dirs import losses as _losses, signal_when
 from tiny import TINY
 from xla_env import without_device_count
 
@@ -32,15 +30,6 @@ def _cmd(run_dir):
 
 def _env():
     return {**without_device_count(), "TRAINSPEC_FAULTS": "{}"}
-
-
-def _losses(run_dir):
-    """{step: loss} as the product reads a run's records: a kill -9 can tear the last line (a
-    write across a page boundary stops short when SIGKILL arrives), and `read_jsonl` skips a
-    torn last line, as the resume's rewind drops it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is truncated")
-        return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
 
 
 def _recorded_steps(run_dir):

@@ -22,6 +22,7 @@ import torch
 
 import trainspec.torch
 from gpt_model import GPT, GPTConfig, adamw, token_loss
+from run_dirs import losses as _losses
 from tiny import TINY
 from trainspec.core.conformance_runner import ragged_batch
 from trainspec.core.data import ByteBatches
@@ -63,12 +64,6 @@ def _run(cmd, env=None):
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return json.loads(Path(cmd[cmd.index("--summary-json") + 1]).read_text())
-
-
-def _losses(run_dir) -> dict[int, float]:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return {r["step"]: r["loss"] for r in map(json.loads, filter(lambda l: l.endswith("}"), lines))}
 
 
 def _good(run_dir) -> list[str]:
