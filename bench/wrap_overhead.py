@@ -7,10 +7,10 @@ that takes `value_and_grad` of the cross-entropy, applies the gradients and retu
 - plain: `jax.jit(train_step, donate_argnums=0)`, the batch `device_put` onto the data axis;
 - rollback: `trainspec.jax.wrap(train_step, spec)` under the default `health.nan.policy =
   rollback` (placement, donation; the step is the user's own), with what the run loop adds:
-  the losses (and gradient norms, where the step has one) of the steps before the newest
-  VERDICT_LAG (3) read on the host VERDICT_BATCH (10) at a time, and judged
-  (trainspec.core.bad_steps.PendingVerdicts). The state itself is checked before each
-  checkpoint only, and there is none here;
+  the losses (and gradient norms, where the step has one) of the steps not yet judged read
+  on the host and judged where the loop reads its loss anyway, and otherwise VERDICT_BATCH
+  (10) at a time behind the newest VERDICT_LAG (3) (trainspec.core.bad_steps.PendingVerdicts).
+  The state itself is checked before each checkpoint only, and there is none here;
 - each: the same, the verdict of the step VERDICT_LAG back read after every step (the timing
   before batching, for the A/B);
 - flags: the state checked after every step instead, for comparison: the wrapped step
@@ -18,20 +18,24 @@ that takes `value_and_grad` of the cross-entropy, applies the gradients and retu
   state (trainspec.jax.health.nan), those flags read with the loss as late;
 - skip: the same under `health.nan.policy = skip`, the guard that keeps the old state until a
   verdict (an all-reduce of the state's check and a `lax.cond`), read by nothing per step;
-- unguarded: the same with `nan_guard=False`: nothing judged, nothing read per step;
+- unguarded: the same with `nan_guard=False`: nothing judged;
 - the skip guard's two costs apart, as plain jit of the step followed by one of them alone:
   `meeting`, one all-reduce of one scalar that depends on every floating leaf of the new state
   (the end-of-step meeting of the devices that any verdict on the new state needs, with no
   check and no copy), and `copy`, a `lax.cond` keeping the new state or the old one on the loss
   alone (a value the step has already all-reduced, so no new meeting): the copy of the state
   into the donated buffer that keeping the old state until a verdict costs.
-Each line's round is paired with a plain-jit round next to it, before or after in turn, and
-the lines' order swaps every round, so that machine drift hits both sides of a ratio; a round
-times `--steps` steps ended by one `block_until_ready`, in wall time and in this process's CPU time
-(all its threads: host dispatch and XLA's compute alike; on a loaded machine the CPU time is the
-steadier of the two, as waiting for a core does not count). Prints the median ms/step of each,
-the median of the per-pair ratios, and the load average (the machine may be shared).
+Every line's loop, plain jit's too, reads its step's loss on the host every `--log-every`
+steps (default: the spec's metrics.interval, where `trainspec train` writes a record; flax's
+examples log every `log_every_steps`). Each line's round is paired with a plain-jit round next
+to it, before or after in turn, and the lines' order swaps every round, so that machine drift
+hits both sides of a ratio; a round times `--steps` steps ended by one `block_until_ready`, in
+wall time and in this process's CPU time (all its threads: host dispatch and XLA's compute
+alike; on a loaded machine the CPU time is the steadier of the two, as waiting for a core does
+not count). Prints the median ms/step of each, the median of the per-pair ratios, and the load
+average (the machine may be shared).
     python bench/wrap_overhead.py [--devices 1 8] [--rounds 15] [--steps 20] [--lines rollback ...]
+        [--log-every K]
 """
 from __future__ import annotations
 
@@ -138,7 +142,8 @@ def _measure(n_devices: int, rounds: int, steps: int, only: list[str],
         """What trainspec.core.run does after each step under rollback: the verdicts that are
         due (bad_steps.PendingVerdicts, `timing` its lag and batch; all of them at a record)
         read and judged (a bad one is only counted: there is no checkpoint to roll back to)."""
-        spikes, pending = bad_steps.LossSpikes(spec.health.spikes), bad_steps.PendingVerdicts(**timing)
+        spikes = bad_steps.LossSpikes(spec.health.spikes)
+        pending = bad_steps.PendingVerdicts(**timing)
 
         def judge(at, metrics, now):
             pending.add(at, step.verdict_inputs(metrics))
@@ -216,8 +221,9 @@ def _measure(n_devices: int, rounds: int, steps: int, only: list[str],
             else:
                 pairs[name].append((timed_round(name), timed_round("plain")))
     print(f"{n_devices} device(s), {os.cpu_count()} cores, batch {BATCH}, {rounds} rounds x "
-          f"{steps} steps, the loss read every {log_every or 'no'} steps; load average before {load_before}, after "
-          f"{open('/proc/loadavg').read().split()[:3]}")
+          f"{steps} steps, the loss read {f'every {log_every} steps' if log_every else 'never'}; "
+          f"load average before "
+          f"{load_before}, after {open('/proc/loadavg').read().split()[:3]}")
     if bad_verdicts:
         print(f"  rollback judged {len(bad_verdicts)} step(s) bad (counted, not rolled back), "
               f"first: {bad_verdicts[0]}")
