@@ -18,7 +18,7 @@ def snapshot(run_dir: Path) -> dict:
         p.read_bytes()).hexdigest() if p.is_file() else None) for p in run_dir.rglob("*")}
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def recorded_losses(run_dir: Path) -> dict[int, float]:
     """{step: loss} of the complete records in the run's metrics.jsonl ({} before the first),
     read as the product reads them: `read_jsonl` skips a last line without its newline, one
     being written or torn by kill -9 (a write that crosses a page boundary stops short when

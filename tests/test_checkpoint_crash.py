@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from run_dirs import losses as _losses, signal_when
+from run_dirs import recorded_losses, signal_when
 from tiny import TINY
 from xla_env import without_device_count
 
@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
     result = subprocess.run(_cmd(run_dir), capture_output=True, text=True, env=_env(), cwd=ROOT,
                             timeout=600)
     assert result.returncode == 0, result.stderr
-    return _losses(run_dir)
+    return recorded_losses(run_dir)
 
 
 @pytest.mark.parametrize("trial", [0, 1])
@@ -69,7 +69,7 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference, trial):
     proc.wait()
     complete = _complete_steps(tmp_path)
     assert complete, "the kill came before any checkpoint: the trial tests nothing"
-    killed_at = max(_losses(tmp_path))
+    killed_at = max(recorded_losses(tmp_path))
 
     result = subprocess.run(_cmd(tmp_path), capture_output=True, text=True, env=_env(), cwd=ROOT,
                             timeout=600)
@@ -78,7 +78,7 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference, trial):
     # resumed from the newest complete checkpoint: at most the work since it is lost
     assert summary["resumed_from"] == complete[-1]
     assert killed_at - summary["resumed_from"] <= 2 * INTERVAL  # one interval + one in flight
-    assert _losses(tmp_path) == reference
+    assert recorded_losses(tmp_path) == reference
     print(f"trial {trial}: killed after step {killed_at}, resumed from {complete[-1]}")
 
 
@@ -91,7 +91,7 @@ def test_sigterm_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, refe
     _, err = signal_when(proc, lambda: metrics.exists()
                          and len(metrics.read_text().splitlines()) >= INTERVAL + 2)
     assert proc.returncode == 143, err
-    stopped_at = max(_losses(tmp_path))
+    stopped_at = max(recorded_losses(tmp_path))
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"trainspec: stopped: SIGTERM after step {stopped_at}; checkpoint "
                            f"{stopped_at} is in "), line
@@ -101,4 +101,4 @@ def test_sigterm_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, refe
                             timeout=600)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"] == stopped_at
-    assert _losses(tmp_path) == reference
+    assert recorded_losses(tmp_path) == reference

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from test_checkpoint_crash import ROOT, _complete_steps, _env, _losses
+from run_dirs import recorded_losses
+from test_checkpoint_crash import ROOT, _complete_steps, _env
 from tiny import TINY
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def _run(run_dir, compression):
 @pytest.mark.parametrize("compression", ["bf16", "int8"])
 def test_kill_9_then_resume_is_bitwise(tmp_path, compression):
     _run(tmp_path / "reference", compression)
-    reference = _losses(tmp_path / "reference")
+    reference = recorded_losses(tmp_path / "reference")
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(killed, compression), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
@@ -47,8 +48,8 @@ def test_kill_9_then_resume_is_bitwise(tmp_path, compression):
     assert proc.poll() is None, "the run ended before the kill: the test tests nothing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert max(_losses(killed)) < STEPS
+    assert max(recorded_losses(killed)) < STEPS
     saved = _complete_steps(killed)[-1]
     _run(killed, compression)
     assert json.loads((killed / "summary.json").read_text())["resumed_from"] == saved
-    assert _losses(killed) == reference
+    assert recorded_losses(killed) == reference

@@ -18,7 +18,8 @@ from trainspec.core.spec import DEFAULT_SPEC_PATH
 from trainspec.jax.metrics.comm import analyze_compiled
 from trainspec.jax.semi_sync import SemiSyncStep
 from trainspec.jax.train import build_job
-from test_checkpoint_crash import ROOT, _complete_steps, _env, _losses
+from run_dirs import recorded_losses
+from test_checkpoint_crash import ROOT, _complete_steps, _env
 from tiny import TINY, tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -209,7 +210,7 @@ def test_kill_9_then_resume_is_bitwise(tmp_path_factory):
     assert complete, "the kill came before any checkpoint: the test tests nothing"
     resumed = _run(run_dir)
     assert resumed["resumed_from"] == complete[-1] and complete[-1] < STEPS
-    assert _losses(run_dir) == _losses(reference_dir)
+    assert recorded_losses(run_dir) == recorded_losses(reference_dir)
 
 
 def test_resume_on_another_number_of_groups_is_one_line(programs, tmp_path):

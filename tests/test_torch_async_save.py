@@ -22,7 +22,7 @@ import torch
 
 import trainspec.torch
 from gpt_model import GPT, GPTConfig, adamw, token_loss
-from run_dirs import losses as _losses
+from run_dirs import recorded_losses
 from tiny import TINY
 from trainspec.core.conformance_runner import ragged_batch
 from trainspec.core.data import ByteBatches
@@ -74,7 +74,7 @@ def _good(run_dir) -> list[str]:
 def synchronous(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sync")
     _run(_cmd(run_dir, asynchronous=False))
-    return _losses(run_dir)
+    return recorded_losses(run_dir)
 
 
 def test_a_background_save_holds_the_state_of_its_step(tmp_path):
@@ -107,11 +107,11 @@ def test_a_background_save_holds_the_state_of_its_step(tmp_path):
 def test_background_saves_train_and_resume_as_synchronous_ones(tmp_path, synchronous):
     summary = _run(_cmd(tmp_path, asynchronous=True))
     assert summary["last_checkpoint"] == STEPS and _good(tmp_path) == ["12", "4", "8"]
-    assert _losses(tmp_path) == synchronous
+    assert recorded_losses(tmp_path) == synchronous
     for later in ("8", "12"):  # resume from step 4, saved while steps 5 to 8 trained
         shutil.rmtree(tmp_path / "checkpoints" / later)
     assert _run(_cmd(tmp_path, asynchronous=True))["resumed_from"] == 4
-    assert _losses(tmp_path) == synchronous
+    assert recorded_losses(tmp_path) == synchronous
 
 
 def test_kill_9_during_a_background_save_never_leaves_it_taken_as_good(tmp_path, synchronous):
@@ -126,7 +126,7 @@ def test_kill_9_during_a_background_save_never_leaves_it_taken_as_good(tmp_path,
     try:
         deadline = time.time() + 300
         # the save of step 8 is held; training goes on until the next save waits for it
-        while not ((run_dir / "held").exists() and max(_losses(run_dir), default=0) >= STEPS):
+        while not ((run_dir / "held").exists() and max(recorded_losses(run_dir), default=0) >= STEPS):
             assert proc.poll() is None and time.time() < deadline, "the held run ended"
             time.sleep(0.05)
         assert _good(run_dir) == ["4", "8.partial"]  # 8's shards written, never marked good
@@ -135,4 +135,4 @@ def test_kill_9_during_a_background_save_never_leaves_it_taken_as_good(tmp_path,
         proc.wait()
     summary = _run(_cmd(run_dir, asynchronous=True))
     assert summary["resumed_from"] == 4 and summary["last_checkpoint"] == STEPS
-    assert _losses(run_dir) == synchronous
+    assert recorded_losses(run_dir) == synchronous

@@ -14,7 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from run_dirs import losses, signal_when, snapshot
+from run_dirs import recorded_losses, signal_when, snapshot
 from trainspec.core.records import json_schema
 from tiny import TINY, tiny_spec
 
@@ -41,11 +41,7 @@ def _records(run_dir):
 
 
 def _has_record_past(run_dir, step) -> bool:
-    return max(losses(run_dir), default=0) > step
-
-
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in _records(run_dir)}
+    return max(recorded_losses(run_dir), default=0) > step
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,7 @@ def test_learns_and_summarises(reference):
     assert summary["framework"] == "torch" and summary["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
     assert summary["final_loss"] < summary["initial_loss"] - 0.3, summary
     assert summary["last_checkpoint"] == STEPS
-    assert sorted(_losses(reference)) == list(range(1, STEPS + 1))
+    assert sorted(recorded_losses(reference)) == list(range(1, STEPS + 1))
     # the noise scale over the 2 data replicas, smoothed as the JAX loop smooths it
     records = _records(reference)
     assert {r["gns_source"] for r in records} == {"replicas"}
@@ -117,7 +113,7 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from"] >= 4 and "resumed from step" in result.stderr + result.stdout
-    assert _losses(tmp_path) == _losses(reference)  # bit for bit, every step
+    assert recorded_losses(tmp_path) == recorded_losses(reference)  # bit for bit, every step
 
 
 def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp_path, reference):
@@ -128,7 +124,7 @@ def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp
                             text=True, cwd=ROOT, start_new_session=True)
     out, _ = signal_when(proc, lambda: _has_record_past(tmp_path, 5))
     assert proc.returncode == 143, out
-    stopped_at = max(_losses(tmp_path))
+    stopped_at = max(recorded_losses(tmp_path))
     assert stopped_at < STEPS, "the run ended before the signal: nothing is tested"
     assert (f"trainspec: stopped: SIGTERM after step {stopped_at}; checkpoint {stopped_at} is "
             "in ") in out, out
@@ -136,7 +132,7 @@ def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp
     result = _run(_cmd(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"] == stopped_at
-    assert _losses(tmp_path) == _losses(reference)
+    assert recorded_losses(tmp_path) == recorded_losses(reference)
 
 
 def test_restart_sets_the_checkpoints_aside_and_trains_from_step_0(tmp_path, reference):
@@ -150,8 +146,8 @@ def test_restart_sets_the_checkpoints_aside_and_trains_from_step_0(tmp_path, ref
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]
     # Trained afresh: the reference's first losses (a 4-step schedule's first 3 updates, which
     # the losses up to step 4 depend on, are the 12-step one's: warm-up, then the decay's start)
-    want = _losses(reference)
-    assert _losses(run_dir) == {step: want[step] for step in range(1, 5)}
+    want = recorded_losses(reference)
+    assert recorded_losses(run_dir) == {step: want[step] for step in range(1, 5)}
 
 
 def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
@@ -192,7 +188,7 @@ def test_resumes_on_another_world_size(tmp_path, reference):
         in result.stderr + result.stdout
     first = next(r for r in _records(run_dir) if r["step"] == 9)
     assert (first["resumed_from_step"], first["resumed_from_mesh"]) == (8, "data=2 x fsdp=1 x tensor=1")
-    want, got = _losses(reference), _losses(run_dir)
+    want, got = recorded_losses(reference), recorded_losses(run_dir)
     resumed = range(9, STEPS + 1)
     np.testing.assert_allclose([got[s] for s in resumed], [want[s] for s in resumed], rtol=1e-5)
 
