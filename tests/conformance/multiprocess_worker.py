@@ -6,11 +6,18 @@ the suite's own test functions (same cases, same NumPy references, same toleranc
 whose first axis `p` is the process. Every process runs the same checks in the same order (the
 collectives are SPMD across processes) and fetches whole results (`_host`), so both reach the
 same verdicts. Prints one `RESULT` line; exits 1 if any check failed.
+
+A hang does not wait out the test's timeout in silence: joining the job and each check run
+under a watchdog that prints which it was and every thread's stack (`faulthandler`), then
+exits, so the launcher stops the other process. The ext backend's own rendezvous timeout
+(120 s) raises before the watchdog fires; the watchdog is for what has no timeout (gloo).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -27,8 +34,34 @@ import jax  # noqa: E402
 
 from trainspec.jax.distributed import initialize_from_env  # noqa: E402
 
-assert initialize_from_env(), "run me under `trainspec launch --nprocs 2`"
-assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
+# Alone a check takes well under a second and the whole run under a minute (2 loaded cores).
+WATCHDOG_S = 150
+
+
+class Watchdog:
+    """`with Watchdog(what):` exits the process, saying `what` and dumping every thread's
+    stack, if the block runs longer than WATCHDOG_S."""
+
+    def __init__(self, what: str):
+        self.what, self.timer = what, threading.Timer(WATCHDOG_S, self._fire)
+
+    def _fire(self) -> None:
+        print(f"HANG {self.what}: still running after {WATCHDOG_S} s; stacks:", flush=True)
+        faulthandler.dump_traceback(sys.stdout, all_threads=True)
+        sys.stdout.flush()
+        os._exit(3)
+
+    def __enter__(self):
+        self.timer.daemon = True
+        self.timer.start()
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+
+
+with Watchdog("joining the 2-process job"):
+    assert initialize_from_env(), "run me under `trainspec launch --nprocs 2`"
+    assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
 
 import pytest  # noqa: E402
 
@@ -90,7 +123,7 @@ def main(backend: str) -> int:
     for name, lay, check in checks(backend):
         # The hierarchical backend reads which axes are in-process from the concrete mesh.
         try:
-            with jax.set_mesh(suite._mesh(lay.mesh_shape, lay.mesh_axes)):
+            with Watchdog(name), jax.set_mesh(suite._mesh(lay.mesh_shape, lay.mesh_axes)):
                 check()
             passed += 1
         except pytest.skip.Exception:
