@@ -147,8 +147,10 @@ def _measure(n_devices: int, rounds: int, steps: int, only: list[str],
 
         def judge(at, metrics, now):
             pending.add(at, step.verdict_inputs(metrics))
-            for judged, inputs in pending.due(now):
-                reason = bad_steps.verdict(judged, *step.read_verdict(inputs), spikes)
+            due = pending.due(now)
+            verdicts = step.read_verdicts([inputs for _, inputs in due]) if due else []
+            for (judged, _), judged_verdict in zip(due, verdicts):
+                reason = bad_steps.verdict(judged, *judged_verdict, spikes)
                 if reason is not None:
                     bad_verdicts.append(reason)
 

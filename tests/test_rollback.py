@@ -283,7 +283,7 @@ def test_every_element_of_the_state_is_checked_by_some_device(layout):
         batch = {"x": x, "at": np.full(rows, at, np.int32), "bad": np.full(rows, bad, np.float32)}
         new, metrics = wrapped(state, batch)  # donated: the state is the same before each
         state = wrapped.init(init, jax.random.key(0))
-        assert wrapped.read_verdict(wrapped.verdict_inputs(metrics))[0], (at, bad)
+        assert wrapped.read_verdicts([wrapped.verdict_inputs(metrics)])[0][0], (at, bad)
         assert wrapped.state_is_finite(new) == finite, (at, bad)
 
 

@@ -70,7 +70,7 @@ VERDICT_LAG, VERDICT_BATCH = 3, 10
 
 class PendingVerdicts:
     """Steps dispatched but not yet judged, oldest first, each with its verdict inputs (the
-    values `Step.read_verdict` reads, still on the device). `lag` and `batch` are the
+    values `Step.read_verdicts` reads, still on the device). `lag` and `batch` are the
     constants above (the bench sets `batch=1` to time a read every step)."""
 
     def __init__(self, lag: int = VERDICT_LAG, batch: int = VERDICT_BATCH):

@@ -71,8 +71,9 @@ class Step(Protocol):
         """What judges this step under health.nan.policy = rollback (its loss and gradient
         norm, not yet read: no sync); None when the step carries no guard."""
 
-    def read_verdict(self, inputs) -> tuple[bool, float | None]:
-        """(the gradient norm finite, the loss) on the host, from `inputs`."""
+    def read_verdicts(self, inputs: list) -> list[tuple[bool, float | None]]:
+        """(the gradient norm finite, the loss) on the host for each of several steps'
+        `inputs`, in one read: the verdicts are due in batches (bad_steps.PendingVerdicts)."""
 
     def state_is_finite(self, state) -> bool:
         """Every floating element of the state finite, the same answer on every process: run

@@ -265,8 +265,10 @@ class Run:
         self._pending.add(self.at, inputs)
         # a record reads this step's metrics anyway: judging every pending step first adds
         # no wait
-        for step, step_inputs in self._pending.due(now or self.recorder.due(self.at)):
-            reason = bad_steps.verdict(step, *self.step.read_verdict(step_inputs), self.spikes)
+        due = self._pending.due(now or self.recorder.due(self.at))
+        read = self.step.read_verdicts([step_inputs for _, step_inputs in due]) if due else []
+        for (step, _), step_verdict in zip(due, read):
+            reason = bad_steps.verdict(step, *step_verdict, self.spikes)
             if reason is not None:
                 self._roll_back_bad_step(step, reason)
                 return True

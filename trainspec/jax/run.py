@@ -94,8 +94,8 @@ class JaxStep:
     def verdict_inputs(self, metrics):
         return self.wrapped.verdict_inputs(metrics)
 
-    def read_verdict(self, inputs) -> tuple[bool, float | None]:
-        return self.wrapped.read_verdict(inputs)
+    def read_verdicts(self, inputs: list) -> list[tuple[bool, float | None]]:
+        return self.wrapped.read_verdicts(inputs)
 
     def state_is_finite(self, state) -> bool:
         return self.wrapped.state_is_finite(state)

@@ -49,7 +49,7 @@ class WrappedStep:
 
     `nan_guard` (default on): under `health.nan.policy = rollback` (the default) the step is
     its own output, unchanged; the run loop judges it a few steps late by its loss and gradient
-    norm (`verdict_inputs`, `read_verdict`), checks the state itself before each checkpoint
+    norm (`verdict_inputs`, `read_verdicts`), checks the state itself before each checkpoint
     (`state_is_finite`), and rolls back a bad step; under `skip` and
     `halt` an update whose loss, gradients or new state are not finite is dropped on device
     (state and `state.step` stay as they were), the metrics gain `nonfinite` and
@@ -246,16 +246,22 @@ class WrappedStep:
 
     def verdict_inputs(self, metrics: dict):
         """Under `rollback`: the metrics that judge this step, still on device (read later by
-        `read_verdict`); None otherwise."""
+        `read_verdicts`); None otherwise."""
         if not self.rolls_back:
             return None
         return {k: v for k, v in metrics.items() if k in VERDICT_METRICS}
 
-    def read_verdict(self, metrics) -> tuple[bool, float | None]:
-        """(the gradient norm is finite, the loss): a host read of a few scalars."""
-        host = self.combine_metrics(self.to_host(metrics))
-        finite = bool(np.all(np.isfinite(host.get("grad_norm", 0.0))))
-        return finite, float(host["loss"]) if "loss" in host else None
+    def read_verdicts(self, inputs: list) -> list[tuple[bool, float | None]]:
+        """(the gradient norm is finite, the loss) of each step's `verdict_inputs`: one host
+        read of them all, whose transfers overlap. Read one step at a time, ten steps' scalars
+        took 1.5-5.5 ms on 8 simulated devices against 0.8-0.9 ms at once (a loaded Xeon VM),
+        as much as 1% of the bench's 45 ms step when judged every tenth step."""
+        verdicts = []
+        for metrics in self.to_host(inputs):
+            host = self.combine_metrics(metrics)
+            finite = bool(np.all(np.isfinite(host.get("grad_norm", 0.0))))
+            verdicts.append((finite, float(host["loss"]) if "loss" in host else None))
+        return verdicts
 
     def state_is_finite(self, state) -> bool:
         """Every floating element of `state` finite: each device checks its slices, one

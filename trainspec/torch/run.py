@@ -191,8 +191,8 @@ class TorchRunStep:
         return self.combine_metrics({key: np.array([m[key] for m in every]) for key in every[0]})
 
     @staticmethod
-    def read_verdict(metrics: dict) -> tuple[bool, float]:
-        return math.isfinite(metrics["grad_norm"]), float(metrics["loss"])
+    def read_verdicts(inputs: list) -> list[tuple[bool, float]]:
+        return [(math.isfinite(m["grad_norm"]), float(m["loss"])) for m in inputs]
 
     def state_is_finite(self, state) -> bool:
         """Every floating element of what this rank's checkpoints carry finite, on every rank:
