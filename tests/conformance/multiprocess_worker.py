@@ -9,8 +9,8 @@ same verdicts. Prints one `RESULT` line; exits 1 if any check failed.
 
 A hang does not wait out the test's timeout in silence: joining the job and each check run
 under a watchdog that prints which it was and every thread's stack (`faulthandler`), then
-exits, so the launcher stops the other process. The ext backend's own rendezvous timeout
-(120 s) raises before the watchdog fires; the watchdog is for what has no timeout (gloo).
+exits, so the launcher stops the other process. The ext backend's rendezvous and gloo (through
+the XLA flag below) time out at 120 s and raise first; the watchdog is for whatever else hangs.
 """
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the suite's checks, and tests/xl
 
 from xla_env import DEVICE_COUNT_FLAG, without_device_count  # noqa: E402
 
-# 4 devices per process; the suite's other XLA flags are kept.
-os.environ["XLA_FLAGS"] = f"{without_device_count()['XLA_FLAGS']} {DEVICE_COUNT_FLAG}=4".strip()
+# 4 devices per process; the suite's other XLA flags are kept. XLA:CPU's collectives across
+# processes (gloo) wait for a missing peer for 30 minutes by default; here they fail after 120 s
+# ("Gloo all-reduce failed: ... Timed out waiting 120000ms"), as the ext backend's rendezvous
+# does, and before the watchdog below.
+os.environ["XLA_FLAGS"] = (f"{without_device_count()['XLA_FLAGS']} {DEVICE_COUNT_FLAG}=4 "
+                           "--xla_cpu_collective_timeout_seconds=120").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
