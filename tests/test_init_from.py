@@ -110,6 +110,19 @@ def test_init_from_with_a_users_model_is_refused_by_name(tmp_path, capsys, writt
         "initialises its own (drop one of them)"]
 
 
+def test_the_python_api_refuses_init_from_with_a_users_model_too(tmp_path, params):
+    """`run(model=..., init_from=...)` used to train the model and drop the file unsaid."""
+    from trainspec.core.user_model import load
+    from trainspec.jax import train as jax_train
+    from trainspec.torch import train as torch_train
+
+    model = load("examples/own_model.py:make", SPEC)  # refused before it becomes a job
+    for entry in (jax_train.run, torch_train.run):
+        with pytest.raises(UserInputError, match="^--init-from: holds the reference model's"):
+            entry(SPEC, tmp_path / entry.__module__, model=model, init_from=params)
+        assert not (tmp_path / entry.__module__).exists()
+
+
 def test_a_run_dir_with_checkpoints_resumes_and_says_so(tmp_path, written):
     checkpoints = tmp_path / "run" / "checkpoints"
     assert params_file.resume_note(written, checkpoints) is None

@@ -25,6 +25,7 @@ from trainspec.core.run_files import refuse_foreign_checkpoints, write_json_atom
 from trainspec.core.spec import Spec
 from trainspec.core.transformer_flops import for_spec as model_flops
 from trainspec.core.user_model import UserModel
+from trainspec.jax.capabilities import JAX
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.distributed import is_writer
 from trainspec.jax.feed import local_rows
@@ -193,7 +194,8 @@ def run(
     the run goes on from the last checkpoint on the devices left. `model`: train a user's
     model and data (`trainspec train --model`) instead of the reference job. `init_from`: the
     reference model's parameters to start from (trainspec.core.params_file.read) when the run
-    does not resume."""
+    does not resume; refused with `model` (UserInputError), as `trainspec train` refuses it."""
+    JAX.check_flags({"--init-from": init_from, "--model": model})
     run_dir.mkdir(parents=True, exist_ok=True)
     if not restart:  # before orbax lists them (and warns that they are not its own)
         refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")

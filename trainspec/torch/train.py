@@ -26,6 +26,7 @@ from trainspec.core.spec import Spec
 from trainspec.core.transformer_flops import for_spec
 from trainspec.core.user_model import UserModel
 from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.capabilities import TORCH
 from trainspec.torch.members import exclude_at_start, leave_out
 from trainspec.torch.preflight import preflight
 from trainspec.torch.params_file import save_initial, state_dict
@@ -76,7 +77,8 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
     LeftOut on a rank `mesh.exclude_devices` or a rollback leaves out (trainspec.torch.members).
     `model`: train a user's model and data instead of the reference job; `init_from`: the
     reference model's parameters to start from (trainspec.core.params_file.read) when the run
-    does not resume."""
+    does not resume; refused with `model` (UserInputError), as `trainspec train` refuses it."""
+    TORCH.check_flags({"--init-from": init_from, "--model": model})
     adapter = adapter or TorchAdapter(spec.collectives.timeout_s)
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
