@@ -9,8 +9,8 @@ same verdicts. Prints one `RESULT` line; exits 1 if any check failed.
 
 A hang does not wait out the test's timeout in silence: joining the job and each check run
 under a watchdog that prints which it was and every thread's stack (`faulthandler`), then
-exits, so the launcher stops the other process. The ext backend's rendezvous and gloo (through
-the XLA flag below) time out at 120 s and raise first; the watchdog is for whatever else hangs.
+exits, so the launcher stops the other process. gloo (through the XLA flag below) times out
+first and raises; the watchdog is for what has no timeout.
 """
 from __future__ import annotations
 
@@ -27,19 +27,28 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the suite's checks, and tests/xl
 from xla_env import DEVICE_COUNT_FLAG, without_device_count  # noqa: E402
 
 # 4 devices per process; the suite's other XLA flags are kept. XLA:CPU's collectives across
-# processes (gloo) wait for a missing peer for 30 minutes by default; here they fail after 120 s
-# ("Gloo all-reduce failed: ... Timed out waiting 120000ms"), as the ext backend's rendezvous
-# does, and before the watchdog below.
+# processes (gloo) wait for a missing peer far longer by default; here they fail after 60 s
+# ("Gloo all-reduce failed: ... Timed out waiting 60000ms"), before the watchdog below.
 os.environ["XLA_FLAGS"] = (f"{without_device_count()['XLA_FLAGS']} {DEVICE_COUNT_FLAG}=4 "
-                           "--xla_cpu_collective_timeout_seconds=120").strip()
+                           "--xla_cpu_collective_timeout_seconds=60").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache (the suite's conftest sets one for its processes). Shared by
+# the two processes of this job on jaxlib 0.12.1, it made the cross-process permute of the
+# `both_reversed` layout hang: rank 0's gloo recv timed out, rank 1 waited on (2 runs of 2 with
+# a fresh cache directory; 0 of 15 without one).
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import jax  # noqa: E402
 
 from trainspec.jax.distributed import initialize_from_env  # noqa: E402
 
+HANG_STATUS = 3  # the exit status of a process whose watchdog fired (a failed check: 1)
+
 # Alone a check takes well under a second and the whole run under a minute (2 loaded cores).
-WATCHDOG_S = 150
+WATCHDOG_S = 90
+# The other process's watchdog, started within milliseconds of this one's (the checks meet in
+# collectives), fires in this time too: both stacks are printed before either exits.
+BOTH_DUMPED_S = 15
 
 
 class Watchdog:
@@ -53,7 +62,8 @@ class Watchdog:
         print(f"HANG {self.what}: still running after {WATCHDOG_S} s; stacks:", flush=True)
         faulthandler.dump_traceback(sys.stdout, all_threads=True)
         sys.stdout.flush()
-        os._exit(3)
+        time.sleep(BOTH_DUMPED_S)
+        os._exit(HANG_STATUS)
 
     def __enter__(self):
         self.timer.daemon = True
