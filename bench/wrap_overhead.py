@@ -147,12 +147,8 @@ def _measure(n_devices: int, rounds: int, steps: int, only: list[str],
 
         def judge(at, metrics, now):
             pending.add(at, step.verdict_inputs(metrics))
-            due = pending.due(now)
-            verdicts = step.read_verdicts([inputs for _, inputs in due]) if due else []
-            for (judged, _), judged_verdict in zip(due, verdicts):
-                reason = bad_steps.verdict(judged, *judged_verdict, spikes)
-                if reason is not None:
-                    bad_verdicts.append(reason)
+            bad = bad_steps.bad_verdicts(pending.due(now), step.read_verdicts, spikes)
+            bad_verdicts.extend(reason for _, reason in bad)
 
         return judge
 

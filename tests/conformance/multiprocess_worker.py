@@ -57,6 +57,7 @@ class Watchdog:
 
     def __init__(self, what: str):
         self.what, self.timer = what, threading.Timer(WATCHDOG_S, self._fire)
+        self.timer.daemon = True
 
     def _fire(self) -> None:
         print(f"HANG {self.what}: still running after {WATCHDOG_S} s; stacks:", flush=True)
@@ -66,7 +67,6 @@ class Watchdog:
         os._exit(HANG_STATUS)
 
     def __enter__(self):
-        self.timer.daemon = True
         self.timer.start()
 
     def __exit__(self, *exc):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainspec.core.health import HealthHalt, outlier_threshold
@@ -105,6 +106,18 @@ def verdict(step: int, finite: bool, loss: float | None, spikes: LossSpikes) -> 
                 f"{spikes.spec.k:g} MAD of the last {len(spikes.window)} good steps)")
     spikes.add(step, loss)
     return None
+
+
+def bad_verdicts(due: list[tuple[int, Any]], read_verdicts: Callable[[list], list],
+                 spikes: LossSpikes) -> Iterator[tuple[int, str]]:
+    """(step, why) for each bad step of `due` (PendingVerdicts.due), oldest first, their
+    inputs read in one `read_verdicts` (the implementation's Step.read_verdicts). Lazy: a
+    caller that stops at the first bad step leaves the later ones out of the spike window."""
+    verdicts = read_verdicts([inputs for _, inputs in due]) if due else []
+    for (step, _), (finite, loss) in zip(due, verdicts):
+        reason = verdict(step, finite, loss, spikes)
+        if reason is not None:
+            yield step, reason
 
 
 def batches_to_skip(policy: NanSpec, bad_step: int, restored_step: int,

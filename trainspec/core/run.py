@@ -266,12 +266,9 @@ class Run:
         # a record reads this step's metrics anyway: judging every pending step first adds
         # no wait
         due = self._pending.due(now or self.recorder.due(self.at))
-        read = self.step.read_verdicts([step_inputs for _, step_inputs in due]) if due else []
-        for (step, _), step_verdict in zip(due, read):
-            reason = bad_steps.verdict(step, *step_verdict, self.spikes)
-            if reason is not None:
-                self._roll_back_bad_step(step, reason)
-                return True
+        for step, reason in bad_steps.bad_verdicts(due, self.step.read_verdicts, self.spikes):
+            self._roll_back_bad_step(step, reason)
+            return True
         if now and not self.step.state_is_finite(self.state):
             if searching:  # every state since the checkpoint was checked: this step made it
                 self._roll_back_bad_step(self.at, f"non-finite state after step {self.at}")
