@@ -32,7 +32,8 @@ to it, before or after in turn, and the lines' order swaps every round, so that 
 hits both sides of a ratio; a round times `--steps` steps ended by one `block_until_ready`, in
 wall time and in this process's CPU time (all its threads: host dispatch and XLA's compute
 alike; on a loaded machine the CPU time is the steadier of the two, as waiting for a core does
-not count). Prints the median ms/step of each, the median of the per-pair ratios, and the load
+not count). Prints the median ms/step of each, the median of the per-pair ratios with a 90% bootstrap
+interval (how far that median could move with other rounds on this machine), and the load
 average (the machine may be shared).
     python bench/wrap_overhead.py [--devices 1 8] [--rounds 15] [--steps 20] [--lines rollback ...]
         [--log-every K]
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -231,8 +233,19 @@ def _measure(n_devices: int, rounds: int, steps: int, only: list[str],
         for name in lines:
             ms = statistics.median(w[i] for w, _ in pairs[name]) * 1e3
             ratios = [w[i] / p[i] for w, p in pairs[name]]
+            low, high = _median_interval(ratios)
             print(f"       {name:9s} {ms:8.2f} ms/step  /plain: median of pairs "
-                  f"{statistics.median(ratios):.3f}x [{min(ratios):.3f} .. {max(ratios):.3f}]")
+                  f"{statistics.median(ratios):.3f}x (90% interval {low:.3f} .. {high:.3f}; "
+                  f"pairs {min(ratios):.3f} .. {max(ratios):.3f})")
+
+
+def _median_interval(ratios: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 90% bootstrap interval of the median of `ratios` (the pairs resampled with
+    replacement): how far the printed median could move with other rounds of this machine."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    return medians[int(0.05 * resamples)], medians[int(0.95 * resamples) - 1]
 
 
 def build_parser() -> argparse.ArgumentParser:
