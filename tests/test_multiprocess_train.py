@@ -193,6 +193,25 @@ def test_killed_rank_stops_a_training_job(spec_file, tmp_path):
     assert any("rank 1 was killed by SIGKILL first; stopping the others" in line for line in lines)
 
 
+def test_a_process_that_does_not_arrive_fails_the_job_after_the_collective_timeout(
+        spec_file, tmp_path):
+    """Rank 1 stops for a minute before step 3: rank 0's gradient all-reduce (XLA's, over gloo)
+    gives up after collectives.timeout_s, says so in one line, and launch stops rank 1. Without
+    the spec's timeout gloo waits the minute out and the job succeeds (docs/spec.md: a
+    collective MUST fail after timeout_s, not hang)."""
+    stall_s, timeout_s = 60, 5
+    faults = {"delay_s": stall_s, "delay_process": 1, "delay_steps": [3]}
+    job = _launch(spec_file, tmp_path / "run", "--steps", "6", "--set",
+                  f"collectives.timeout_s={timeout_s}",
+                  env={**os.environ, "TRAINSPEC_FAULTS": json.dumps(faults)})
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 2, out[-4000:]
+    assert ("[rank 0] trainspec: error: collectives.timeout_s: a collective across processes "
+            f"waited {timeout_s} s for a process that did not arrive") in out, out[-4000:]
+    assert "rank 0 exited with status 2 first; stopping the others" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+
+
 def test_sigterm_to_launch_checkpoints_every_rank_and_resumes_bitwise(spec_file, tmp_path):
     """SIGTERM to the launcher mid-run: both ranks finish the same step, checkpoint it, and
     exit 143; the relaunch resumes there and every loss equals an uninterrupted run's."""

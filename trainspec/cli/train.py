@@ -138,16 +138,22 @@ def run(args) -> int:
     if args.summary_json is not None and args.summary_json.is_dir():  # found before training,
         raise UserInputError(f"--summary-json {args.summary_json} is a directory; name a file")
     ensure_host_devices(args.host_devices)
-    from trainspec.jax.distributed import initialize_from_env
-
-    initialize_from_env()  # a no-op unless launched as one process of several
     from trainspec.core.spec import load_spec
-    from trainspec.jax.distributed import is_writer
+
+    notes: list[str] = []  # said once the job is joined, by its writer
+    spec_path = spec_to_use(args, notes.append)
+    spec = load_spec(Path(spec_path), args.overrides)  # before the job: it sets XLA's timeout
+    from jax.errors import JaxRuntimeError
+    from trainspec.jax.distributed import collective_timed_out, initialize_from_env, is_writer
+
+    # a no-op unless launched as one process of several
+    initialize_from_env(spec.collectives.timeout_s)
     from trainspec.core.run_files import AlreadyTrained
     from trainspec.jax.train import run as train
 
     say = announce if is_writer() else silent  # once per job, not once per process
-    spec_path = spec_to_use(args, say)
+    for note in notes:
+        say(note)
     from trainspec.core import user_model
     from trainspec.core.health import HealthHalt
     from trainspec.core.exclusion import exclude
@@ -155,7 +161,6 @@ def run(args) -> int:
     from trainspec.jax.checkpoint import CheckpointSaveError
     from trainspec.core.loop import Preempted
 
-    spec = load_spec(Path(spec_path), args.overrides)
     check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)
@@ -190,6 +195,15 @@ def run(args) -> int:
         except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
             _leave_now(f"--run-dir {args.run_dir}: {err.strerror or err}"
                        + (f" ({err.filename})" if err.filename else ""))
+        except JaxRuntimeError as err:
+            if not collective_timed_out(err):
+                raise
+            # A peer process stopped arriving; the job's other processes fail or wait in their
+            # own collectives (`trainspec launch` stops them). The newest checkpoint stands.
+            _leave_now(f"collectives.timeout_s: a collective across processes waited "
+                       f"{spec.collectives.timeout_s:g} s for a process that did not arrive "
+                       f"({str(err).splitlines()[0]}); the same command resumes {args.run_dir} "
+                       "from its newest good checkpoint")
     if is_writer():  # once per job, not once per process
         print_summary(summary)
     return 0

@@ -42,7 +42,9 @@ JAX = Capabilities("jax", dict([
     ("remat.policy", honoured("jax.checkpoint policies per block")),
     ("collectives.backend", honoured("xla, ext (the xla_ext custom calls) or hierarchical",
                                      EXT_BESIDE_XLA)),
-    *_reference("collectives.timeout_s"),
+    ("collectives.timeout_s", honoured(
+        "the ext custom calls' wait, and XLA:CPU's collectives across processes (gloo) in a "
+        "job trainspec joins (trainspec.jax.distributed); on GPU NCCL's own")),
     ("collectives.compression", honoured("bf16 or int8 on the data axes, with loss_step",
                                          COMPRESSION_ON_HIERARCHICAL)),
     *_reference("collectives.error_feedback", "collectives.compression_block", "metrics.sink",

@@ -8,17 +8,26 @@ Where the job is described, first match wins:
    TRAINSPEC_CLUSTER=auto is set: jax reads the coordinator, count and id from it;
 3. otherwise: a single process, nothing to do.
 docs/scale-out.md gives the commands for each.
+
+Joining a job also bounds how long XLA:CPU's collectives across processes (gloo) wait for a peer
+that does not arrive: `collectives.timeout_s`, where they would otherwise wait far longer.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import jax
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID  # noqa: F401 (re-exported)
+from trainspec.core.spec import DEFAULT_COLLECTIVE_TIMEOUT_S
+
 CLUSTER = "TRAINSPEC_CLUSTER"
 INIT_TIMEOUT = "TRAINSPEC_INIT_TIMEOUT_S"
+# Read by XLA:CPU when jax creates its CPU client (the first device query); whole seconds.
+# GPU collectives (NCCL) do not read it; it is harmless there.
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 
 def _int_env(name: str, fallback: str | None = None) -> int:
@@ -29,8 +38,10 @@ def _int_env(name: str, fallback: str | None = None) -> int:
         raise UserInputError(f"environment variable {name}: expected an integer, got {raw!r}") from None
 
 
-def initialize_from_env() -> bool:
-    """Initialise jax.distributed if the environment describes a multi-process job.
+def initialize_from_env(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> bool:
+    """Initialise jax.distributed if the environment describes a multi-process job, with
+    XLA:CPU's collectives across processes failing after `collective_timeout_s` (the spec's
+    `collectives.timeout_s`) unless XLA_FLAGS already names that flag.
 
     Must run before jax's first device query. Returns whether a multi-process job was joined.
     """
@@ -40,15 +51,30 @@ def initialize_from_env() -> bool:
         pid = _int_env(PROCESS_ID, fallback="JOB_COMPLETION_INDEX")
         if not 0 <= pid < num:
             raise UserInputError(f"{PROCESS_ID}={pid} is outside [0, {NUM_PROCESSES}={num})")
+        _bound_cpu_collectives(collective_timeout_s)
         jax.distributed.initialize(
             os.environ[COORDINATOR], num_processes=num, process_id=pid,
             initialization_timeout=timeout,
         )
         return True
     if os.environ.get(CLUSTER) == "auto":
+        _bound_cpu_collectives(collective_timeout_s)
         jax.distributed.initialize(initialization_timeout=timeout)
         return True
     return False
+
+
+def _bound_cpu_collectives(timeout_s: float) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_COLLECTIVE_TIMEOUT_FLAG not in flags:  # one given by hand is the user's choice
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}={max(1, math.ceil(timeout_s))}").strip()
+
+
+def collective_timed_out(err: jax.errors.JaxRuntimeError) -> bool:
+    """Whether `err` (raised by a step's result) is XLA:CPU's cross-process collective giving
+    up on a peer: "Gloo all-reduce failed: ... Timed out waiting 5000ms for recv ..."."""
+    return "Timed out waiting" in str(err)
 
 
 def is_writer() -> bool:
