@@ -55,6 +55,22 @@ def _clean_run(spec, run_dir, skipped, steps=STEPS):
     return train(loop, build)
 
 
+def _bad_steps(summary):
+    """(bad step, restored step, skipped batches) of each rollback in a run's summary."""
+    return [(r["bad_step"], r["restored_step"], r["skipped_batches"]) for r in summary["rollbacks"]]
+
+
+def _assert_bitwise_the_clean_run(spec, run_dir, summary, clean_dir):
+    """The run in `run_dir` (its `summary`) is bit for bit, in every step's loss and in its
+    final parameters, the clean run from step 0 whose data leaves out the batches it skipped."""
+    clean = _clean_run(spec, clean_dir, set(summary["skipped_batches"]))
+    assert clean["rollbacks"] == []
+    ours, theirs = _records(run_dir), _records(clean_dir)
+    assert [ours[s]["loss"] for s in ours] == [theirs[s]["loss"] for s in ours]
+    for a, b in zip(_final_params(spec, run_dir), _final_params(spec, clean_dir), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.fixture(scope="module")
 def rolled_back(tmp_path_factory):
     spec = tiny_spec(*SPEC)
@@ -90,12 +106,28 @@ def test_nan_and_spike_roll_back_and_skip_their_batches(rolled_back, capsys):
 def test_after_the_rollbacks_the_run_is_bitwise_a_clean_run_without_those_batches(
         rolled_back, tmp_path):
     spec, run_dir, summary = rolled_back
-    clean = _clean_run(spec, tmp_path, set(summary["skipped_batches"]))
-    assert clean["rollbacks"] == []
-    ours, theirs = _records(run_dir), _records(tmp_path)
-    assert [ours[s]["loss"] for s in ours] == [theirs[s]["loss"] for s in ours]
-    for a, b in zip(_final_params(spec, run_dir), _final_params(spec, tmp_path), strict=True):
-        np.testing.assert_array_equal(a, b)
+    _assert_bitwise_the_clean_run(spec, run_dir, summary, tmp_path)
+
+
+def test_skip_batches_leaves_out_the_bad_batch_and_those_before_it_after_the_checkpoint(
+        tmp_path):
+    """health.nan.skip_batches = 3. The NaN in batch 13 (step 14, six steps after checkpoint
+    8): back to 8, batches 11, 12 and 13 (steps 12-14's) left out. From then on step s > 11
+    reads batch s + 2, so checkpoint 16 has trained on batch 18, and step 18 reads batch 20,
+    the second NaN: back to 16, batches 19 and 20 (steps 17-18's) left out but not 18, the
+    restored state's own (the bad step is two steps after the checkpoint, closer than three).
+    The run is then bit for bit the clean run that never read those five batches."""
+    spec = tiny_spec(*SPEC, "health.nan.skip_batches=3")
+    run_dir = tmp_path / "rolled_back"
+    # Faults name a batch by its 1-based index: batches 13 and 20
+    summary = run(spec, run_dir, steps=STEPS, progress=False,
+                  faults=Faults(nan_steps=frozenset({14, 21})))
+    assert _bad_steps(summary) == [(14, 8, [11, 12, 13]), (18, 16, [19, 20])], summary["rollbacks"]
+    assert summary["skipped_batches"] == [11, 12, 13, 19, 20]
+    records = _records(run_dir)
+    assert sorted(records) == list(range(1, STEPS + 1))
+    assert [records[s]["skipped_batches"] for s in (8, 9, 16, 17, STEPS)] == [0, 3, 3, 5, 5]
+    _assert_bitwise_the_clean_run(spec, run_dir, summary, tmp_path / "clean")
 
 
 def test_a_resume_leaves_the_skipped_batches_out_too(rolled_back, tmp_path):
@@ -136,10 +168,8 @@ def test_a_bad_step_between_syncs_is_judged_with_its_batch(tmp_path):
     spec = tiny_spec(*SPEC, "metrics.interval=100", "checkpoint.interval=16")
     summary = run(spec, tmp_path, steps=STEPS, progress=False,
                   faults=Faults(nan_steps=frozenset({18})))
-    (rollback,) = summary["rollbacks"]
-    assert (rollback["bad_step"], rollback["restored_step"], rollback["skipped_batches"]) == (
-        18, 16, [17])
-    assert rollback["step"] == 16 + VERDICT_LAG + VERDICT_BATCH
+    assert _bad_steps(summary) == [(18, 16, [17])]
+    assert summary["rollbacks"][0]["step"] == 16 + VERDICT_LAG + VERDICT_BATCH
 
 
 def test_a_lasting_rise_halts_after_max_rollbacks(tmp_path):
