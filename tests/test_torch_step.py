@@ -83,22 +83,44 @@ def test_halt_policy_stops_at_the_first_nonfinite_step(tmp_path, adapter):
         _own_loop(spec, tmp_path, 4, adapter, poison=True)
 
 
-def test_rollback_policy_skips_a_nan_batch_and_resumes_bitwise(tmp_path, adapter):
-    """The default policy on torch: the NaN of step 6 (read on the host, no extra sync) rolls
-    back to checkpoint 4 and skips batch 5; from there the run is bit for bit a clean run
-    that never read batch 5."""
-    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=4")
+ROLLBACK = ["metrics.interval=1", "checkpoint.interval=4"]
+
+
+@pytest.fixture(scope="module")
+def clean_without_batches_4_and_5(tmp_path_factory, adapter):
+    """(the step, its losses) of the clean 10-step run that never reads batches 4 and 5: what
+    both rollback runs below must equal bit for bit (one clean run for the two of them)."""
+    job, _, losses = _own_loop(tiny_spec(*ROLLBACK), tmp_path_factory.mktemp("clean"), 10,
+                               adapter, skipped={4, 5})
+    return job, losses
+
+
+# Batches named 0-based; Faults' nan_steps name them 1-based. Checkpoint 4 has read batches 0-3.
+@pytest.mark.parametrize("skip_batches,nan_steps,rollbacks", [
+    # NaN in batches 4 and 5: step 5 is bad twice, each rollback skips the one batch it read
+    pytest.param(1, {5, 6}, [(5, 4, [4]), (5, 4, [5])], id="skip_batches=1"),
+    # NaN in batch 5 only: step 6 is bad, two steps after the checkpoint, so of the three
+    # batches to skip only steps 5 and 6's go; batch 3 is checkpoint 4's and stays in
+    pytest.param(3, {6}, [(6, 4, [4, 5])], id="skip_batches=3"),
+])
+def test_rollback_policy_skips_nan_batches_and_resumes_bitwise(
+        tmp_path, adapter, clean_without_batches_4_and_5, skip_batches, nan_steps, rollbacks):
+    """The default policy on torch: a NaN (read on the host, no extra sync) rolls back to
+    checkpoint 4 and skips the bad step's batch and the health.nan.skip_batches - 1 before it
+    that came after the checkpoint; from there the run is bit for bit the clean run that never
+    read them, and its checkpoints carry them."""
+    spec = tiny_spec(*ROLLBACK, f"health.nan.skip_batches={skip_batches}")
     assert spec.health.nan.policy == "rollback"
-    job, run, losses = _own_loop(spec, tmp_path / "nan", 10, adapter,
-                                 faults=Faults(nan_steps=frozenset({6})))
-    clean, _, clean_losses = _own_loop(spec, tmp_path / "clean", 10, adapter, skipped={5})
-    assert [(r["bad_step"], r["restored_step"], r["skipped_batches"]) for r in run.rollbacks] == [
-        (6, 4, [5])]
+    job, run, losses = _own_loop(spec, tmp_path, 10, adapter,
+                                 faults=Faults(nan_steps=frozenset(nan_steps)))
+    assert [(r["bad_step"], r["restored_step"], r["skipped_batches"])
+            for r in run.rollbacks] == rollbacks
+    clean, clean_losses = clean_without_batches_4_and_5
     assert losses == clean_losses and all(math.isfinite(v) for v in losses.values())
     for ours, theirs in zip(job.params, clean.params, strict=True):
         assert torch.equal(ours.detach(), theirs.detach())
-    meta = json.loads((tmp_path / "nan" / "checkpoints" / "10" / "meta.json").read_text())
-    assert meta["skipped_batches"] == [5]
+    meta = json.loads((tmp_path / "checkpoints" / "10" / "meta.json").read_text())
+    assert meta["skipped_batches"] == [4, 5]
 
 
 def test_the_state_check_finds_a_nan_the_loss_does_not_read(tmp_path, adapter):
