@@ -17,7 +17,7 @@ from trainspec.core.faults import Faults
 from trainspec.core.loop import train
 from trainspec.core.records import json_schema
 from trainspec.core.run import Run
-from trainspec.jax.checkpoint import Checkpointer
+from trainspec.jax.checkpoint import BadCheckpoint, Checkpointer
 from trainspec.jax.train import build_job, reference_job, run
 
 from tiny import tiny_spec
@@ -31,6 +31,9 @@ SPEC = ["metrics.interval=1", "checkpoint.interval=8", "checkpoint.async_save=fa
         "health.spikes.min_steps=8", "health.spikes.window=10"]
 STEPS = 32
 NAN_STEP, SPIKE_STEP = 12, 28  # 1-based steps whose batches (11, 27) are bad
+# health.nan.skip_batches above 1: each rollback leaves out the bad step's batch and the two
+# before it that came after the restored checkpoint
+SKIP_3 = [*SPEC, "health.nan.skip_batches=3"]
 
 
 def _records(run_dir):
@@ -117,7 +120,7 @@ def test_skip_batches_leaves_out_the_bad_batch_and_those_before_it_after_the_che
     the second NaN: back to 16, batches 19 and 20 (steps 17-18's) left out but not 18, the
     restored state's own (the bad step is two steps after the checkpoint, closer than three).
     The run is then bit for bit the clean run that never read those five batches."""
-    spec = tiny_spec(*SPEC, "health.nan.skip_batches=3")
+    spec = tiny_spec(*SKIP_3)
     run_dir = tmp_path / "rolled_back"
     # Faults name a batch by its 1-based index: batches 13 and 20
     summary = run(spec, run_dir, steps=STEPS, progress=False,
@@ -128,6 +131,29 @@ def test_skip_batches_leaves_out_the_bad_batch_and_those_before_it_after_the_che
     assert sorted(records) == list(range(1, STEPS + 1))
     assert [records[s]["skipped_batches"] for s in (8, 9, 16, 17, STEPS)] == [0, 3, 3, 5, 5]
     _assert_bitwise_the_clean_run(spec, run_dir, summary, tmp_path / "clean")
+
+
+def test_skip_batches_count_from_the_checkpoint_restored_when_the_newest_proves_bad(
+        tmp_path, monkeypatch):
+    """skip_batches = 3 and a NaN in batch 17 (step 18, two steps after checkpoint 16), but
+    checkpoint 16 does not read back when the rollback restores it (damaged since its save):
+    the run goes back to checkpoint 8 instead. Step 16's batch 15 is then after the restored
+    checkpoint too, so it is left out with 16 and 17: the window is clamped at the checkpoint
+    restored, not at the newest one saved."""
+    real, failed = Checkpointer.restore, []
+
+    def restore(self, step, target):  # checkpoint 16's first read fails its checks
+        if step == 16 and not failed:
+            failed.append(step)
+            raise BadCheckpoint("its state does not read back (damaged by the test)")
+        return real(self, step, target)
+
+    monkeypatch.setattr(Checkpointer, "restore", restore)
+    summary = run(tiny_spec(*SKIP_3), tmp_path, steps=STEPS, progress=False,
+                  faults=Faults(nan_steps=frozenset({18})))
+    assert failed == [16]
+    assert _bad_steps(summary) == [(18, 8, [15, 16, 17])], summary["rollbacks"]
+    assert summary["skipped_batches"] == [15, 16, 17]
 
 
 def test_a_resume_leaves_the_skipped_batches_out_too(rolled_back, tmp_path):

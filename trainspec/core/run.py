@@ -282,10 +282,10 @@ class Run:
         the halt when there is none or the policy's rollbacks are spent."""
         self._halt_unless_rollback_possible(reason)
         self._bad_step_rollbacks += 1
-        skipped = bad_steps.batches_to_skip(self.spec.health.nan, bad, self.ckpt.last_saved,
-                                            self.skipped_batches)
-        self.skipped_batches.update(skipped)
-        self.roll_back(reason, (self.step, *self._job, self._data))
+        # The batches are those after the checkpoint restored, known only once it has read
+        # back: the newest (`last_saved`) may prove bad and be passed over for an older one.
+        skipped = self.roll_back(reason, (self.step, *self._job, self._data), skip=lambda at: (
+            bad_steps.batches_to_skip(self.spec.health.nan, bad, at, self.skipped_batches)))
         self.rollbacks[-1].update(bad_step=bad, skipped_batches=skipped)
         self.rollback_mark = {"rolled_back_from_step": bad}
 
@@ -330,23 +330,28 @@ class Run:
             self.roll_back(str(err), self.rebuild(err.devices), excluded=err.devices)
             return True
 
-    def roll_back(self, reason: str, job: Job, excluded: list[int] = ()) -> None:
+    def roll_back(self, reason: str, job: Job, excluded: list[int] = (),
+                  skip: Callable[[int], list[int]] | None = None) -> list[int]:
         """Go back to the newest good checkpoint on `job` (a step, the target its state is
         placed like, its `init()` when there is none, its data) and train on from there: the
         steps since are lost progress, their records are redone. Every rollback is listed in
-        the summary with its `reason`; the batches to skip are already in `skipped_batches`."""
+        the summary with its `reason`. `skip(restored step)`: the data indices to leave out
+        from then on, added to `skipped_batches` before the first batch is read; returned."""
         self.rollbacks.append({"step": self.at, "excluded": list(excluded), "reason": reason})
         self._timed_checkpoint_io(self.ckpt.wait)
         diverged_at = self.at
         step, target, init, self._data = job
         self._restore(step, target, init)
         self.rollbacks[-1]["restored_step"] = self.at
+        skipped = skip(self.at) if skip is not None else []
+        self.skipped_batches.update(skipped)
         if step.participants != self.stragglers.participants:  # processes were left out
             self.stragglers = StragglerDetector(self.spec.health.stragglers, step.participants)
             self._times.clear()
         self.goodput.lose_steps(diverged_at - self.at)
         self._prefetched = self._batch(self.at)
         self._open_records(self._prefetched)
+        return skipped
 
     # -- checkpoints, stops ------------------------------------------------------------------
     def _timed_checkpoint_io(self, io, *args) -> None:
