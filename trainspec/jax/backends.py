@@ -23,9 +23,8 @@ class Backend:
     # tree algorithms by size and topology. hierarchical: its cross-process stage is the native
     # runtime, so it promises no more than xla, although its in-process stages are ext's sums.
     guarantee: str
-    # XLA's own collectives: the step may leave the data reduction to XLA's partitioner, and
-    # lets steps run ahead of the host; the others are custom calls, whose in-flight programs
-    # are bounded (the CPU runtime deadlocked with ~100 in flight, docs/xla_ext.md).
+    # XLA's own collectives: the step may leave the data reduction to XLA's partitioner; the
+    # others are custom calls, which must carry it explicitly.
     native: bool
     # the module with its compressed gradient sum and error-feedback kernels (None: the
     # backend cannot compress; the hierarchical backend reduces float32)

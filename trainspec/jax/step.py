@@ -36,9 +36,11 @@ from trainspec.jax.step_forms import (
     GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
 )
 
-# Steps dispatched ahead of the host with a custom-call collectives backend. The CPU runtime
-# deadlocked with ~100 executions of an ext-collective program in flight, and was fine with
-# 10 (docs/xla_ext.md); XLA's own collectives are left to run ahead.
+# Steps dispatched ahead of the host on a mesh of more than one device. XLA:CPU's runtime
+# deadlocked with ~100 executions of a collective program in flight, ext's or XLA's own, and was
+# fine with 10 (docs/xla_ext.md); XLA's own also deadlocked once with 40 (a user's loop of 40
+# steps without a host read, on the loaded 2-core CI machine). Waiting on step s - 8 costs
+# nothing the host was not already ahead of.
 MAX_STEPS_IN_FLIGHT = 8
 # The metrics a rollback verdict reads (SemiSyncStep weighs the groups' losses by tokens).
 VERDICT_METRICS = ("loss", "grad_norm", "loss_tokens", "valid_tokens")
@@ -106,9 +108,10 @@ class WrappedStep:
         self._compiled = None  # set by compile(): the executable that then runs every step
         self.guard = None  # the nan_guard's record, carried from step to step on device
         self._state_check = None  # the compiled state check (`state_is_finite`)
-        # Metrics of the steps still running, oldest first (only for custom-call backends).
+        # Metrics of the steps still running, oldest first (only where a step meets in
+        # collectives: more than one device).
         self._in_flight: collections.deque | None = (
-            None if self.backend.native else collections.deque())
+            collections.deque() if self.mesh.size > 1 else None)
 
     @contextlib.contextmanager
     def context(self):
