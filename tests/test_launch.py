@@ -1,5 +1,6 @@
 """`trainspec launch`: ranks run together, output is prefixed, a dead rank stops the job."""
 import os
+import random
 import re
 import signal
 import subprocess
@@ -8,6 +9,8 @@ import threading
 import time
 
 import pytest
+
+from trainspec.core import launch
 
 LAUNCH = [sys.executable, "-m", "trainspec.cli.main", "launch"]
 BOUND_S = 30  # a failed job must be fully stopped within this: grace 2 s, the rest is margin for 2 loaded cores
@@ -67,6 +70,22 @@ def test_a_failed_rank_stops_the_job_within_bound(fail_how, expected_code):
     assert code == expected_code
     assert elapsed < BOUND_S
     assert not any(_alive(pid) for pid in pids), "a rank outlived the job"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ephemeral port range is read from Linux's /proc")
+def test_the_coordinator_port_is_drawn_below_the_ports_the_kernel_hands_out():
+    """The launcher releases the port before rank 0 binds it. One from bind(0) lies in the
+    kernel's ephemeral range, where any connection may take it in that gap (seen under the
+    suite's load: rank 0's EADDRINUSE); below it, only a process naming the port can. Drawn
+    apart from the caller's random.seed, so concurrent launches do not draw alike."""
+    with open(launch.EPHEMERAL_RANGE) as f:
+        low = int(f.read().split()[0])
+    ports = []
+    for _ in range(10):
+        random.seed(0)
+        ports.append(launch.free_port())
+    assert all(low - launch.PORTS_BELOW_EPHEMERAL <= port < low for port in ports), ports
+    assert len(set(ports)) > 1, ports
 
 
 def test_missing_command_is_one_line_exit_2():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import signal
 import socket
@@ -52,7 +53,32 @@ GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d*|\d* ?is connected to \d*| ?peer 
 DRAIN_S = 15.0
 
 
+# Where the kernel draws the ports it picks by itself (bind to port 0, an outgoing connection's
+# local end). A port from there, released by the launcher before rank 0 binds it, can be taken
+# in between by any connection on the machine: under the test suite's load, gloo's connections
+# among other jobs' ranks took one and rank 0 failed with EADDRINUSE. Below the range, only a
+# process that names the port can take it.
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+PORTS_BELOW_EPHEMERAL = 10_000
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: drawn at random from the 10,000 below the kernel's
+    ephemeral range (Linux), else one the kernel picks."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 1024
+    below = range(max(1024, low - PORTS_BELOW_EPHEMERAL), low)
+    # SystemRandom: a caller's random.seed must not make concurrent launches draw alike.
+    for port in random.SystemRandom().sample(below, min(len(below), 64)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
