@@ -8,7 +8,8 @@ Run under `trainspec launch --nprocs N -- python torch_wrap_worker.py JOB.json`.
   says is written under "replica_check";
 - or "resume": spec overrides, with "run_dir": train to "steps" from the newest checkpoint
   there (saving at checkpoint.interval); rank 0 appends "step loss" lines to "out", the first
-  line "resumed_from N". With "stall_after": S, every rank sleeps after step S and its saves (to be killed).
+  line "resumed_from N". With "stall_after": S, every rank sleeps after step S and its saves (to be
+  killed), rank 0 first writing "stalled" once the saves are complete.
 """
 import json
 import sys
@@ -70,6 +71,8 @@ def resume(job) -> None:
             step.save(checkpoints, i + 1)
         if i + 1 == job.get("stall_after"):
             checkpoints.wait()  # the background save done: the kill comes after it
+            if writer:
+                print("stalled", file=out, flush=True)
             time.sleep(3600)
     checkpoints.wait()  # checkpoint.async_save: the last save complete before the job ends
 
