@@ -49,8 +49,8 @@ NUMPY = Capabilities("numpy", {
     **{f"health.spikes.{name}": honoured("the core's rule, per step")
        for name in ("window", "k", "min_excess", "min_steps")},
     "mesh.axes.*.size": honoured("8 simulated devices", Refusal(
-        "when an fsdp or tensor axis is split",
-        lambda value, r: bool(r.split("fsdp") + r.split("tensor")),
+        "when a non-data axis is split",
+        lambda value, r: bool(r.dims.split_beside("data")),
         "the numpy implementation splits data axes only")),
     "mesh.axes.*.dcn": refused("unless 1", lambda dcn: set(dcn) != {1}, "one process"),
     "mesh.exclude_devices": _unless([], "its devices are simulated"),
@@ -75,6 +75,9 @@ NUMPY = Capabilities("numpy", {
     **{f"health.stragglers.{name}": honoured("one process: no participant lags another")
        for name in ("window", "k", "min_excess")},
     "semi_sync": refused_section("synchronous training only"),
+    "model.moe": refused_section("a dense model only"),
+    **{f"context.{name}": honoured("no effect: data axes only")
+       for name in ("attention", "split")},
 })
 
 

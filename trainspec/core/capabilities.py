@@ -107,6 +107,19 @@ INIT_FROM_WITH_MODEL = Refusal(
     "holds the reference model's parameters; a --model initialises its own (drop one of them)")
 
 
+def roles_not_split(implementation: str, *roles: str) -> Refusal:
+    """A refusal of mesh sizes that split an axis of one of `roles`, which `implementation`
+    does not run."""
+    def axes(request: Request) -> list[str]:
+        return [a for role in roles for a in request.split(role)]
+
+    return Refusal(f"when a {' or '.join(roles)} axis is split",
+                   lambda value, request: bool(axes(request)),
+                   f"the {implementation} implementation does not split {' or '.join(roles)} "
+                   "axes, got {axes}",
+                   lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in axes(r))})
+
+
 def refused_section(reason: str) -> Entry:
     return Entry("", (refusal("when present", lambda v: v is not None, reason),),
                  whole_section=True)

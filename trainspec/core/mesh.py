@@ -23,6 +23,7 @@ import numpy as np
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
+from trainspec.core.spec_sequence import sequence_and_expert_errors
 
 
 def mesh_text(shape: Mapping[str, int]) -> str:
@@ -136,6 +137,8 @@ def resolve_mesh(spec: Spec, n_devices: int) -> ParallelDims:
             f"mesh.axes: {' x '.join(f'{n}={s}' for n, s in zip(names, sizes))} needs "
             f"{math.prod(sizes)} devices, but {n_devices} are available"
         )
+    for field, message in sequence_and_expert_errors(spec, dict(zip(names, sizes)))[:1]:
+        raise UserInputError(f"{field}: {message}")  # an inferred context or expert axis
     return ParallelDims.of(spec, dict(zip(names, sizes)))
 
 

@@ -22,10 +22,11 @@ from trainspec.core.errors import UserInputError
 from trainspec.core.spec_health import HealthSpec
 from trainspec.core.spec_messages import validation_message
 from trainspec.core.spec_section import Section
+from trainspec.core.spec_sequence import ContextSpec, MoESpec, sequence_and_expert_errors
 from trainspec.core.spec_source import apply_overrides, read_source
 
 SPEC_VERSION = 1
-ROLES = ("data", "fsdp", "tensor")
+ROLES = ("data", "fsdp", "tensor", "context", "expert")
 LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = Literal["float32", "bfloat16", "float16"]
@@ -41,7 +42,7 @@ MAX_WIDTH = 2**20
 class MeshAxis(Section):
     """One named axis of the device mesh."""
 
-    role: Literal["data", "fsdp", "tensor"] | None = Field(
+    role: Literal[ROLES] | None = Field(
         None, description="What the axis does. Defaults to the axis name when that names a role."
     )
     size: int = Field(
@@ -243,7 +244,10 @@ class ModelSpec(Section):
     d_model: int = Field(128, ge=1, le=MAX_WIDTH, description="Width of the residual stream.")
     n_layers: int = Field(2, ge=1, le=2**12, description="Transformer blocks.")
     n_heads: int = Field(4, ge=1, le=2**12, description="Attention heads; must divide d_model.")
-    d_ff: int = Field(512, ge=1, le=MAX_WIDTH, description="Hidden width of the MLP.")
+    d_ff: int = Field(512, ge=1, le=MAX_WIDTH, description="Hidden width of the MLP (of "
+                      "each expert's, with `moe`).")
+    moe: MoESpec | None = Field(
+        None, description="Every block's MLP a mixture of experts; absent = dense.")
 
     @model_validator(mode="after")
     def _heads(self):
@@ -313,6 +317,14 @@ class Spec(Section):
     health: HealthSpec = HealthSpec()
     semi_sync: SemiSyncSpec | None = Field(
         None, description="Semi-synchronous (DiLoCo) training; absent = synchronous.")
+    context: ContextSpec = ContextSpec()
+
+    @model_validator(mode="after")
+    def _sequence_and_experts(self):
+        sizes = {name: axis.size for name, axis in self.mesh.axes.items()}
+        for field, message in sequence_and_expert_errors(self, sizes)[:1]:
+            raise FieldError(field, message)
+        return self
 
     @model_validator(mode="after")
     def _rules_name_axes(self):

@@ -6,7 +6,8 @@ like every table."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused, refused_section,
+    roles_not_split)
 from trainspec.jax.backends import backend
 
 EXT_BESIDE_XLA = Refusal(
@@ -29,7 +30,8 @@ def _reference(*fields: str) -> list:
 
 JAX = Capabilities("jax", dict([
     *_reference("spec_version", "seed", "mesh.axes.*.role"),
-    ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major")),
+    ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major",
+                                  roles_not_split("JAX", "context", "expert"))),
     ("mesh.axes.*.dcn", honoured("process blocks of the hybrid mesh (trainspec.core.mesh); "
                                  "with the hierarchical backend a data axis lies all within or "
                                  "all across processes")),
@@ -54,7 +56,11 @@ JAX = Capabilities("jax", dict([
     ("metrics.gns", honoured("from replicas or micro-batches; true where neither exists fails "
                              "naming the field")),
     *_reference("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
-                "model.d_ff", "optimizer.name", "optimizer.learning_rate",
+                "model.d_ff"),
+    ("model.moe", refused_section("the JAX reference model is dense")),
+    *((f"context.{name}", honoured("no effect without a split context axis (refused)"))
+      for name in ("attention", "split")),
+    *_reference("optimizer.name", "optimizer.learning_rate",
                 "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip_norm",
                 "train.steps", "checkpoint.interval", "checkpoint.keep"),
     ("checkpoint.async_save", honoured("orbax writes in the background")),

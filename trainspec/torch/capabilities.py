@@ -4,7 +4,8 @@ Framework-free, so that a spec is refused in one line before any rank starts."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused, refused_section,
+    roles_not_split)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -62,7 +63,8 @@ TORCH = Capabilities("torch", dict([
                                   "FSDP2 fully_shard; tensor: DTensor column/row-wise plans")),
     ("mesh.axes.*.size", honoured("a DeviceMesh with the spec's names, sizes and row-major "
                                   "order, one rank per device",
-                                  _one_split_axis("fsdp"), _one_split_axis("tensor"))),
+                                  _one_split_axis("fsdp"), _one_split_axis("tensor"),
+                                  roles_not_split("torch", "context", "expert"))),
     ("mesh.axes.*.dcn", honoured(
         "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
         "of hosts, each host's ranks in the ici shape; on one host laid out within it")),
@@ -112,6 +114,9 @@ TORCH = Capabilities("torch", dict([
     ("model.n_layers", honoured(REFERENCE_MODEL)),
     ("model.n_heads", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.d_ff", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
+    ("model.moe", refused_section("the torch reference model is dense")),
+    *((f"context.{name}", honoured("no effect without a split context axis (refused)"))
+      for name in ("attention", "split")),
     *((f"optimizer.{name}", honoured("torch.optim.AdamW or SGD, stepped as optax's"))
       for name in ("name", "learning_rate", "warmup_steps", "weight_decay", "grad_clip_norm")),
     ("train.steps", honoured()),
