@@ -18,7 +18,7 @@ import numpy as np
 
 from trainspec.core import bad_steps, flops, records, reference_train as train
 from trainspec.core.capabilities import (
-    Capabilities, Refusal, honoured, refused, refused_section)
+    Capabilities, Refusal, honoured, pipeline_fields_unused, refused, refused_section)
 from trainspec.core.data import ByteBatches
 from trainspec.core.goodput import Goodput
 from trainspec.core.health import check_nan_guard, init_nan_guard, nan_guard_step
@@ -59,6 +59,7 @@ NUMPY = Capabilities("numpy", {
     **{f"precision.{name}": _unless("float32", "float32 only")
        for name in ("param", "compute", "grad_reduce")},
     "remat.policy": _unless("none", "it keeps every activation"),
+    **pipeline_fields_unused(),
     "collectives.backend": _unless("xla", "its own collectives only"),
     "collectives.compression": _unless("none", "float32 gradients only"),
     "collectives.error_feedback": honoured("no effect without a compression (refused)"),

@@ -120,6 +120,17 @@ def roles_not_split(implementation: str, *roles: str) -> Refusal:
                    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in axes(r))})
 
 
+PIPELINE_FIELDS = ("pipeline.microbatches", "pipeline.schedule", "pipeline.virtual_stages",
+                   "pipeline.layers_per_stage")
+
+
+def pipeline_fields_unused() -> dict[str, Entry]:
+    """The `[pipeline]` fields of an implementation that refuses a split pipeline axis: they
+    have no effect on one stage."""
+    return {f: honoured("no effect on one stage (a split pipeline axis is refused)")
+            for f in PIPELINE_FIELDS}
+
+
 def refused_section(reason: str) -> Entry:
     return Entry("", (refusal("when present", lambda v: v is not None, reason),),
                  whole_section=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainspec.core.errors import UserInputError
-from trainspec.core.spec import Spec
+from trainspec.core.spec import FieldError, Spec, check_pipeline
 from trainspec.core.spec_sequence import sequence_and_expert_errors
 
 
@@ -108,6 +108,11 @@ class ParallelDims:
     def tensor(self) -> int:
         return self.degree("tensor")
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the size of the pipeline axis (1 when there is none)."""
+        return self.degree("pipeline")
+
     def describe(self) -> str:
         return mesh_text(self.shape)
 
@@ -139,17 +144,36 @@ def resolve_mesh(spec: Spec, n_devices: int) -> ParallelDims:
         )
     for field, message in sequence_and_expert_errors(spec, dict(zip(names, sizes)))[:1]:
         raise UserInputError(f"{field}: {message}")  # an inferred context or expert axis
-    return ParallelDims.of(spec, dict(zip(names, sizes)))
+    dims = ParallelDims.of(spec, dict(zip(names, sizes)))
+    try:  # an inferred pipeline axis: the [pipeline] section against its size
+        check_pipeline(spec, dims.stages)
+    except FieldError as err:
+        raise UserInputError(f"{err.field}: {err} (mesh {dims.describe()})") from None
+    return dims
 
 
 def check_batch(spec: Spec, dims: ParallelDims, batch_axes: Sequence[str]) -> None:
-    """The micro-batch must split evenly over the mesh axes that shard the batch dimension."""
+    """The micro-batch must split evenly over the mesh axes that shard the batch dimension,
+    and with a pipeline, each shard's part into the pipeline's micro-batches."""
     shards = dims.size_of(batch_axes)
     if spec.batch.micro % shards:
         raise UserInputError(
             f"batch.micro_batch: {spec.batch.micro} sequences per micro-batch are not divisible "
             f"by the {shards} batch shards of mesh axes {', '.join(batch_axes)}"
         )
+    pipelined = pipeline_microbatches(spec, dims)
+    if (spec.batch.micro // shards) % pipelined:
+        raise UserInputError(
+            f"batch.micro_batch: the {spec.batch.micro // shards} sequences of each of the "
+            f"{shards} batch shards do not split into pipeline.microbatches = {pipelined}")
+
+
+def pipeline_microbatches(spec: Spec, dims: ParallelDims) -> int:
+    """Pipeline micro-batches per accumulation micro-batch: 1 without a pipeline, else the
+    section's, by default one per stage."""
+    if dims.stages == 1:
+        return 1
+    return spec.pipeline.microbatches or dims.stages
 
 
 def usable_ids(spec: Spec, device_ids: Sequence[int]) -> list[int]:

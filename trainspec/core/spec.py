@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from trainspec.core.compression import BLOCK_ALIGN
 from trainspec.core.errors import UserInputError
+from trainspec.core.pipeline import stages as pipeline_stages
 from trainspec.core.spec_health import HealthSpec
 from trainspec.core.spec_messages import validation_message
 from trainspec.core.spec_section import Section
@@ -26,8 +27,9 @@ from trainspec.core.spec_sequence import ContextSpec, MoESpec, sequence_and_expe
 from trainspec.core.spec_source import apply_overrides, read_source
 
 SPEC_VERSION = 1
-ROLES = ("data", "fsdp", "tensor", "context", "expert")
+ROLES = ("data", "fsdp", "tensor", "context", "expert", "pipeline")
 LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_v")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = Literal["float32", "bfloat16", "float16"]
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # the spec's default, and a collective's outside a spec
@@ -90,6 +92,9 @@ class MeshSpec(Section):
                 raise ValueError(
                     f"axis '{name}' needs a role (one of {', '.join(ROLES)}): its name is not one"
                 )
+        if len(self.axes_with_role("pipeline")) > 1:
+            raise ValueError(f"at most one axis may have role pipeline (the stages lie along "
+                             f"it), got {list(self.axes_with_role('pipeline'))}")
         return self
 
     def role_of(self, name: str) -> str:
@@ -212,6 +217,27 @@ class SemiSyncSpec(Section):
     outer_momentum: float = Field(0.9, ge=0, lt=1.0, description="Outer Nesterov momentum.")
 
 
+class PipelineSpec(Section):
+    """Pipeline parallelism over the `pipeline`-role axis (docs/spec.md, `pipeline`)."""
+
+    microbatches: int | None = Field(
+        None, ge=1, le=MAX_SEQUENCES, description="Pipeline micro-batches each accumulation "
+        "micro-batch (batch.micro_batch) is split into. Default: the number of stages."
+    )
+    schedule: Literal[PIPELINE_SCHEDULES] = Field(
+        "1f1b", description="`gpipe` (all forwards, then all backwards), `1f1b` (one forward "
+        "one backward: PipeDream-flush), `interleaved_1f1b` (1f1b over `virtual_stages` "
+        "chunks per stage) or `zero_bubble_v` (ZBV; implementations without it refuse it)."
+    )
+    virtual_stages: int = Field(
+        1, ge=1, le=2**12, description="Model chunks per stage (interleaved_1f1b: at least 2)."
+    )
+    layers_per_stage: list[int] = Field(
+        default_factory=list, description="Layers of each chunk in order (stages x "
+        "virtual_stages entries, summing to model.n_layers). Empty: an even split."
+    )
+
+
 class MetricsSpec(Section):
     """What is measured, how often, and where the records go (docs/metrics.md)."""
 
@@ -308,6 +334,7 @@ class Spec(Section):
     precision: PrecisionSpec = PrecisionSpec()
     batch: BatchSpec = BatchSpec()
     remat: RematSpec = RematSpec()
+    pipeline: PipelineSpec = PipelineSpec()
     collectives: CollectivesSpec = CollectivesSpec()
     metrics: MetricsSpec = MetricsSpec()
     model: ModelSpec = ModelSpec()
@@ -335,8 +362,28 @@ class Spec(Section):
                                      f"which is not in mesh.axes ({', '.join(self.mesh.axes)})")
         return self
 
+    @model_validator(mode="after")
+    def _pipeline_fits(self):
+        """The section against the mesh's stage count, where the spec fixes it (an inferred
+        pipeline axis is checked when the mesh is resolved: trainspec.core.mesh)."""
+        axes = self.mesh.axes_with_role("pipeline")
+        if axes and self.mesh.axes[axes[0]].size != -1:
+            check_pipeline(self, self.mesh.axes[axes[0]].size)
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def check_pipeline(spec: Spec, stages: int) -> None:
+    """FieldError naming the first field that cannot run on `stages` pipeline stages."""
+    p = spec.pipeline
+    found = pipeline_stages.problems(
+        stages=stages, virtual_stages=p.virtual_stages, schedule=p.schedule,
+        microbatches=p.microbatches, n_layers=spec.model.n_layers,
+        layers_per_stage=p.layers_per_stage)
+    if found:
+        raise FieldError(*found[0])
 
 
 def json_schema() -> dict[str, Any]:

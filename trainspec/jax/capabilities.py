@@ -6,8 +6,8 @@ like every table."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused, refused_section,
-    roles_not_split)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, pipeline_fields_unused, refused,
+    refused_section, roles_not_split)
 from trainspec.jax.backends import backend
 
 EXT_BESIDE_XLA = Refusal(
@@ -31,7 +31,7 @@ def _reference(*fields: str) -> list:
 JAX = Capabilities("jax", dict([
     *_reference("spec_version", "seed", "mesh.axes.*.role"),
     ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major",
-                                  roles_not_split("JAX", "context", "expert"))),
+                                  roles_not_split("JAX", "context", "expert", "pipeline"))),
     ("mesh.axes.*.dcn", honoured("process blocks of the hybrid mesh (trainspec.core.mesh); "
                                  "with the hierarchical backend a data axis lies all within or "
                                  "all across processes")),
@@ -42,6 +42,7 @@ JAX = Capabilities("jax", dict([
     ("batch.micro_batch", honoured("with loss_step: token-weighted accumulation")),
     *_reference("batch.seq_len"),
     ("remat.policy", honoured("jax.checkpoint policies per block")),
+    *pipeline_fields_unused().items(),
     ("collectives.backend", honoured("xla, ext (the xla_ext custom calls) or hierarchical",
                                      EXT_BESIDE_XLA)),
     ("collectives.timeout_s", honoured(

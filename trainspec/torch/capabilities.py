@@ -4,8 +4,8 @@ Framework-free, so that a spec is refused in one line before any rank starts."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused, refused_section,
-    roles_not_split)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, pipeline_fields_unused, refused,
+    refused_section, roles_not_split)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -64,7 +64,7 @@ TORCH = Capabilities("torch", dict([
     ("mesh.axes.*.size", honoured("a DeviceMesh with the spec's names, sizes and row-major "
                                   "order, one rank per device",
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"),
-                                  roles_not_split("torch", "context", "expert"))),
+                                  roles_not_split("torch", "context", "expert", "pipeline"))),
     ("mesh.axes.*.dcn", honoured(
         "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
         "of hosts, each host's ranks in the ici shape; on one host laid out within it")),
@@ -91,6 +91,7 @@ TORCH = Capabilities("torch", dict([
     ("remat.policy", honoured(
         "torch's checkpoint of every block (the FSDP2 units); the dots policies as selective "
         "activation checkpointing that keeps matmul (and fused attention) outputs")),
+    *pipeline_fields_unused().items(),
     ("collectives.backend", refused(
         "unless xla", lambda v: v != "xla",
         "{value!r} is a JAX backend; the torch implementation reduces through "
