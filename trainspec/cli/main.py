@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import sys
 
+from trainspec.core import run_lock
 from trainspec.core.errors import FfiVersionError, UserInputError
 
 # The frameworks are extras of the package (pyproject.toml): module -> the extra that has it.
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to start ranks of the same command
     try:
-        with _library_warnings_as_lines():
+        with _library_warnings_as_lines(), run_lock.released_at_exit():
             return args.func(args) or 0
     except UserInputError as err:
         print(f"trainspec: error: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ from pathlib import Path
 from trainspec.cli.devices import ensure_host_devices
 from trainspec.cli.summary import print_summary
 from trainspec.cli.train_spec import announce, given_flags, initial_params, silent, spec_to_use
+from trainspec.core import run_lock
 from trainspec.core.errors import UserInputError
 
 
@@ -118,13 +119,21 @@ def _failed_save_threads_quiet():
             logger.removeFilter(keep)
 
 
-def _leave_now(message: str) -> None:
-    """One line, exit 2. After a failed write orbax's background threads may wait forever for
-    signals that will not come (or print tracebacks as the interpreter tears them down), and
-    the interpreter would wait for them at exit: leave without them."""
-    print(f"trainspec: error: {message}", file=sys.stderr, flush=True)
+def leave_now(message: str | None) -> None:
+    """One line (unless `message` is None: said already, or by another process), exit 2.
+    After a failed write the checkpointers' background threads may wait forever for signals
+    that will not come (or print tracebacks as the interpreter tears them down), and the
+    interpreter would wait for them at exit: leave without them."""
+    if message is not None:
+        print(f"trainspec: error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(2)
+
+
+def unwritable(run_dir: Path, err: OSError) -> str:
+    """The line for a write into the run dir that failed (a full disk, a read-only one)."""
+    return (f"--run-dir {run_dir}: {err.strerror or err}"
+            + (f" ({err.filename})" if err.filename else ""))
 
 
 def run(args) -> int:
@@ -166,6 +175,7 @@ def run(args) -> int:
         spec = exclude(spec, args.exclude_devices)
     model = user_model.load(args.model, spec) if args.model else None
     init_from = initial_params(args, spec, say)
+    run_lock.hold(args.run_dir, is_writer())  # before anything is written there
     with _failed_save_threads_quiet():  # until the process leaves on a failed save
         try:
             summary = train(
@@ -191,16 +201,15 @@ def run(args) -> int:
             print(f"trainspec: stopped: {stop}", file=sys.stderr)
             return stop.exit_status
         except CheckpointSaveError as err:
-            _leave_now(str(err))
+            leave_now(str(err))
         except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
-            _leave_now(f"--run-dir {args.run_dir}: {err.strerror or err}"
-                       + (f" ({err.filename})" if err.filename else ""))
+            leave_now(unwritable(args.run_dir, err))
         except JaxRuntimeError as err:
             if not collective_timed_out(err):
                 raise
             # A peer process stopped arriving; the job's other processes fail or wait in their
             # own collectives (`trainspec launch` stops them). The newest checkpoint stands.
-            _leave_now(f"collectives.timeout_s: a collective across processes waited "
+            leave_now(f"collectives.timeout_s: a collective across processes waited "
                        f"{spec.collectives.timeout_s:g} s for a process that did not arrive "
                        f"({str(err).splitlines()[0]}); the same command resumes {args.run_dir} "
                        "from its newest good checkpoint")

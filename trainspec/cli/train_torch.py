@@ -6,12 +6,17 @@ one rank of a job (`trainspec launch`, torchrun), it trains as that rank.
 """
 from __future__ import annotations
 
+import errno
+import os
 import sys
+import time
 from pathlib import Path
 
+from trainspec.core import run_lock
 from trainspec.core.errors import UserInputError
 
 DEFAULT_CPU_RANKS = 4
+SPEAKER_FIRST_S = 5.0
 
 
 def run(args) -> int:
@@ -32,6 +37,8 @@ def run(args) -> int:
     model = user_model.load(args.model, spec) if args.model else None  # checked before ranks
     # checked (and its resume note said) once, before the ranks start; each rank reads it
     init_from = initial_params(args, spec, silent if launched() else announce)
+    # held by the process that starts the job: this one, or the job's rank 0 when launched
+    run_lock.hold(args.run_dir, rank_from_env() == 0)
     if not launched():
         return _start_ranks(args, spec, model)
     if args.nprocs is not None:
@@ -43,6 +50,8 @@ def run(args) -> int:
     from trainspec.core.run_files import AlreadyTrained
     from trainspec.torch.adapter import TorchAdapter
     from trainspec.torch.members import LeftOut
+    from torch.distributed.checkpoint.api import CheckpointException
+    from trainspec.cli.train import leave_now, unwritable
 
     adapter = TorchAdapter(spec.collectives.timeout_s)
 
@@ -72,11 +81,39 @@ def run(args) -> int:
         if writer():
             print(f"trainspec: stopped: {stop}", file=sys.stderr)
         return stop.exit_status
+    except OSError as err:  # a full disk, a run dir gone read-only: the records, the spec
+        leave_now(unwritable(args.run_dir, err))  # a background save may still be writing
+    except CheckpointException as err:  # every rank gets it (DCP gathers the ranks' errors)
+        if writer():
+            leave_now(save_failed(spec, args.run_dir, err))
+        # The writer says it for the job. Leaving first, this rank would have the launcher
+        # stop the writer before it has.
+        time.sleep(SPEAKER_FIRST_S)
+        leave_now(None)
     if writer():
         from trainspec.cli.summary import print_summary
 
         print_summary(summary)
     return 0
+
+
+def save_failed(spec, run_dir: Path, err) -> str:
+    """The line for a checkpoint that could not be written (DCP's CheckpointException holds
+    each failing rank's exception; torch.save on a full disk says only "unexpected pos")."""
+    directory = run_dir / spec.checkpoint.dir
+    ranks = ", ".join(str(r) for r in sorted(err.failures))
+    first, _trace = next(iter(err.failures.values()))
+    why = (os.strerror(errno.ENOSPC) if disk_full(directory)
+           else f"{type(first).__name__}: {str(first).strip().splitlines()[0][:200]}")
+    return (f"checkpoint.dir: saving to {directory} failed on rank(s) {ranks}: {why}; the "
+            "newest good checkpoint there is kept")
+
+
+def disk_full(path: Path) -> bool:
+    try:
+        return os.statvfs(path).f_bavail == 0
+    except OSError:
+        return False
 
 
 def _start_ranks(args, spec, model) -> int:

@@ -8,6 +8,7 @@ every record of a version has the same keys.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -47,20 +48,39 @@ def finite_or_none(value):
 
 
 class JsonlWriter:
-    """One record per line, flushed per record: a crash loses at most the line being written
-    (`read_jsonl` skips a truncated last line)."""
+    """One record per line, each whole or not at all: a record is one `os.write` of its whole
+    line on an O_APPEND descriptor (no buffer to flush in pieces, every write lands at the
+    current end, after a `rewind` too), and a write that fails or falls short (a full disk:
+    ENOSPC, EDQUOT) is cut back to the length before it and raised as OSError. A kill in the
+    middle of the one write can still tear its line; `read_jsonl` and `rewind` drop such a
+    last line.
+
+    Why not write each record to a temporary file and rename: a rename replaces the whole file
+    (every record rewritten per record), and appending from a temporary file is the same
+    single write again."""
 
     def __init__(self, path: Path, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        # Always append mode, so that writes follow a `rewind`; a new run starts empty.
-        self._file = open(path, "a")
-        if not append:
-            self._file.truncate(0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        self._fd = os.open(path, flags if append else flags | os.O_TRUNC, 0o644)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, allow_nan=False) + "\n").encode()
+        end = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+        except OSError:
+            self._cut_back(end)
+            raise
+        if written != len(line):  # short: the file system took only part of it
+            self._cut_back(end)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    def _cut_back(self, end: int) -> None:
+        """Leave the file as it was before the failed record: whole records only. Shrinking
+        a file needs no new blocks, so it succeeds on a full disk."""
+        os.ftruncate(self._fd, end)
 
     def rewind(self, step: int) -> dict[int, float]:
         """Cut the file after the last record at or before `step`, in place: the file is open
@@ -81,7 +101,9 @@ class JsonlWriter:
         return losses
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def read_jsonl(path: Path) -> list[dict]:
