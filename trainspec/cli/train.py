@@ -10,7 +10,8 @@ from pathlib import Path
 
 from trainspec.cli.devices import ensure_host_devices
 from trainspec.cli.summary import print_summary
-from trainspec.cli.train_spec import announce, given_flags, initial_params, silent, spec_to_use
+from trainspec.cli.train_spec import (
+    announce, given_flags, initial_params, leave_now, silent, spec_to_use, unwritable)
 from trainspec.core import run_lock
 from trainspec.core.errors import UserInputError
 
@@ -117,23 +118,6 @@ def _failed_save_threads_quiet():
         sys.unraisablehook = hook
         for logger, keep in filters:
             logger.removeFilter(keep)
-
-
-def leave_now(message: str | None) -> None:
-    """One line (unless `message` is None: said already, or by another process), exit 2.
-    After a failed write the checkpointers' background threads may wait forever for signals
-    that will not come (or print tracebacks as the interpreter tears them down), and the
-    interpreter would wait for them at exit: leave without them."""
-    if message is not None:
-        print(f"trainspec: error: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(2)
-
-
-def unwritable(run_dir: Path, err: OSError) -> str:
-    """The line for a write into the run dir that failed (a full disk, a read-only one)."""
-    return (f"--run-dir {run_dir}: {err.strerror or err}"
-            + (f" ({err.filename})" if err.filename else ""))
 
 
 def run(args) -> int:

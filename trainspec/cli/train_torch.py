@@ -23,7 +23,7 @@ def run(args) -> int:
     from trainspec.torch.support import launched, rank_from_env
     from trainspec.torch.capabilities import TORCH
     from trainspec.cli.train_spec import (
-        announce, given_flags, initial_params, silent, spec_to_use)
+        announce, given_flags, initial_params, leave_now, silent, spec_to_use, unwritable)
     from trainspec.core import user_model
     from trainspec.core.spec import load_spec
 
@@ -51,7 +51,6 @@ def run(args) -> int:
     from trainspec.torch.adapter import TorchAdapter
     from trainspec.torch.members import LeftOut
     from torch.distributed.checkpoint.api import CheckpointException
-    from trainspec.cli.train import leave_now, unwritable
 
     adapter = TorchAdapter(spec.collectives.timeout_s)
 
