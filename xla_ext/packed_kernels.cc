@@ -1,72 +1,30 @@
-// The packed-buffer kernels (packed_kernels.h). Written as branch-free loops over contiguous
-// elements so that the compiler vectorizes them (built with -O3); vectorizing runs across
-// elements and reorders nothing, and -ffp-contract=off keeps every product rounded.
+// The packed-buffer kernels on the CPU (packed_kernels.h): packed_format.h's element operations
+// in branch-free loops over contiguous elements, so that the compiler vectorizes them (built with
+// -O3); vectorizing runs across elements and reorders nothing, and -ffp-contract=off keeps every
+// product rounded.
 #include "packed_kernels.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 
 namespace trainspec {
 namespace {
 
-constexpr float kInt8Max = 127.0f;
-// scale = absmax * fl(1/127): the spec defines the scale by this multiplication (what XLA makes
-// of a division by the constant 127), not as a rounded quotient; then truncated to 17
-// significant bits, so that q * scale (|q| <= 127: 7 bits) is exact in float32 and no FMA
-// contraction, on either side, can change a sum or a residual.
-constexpr float kInvInt8Max = 1.0f / 127.0f;
-constexpr uint32_t kScaleMask = 0xFFFFFF80u;
+using namespace packed;  // NOLINT: the kernels below are written in its terms
 
-// Round to nearest, ties to even; a NaN becomes the quiet NaN of its sign (as XLA converts).
-inline uint16_t ToBf16Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = ((b >> 16) & 0x8000u) | 0x7FC0u;
-  return static_cast<uint16_t>((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
-}
-
-inline float FromBf16Bits(uint16_t h) {
-  const uint32_t b = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-// 1.5 * 2^23: for |v| <= 127, (v + kRoundToInt) - kRoundToInt is v rounded to an integer in
-// the FPU's rounding mode, round to nearest even (no libm call, which would not vectorize).
-constexpr float kRoundToInt = 12582912.0f;
-
-// One int8 block of `len` <= block elements (the rest of the block is padding): the scale
-// absmax * fl(1/127) & kScaleMask (NaN if any element is NaN), and
-// q = clamp(rint(x * fl(1/s)), -127, 127) with s = scale if scale > 0 else 1, a NaN product
-// giving 0 -- the jnp kernel's operations (XLA turns its division by the broadcast scale into
-// this multiplication). Clamping before rounding gives the same integers: the bounds are
-// integers and both steps are monotonic.
+// One int8 block of `len` <= block elements (the rest of the block is padding); returns its
+// scale.
 float QuantizeBlock(const float* x, size_t len, size_t block, int8_t* q) {
   float absmax = 0.0f;
   int any_nan = 0;
   for (size_t i = 0; i < len; ++i) {
-    const float a = std::fabs(x[i]);
+    const float a = AbsOf(x[i]);
     any_nan |= a != a;
-    absmax = a > absmax ? a : absmax;
+    absmax = MaxOf(a, absmax);
   }
-  if (any_nan) absmax = std::numeric_limits<float>::quiet_NaN();
-  float scale = absmax * kInvInt8Max;
-  uint32_t bits;
-  std::memcpy(&bits, &scale, 4);
-  bits &= kScaleMask;
-  std::memcpy(&scale, &bits, 4);
-  const float inverse = 1.0f / (scale > 0.0f ? scale : 1.0f);
-  for (size_t i = 0; i < len; ++i) {
-    float v = x[i] * inverse;
-    v = v < -kInt8Max ? -kInt8Max : v;  // a NaN passes both comparisons unchanged
-    v = v > kInt8Max ? kInt8Max : v;
-    const float r = v != v ? 0.0f : (v + kRoundToInt) - kRoundToInt;
-    q[i] = static_cast<int8_t>(static_cast<int32_t>(r));
-  }
+  const float scale = BlockScale(absmax, any_nan != 0);
+  const float inverse = BlockInverse(scale);
+  for (size_t i = 0; i < len; ++i) q[i] = QuantizeElement(x[i], inverse);
   std::memset(q + len, 0, block - len);
   return scale;
 }
@@ -95,9 +53,9 @@ inline void AccumulateBf16(const uint8_t* payload, size_t len, bool add, float* 
 
 inline void AccumulateInt8(const int8_t* q, float scale, size_t len, bool add, float* out) {
   if (add) {
-    for (size_t i = 0; i < len; ++i) out[i] = out[i] + static_cast<float>(q[i]) * scale;
+    for (size_t i = 0; i < len; ++i) out[i] = out[i] + DequantizeElement(q[i], scale);
   } else {
-    for (size_t i = 0; i < len; ++i) out[i] = static_cast<float>(q[i]) * scale;
+    for (size_t i = 0; i < len; ++i) out[i] = DequantizeElement(q[i], scale);
   }
 }
 
@@ -126,7 +84,7 @@ void Pack(const PackedFormat& f, const float* x, uint8_t* packed, float* lost) {
     if (lost) {
       const int8_t* q = payload + start;
       for (size_t i = 0; i < len; ++i) {
-        lost[start + i] = x[start + i] - static_cast<float>(q[i]) * scale;
+        lost[start + i] = x[start + i] - DequantizeElement(q[i], scale);
       }
     }
   }
