@@ -3,7 +3,7 @@
 Calibrates the CPU profile in this process (matmul peak, collective alpha-beta, memory
 bandwidth, then the step-time parameters from the `TIME_CALIBRATION` steps: the 1-device step
 at 8 and 24 rows and the 8-device tensor layout, timed interleaved), then compiles each layout
-that `tests/test_plan_compiled.py` validates (27: 1-8 devices and the 2 x 4 dcn row) and times it
+that `tests/jax/test_plan_compiled.py` validates (27: 1-8 devices and the 2 x 4 dcn row) and times it
 (median of --steps steps) interleaved with the calibration steps. Each row compares the
 measured time with two predictions of the same model: "predicted", step-time parameters fitted
 at the start; "alongside", fitted to the calibration steps timed in the same rounds as the row

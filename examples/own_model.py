@@ -1,7 +1,7 @@
 """Your own JAX model and data, trained by `trainspec train --model examples/own_model.py:make`
 (and laid out by `trainspec validate SPEC --model examples/own_model.py:make`): a flax MLP
 regressing a fixed smooth function of 8 inputs, its kernels named for the layout rules
-(docs/wrapping.md). Nothing of the reference job; tests/test_own_loop.py trains it."""
+(docs/wrapping.md). Nothing of the reference job; tests/jax/test_own_loop.py trains it."""
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np

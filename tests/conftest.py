@@ -3,9 +3,16 @@ import os
 import shutil
 import tempfile
 
+import sys
+
 import pytest
 
-from xla_env import speed_flags
+# The helpers every folder's tests share (tiny, run_dirs, xla_env, metrics_jobs) live here, in
+# tests/; a folder's own helpers live beside its tests (pytest puts a test file's folder on
+# sys.path). Explicit, so that they import under any --import-mode.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from xla_env import speed_flags  # noqa: E402
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), *speed_flags(), "--xla_force_host_platform_device_count=8"]
@@ -13,7 +20,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compile without most of XLA's backend optimisation (jax's switch: LLVM at -O0, no expensive
 # passes); every subprocess and notebook kernel inherits it. On 2 cores the suite's time is mostly
-# XLA compiling small programs, not running them: tests/test_step.py took 99 s of CPU at the
+# XLA compiling small programs, not running them: tests/jax/test_step.py took 99 s of CPU at the
 # default and 62 s with this. The generated code runs slower and may round differently in the
 # last bit (LLVM's default level can fuse a multiply and an add into one FMA), so every process
 # of a test run compiles the same way and bitwise comparisons still compare like with like.
@@ -22,7 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # MFU on a CPU divides by the table's peak rather than this machine's measured one: no
 # measurement (about a second, and load-dependent) in every test process and subprocess.
-# tests/test_cpu_peak.py measures and caches with its own cache directory.
+# tests/core/test_cpu_peak.py measures and caches with its own cache directory.
 os.environ.setdefault("TRAINSPEC_CPU_PEAK", "table")
 # Subprocesses (`python -m trainspec.cli.main ...`, launched ranks, notebook kernels) run from the
 # repository root: without this, Python would put the root first on sys.path and import the
@@ -61,7 +68,7 @@ def pytest_collection_modifyitems(items):
 def _optimised_compiles(request):
     # A file marked `optimised` runs its programs long enough (the default model, hundreds of
     # steps in all) that XLA's default optimisation repays its compile time: it compiles at the
-    # default (tests/test_diloco_convergence.py alone: 106 s, against 167 s without).
+    # default (tests/jax/test_diloco_convergence.py alone: 106 s, against 167 s without).
     if request.node.get_closest_marker("optimised") is None:
         yield
         return

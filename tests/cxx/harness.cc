@@ -1,5 +1,5 @@
 // C++ harness of the xla_ext collectives: the rendezvous and the kernels driven by threads,
-// without Python or XLA (tests/test_xla_ext_harness.py runs it under ThreadSanitizer).
+// without Python or XLA (tests/jax/test_xla_ext_harness.py runs it under ThreadSanitizer).
 //
 //   kernels      ReduceInto on random bit patterns (NaN and inf included), odd lengths,
 //                misaligned buffers, 1..8 sources and 1..3 destinations: float32/float64/int32

@@ -28,6 +28,6 @@ An implementation of trainspec (the JAX one in trainspec.jax, or another framewo
   `simulated`: devices simulated in one process (a NumPy implementation's, the case counts').
 - `gns`: the gradient noise scale estimator; `advice`, `scaling`: the planner's formulas.
 
-tests/test_core.py imports every module here with framework imports refused; an import-linter
+tests/core/test_core.py imports every module here with framework imports refused; an import-linter
 contract (pyproject.toml) keeps it so.
 """

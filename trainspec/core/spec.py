@@ -3,7 +3,7 @@ sections in spec_health.py and the sections' common base in spec_section.py).
 
 One pydantic definition gives both the validation (with the path of the offending field in every
 message) and the JSON Schema committed as docs/spec.schema.json. docs/spec.md states the same
-fields normatively; tests/test_spec.py fails when the committed schema and this module drift.
+fields normatively; tests/core/test_spec.py fails when the committed schema and this module drift.
 
 Checks that need the device count (inferred axis sizes, batch divisibility by the data axes)
 live in core/mesh.py, because only there is the device count known.

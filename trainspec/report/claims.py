@@ -3,7 +3,7 @@ them.
 
 `claim("loss {first:.3f} -> {last:.3f}", rtol=1e-3, first=..., last=...)` shows the line
 `loss 5.546 -> 2.345` as the cell's output, and keeps the exact values, the template and the
-tolerance in that output's metadata (invisible to a reader). tests/test_notebooks.py re-executes
+tolerance in that output's metadata (invisible to a reader). tests/cli/test_notebooks.py re-executes
 each notebook and reports every stored value that the fresh run no longer gives within the
 tolerance the notebook's code states now, and every shown line that is not what its stored values
 give (a number edited by hand).

@@ -2,7 +2,7 @@
 
 Everything is a formula of the spec (model, batch, precision, remat, layout rules), the mesh
 axis sizes (with their cross-host `dcn` factors) and a hardware profile; nothing is compiled.
-docs/plan.md states each formula; tests/test_plan_compiled.py and tests/test_plan_grid.py
+docs/plan.md states each formula; tests/jax/test_plan_compiled.py and tests/jax/test_plan_grid.py
 hold memory and communication to the programs XLA:CPU compiles here, bench/plan_step_time.py
 step time to the steps it runs.
 

@@ -2,7 +2,7 @@
 logical axes, and the activations one token leaves for the backward pass.
 
 The planner needs these for a model of any size without building it, so they are written out
-here from the model's definition; tests/test_plan.py checks the parameter table against the
+here from the model's definition; tests/core/test_plan.py checks the parameter table against the
 flax model's own (shapes and logical names).
 """
 from __future__ import annotations

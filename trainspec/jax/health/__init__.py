@@ -2,5 +2,5 @@
 
 The decisions (NaN policy, fingerprint vote, straggler rule) and the exceptions a guard raises
 (`HealthHalt`, `ReplicaMismatch`) are trainspec.core.health's. Each guard is proved by injecting
-its fault (tests/test_health_*.py, notebooks/04_reliability).
+its fault (tests/jax/test_health_*.py, notebooks/04_reliability).
 """

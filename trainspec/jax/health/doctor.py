@@ -9,7 +9,7 @@ all_reduce is checked the same way by trainspec.jax.collectives.selftest (`train
 
 A planted fault (`Fault`) replaces one device's reduction with a kernel that drops the last
 partial block of `block` elements, the shape-dependent kind of bug a tolerance-free check
-misses; tests/test_doctor.py shows the self-test names it.
+misses; tests/cli/test_doctor.py shows the self-test names it.
 """
 from __future__ import annotations
 

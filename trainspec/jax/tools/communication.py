@@ -5,7 +5,7 @@ Two ways to run an option: `train_option`, one `trainspec train` run (trainspec.
 option, semi_sync included, with the bytes its records report, amortised over a DiLoCo round),
 used by bench/communication.py (the table of docs/communication.md) and
 notebooks/07_communication.ipynb; and `CompiledOption`, the step compiled once and trained
-from several seeds (tests/test_compression_convergence.py).
+from several seeds (tests/jax/test_compression_convergence.py).
 """
 from __future__ import annotations
 

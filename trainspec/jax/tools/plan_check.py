@@ -6,8 +6,8 @@ HLO's communication bytes by kind and mesh axis and operations by kind (trainspe
 `layout_runner` places its state so that `step_time` can time it.
 `calibrate_cpu` measures this machine's matmul peak, collective alpha-beta and memory
 bandwidth, `calibrate_time` fits the step-time parameters, so that `trainspec plan --hardware
-cpu` predicts this machine's step time. tests/test_plan*.py and bench/plan_step_time.py use
-them.
+cpu` predicts this machine's step time. tests/core/test_plan.py, tests/jax/test_plan_*.py and
+bench/plan_step_time.py use them.
 """
 from __future__ import annotations
 

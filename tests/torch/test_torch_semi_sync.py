@@ -1,0 +1,107 @@
+"""`[semi_sync]` (DiLoCo) on torch (trainspec/torch/semi_sync.py), on 4 gloo ranks:
+
+- from JAX's initial parameters (--init-from), the losses and gradient norms of the groups
+  follow the JAX implementation's (trainspec/jax/semi_sync.py) within rtol 1e-4 over 8 steps
+  with an outer step every 2 (data 4, and data 2 x fsdp 2);
+- one inner step with a plain outer step (lr 1, no momentum) is synchronous training (SGD,
+  no clipping: the mean of the groups' updates is the update of the mean gradient), within 32
+  float32 ulps; with outer momentum it is not;
+- the inner steps count no data-axis traffic;
+- a checkpoint mid-round (step 4 of rounds of 3) resumes bit for bit; a resume on another
+  number of groups is refused in one line.
+"""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiny import TINY
+from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.torch.model import Transformer
+
+pytestmark = pytest.mark.slow  # two JAX runs and nine torch runs: over a minute on 2 cores
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, RANKS = 8, 4
+LAYOUTS = {"data4": ["semi_sync.inner_steps=2"],
+           "data2_fsdp2": ["semi_sync.inner_steps=2", "mesh.axes.data.size=2",
+                           "mesh.axes.fsdp.size=2"]}
+SGD = ['optimizer.name="sgd"', "optimizer.grad_clip_norm=1e9", "optimizer.learning_rate=0.3"]
+
+
+def test_the_groups_follow_the_jax_implementation(tmp_path):
+    """JAX (4 devices) writes its initial parameters; torch (4 ranks) starts from them
+    (--init-from): the records' losses and gradient norms, combined over the groups on either
+    side, agree within rtol 1e-4."""
+    for name, sets in LAYOUTS.items():
+        jax_dir, torch_dir = tmp_path / f"jax_{name}", tmp_path / f"torch_{name}"
+        want = _train(jax_dir, ["checkpoint.interval=0", *sets], framework=["--host-devices", "4"])
+        got = _train(torch_dir, ["checkpoint.interval=0", *sets], "--init-from", str(jax_dir))
+        for quantity in ("loss", "grad_norm"):
+            np.testing.assert_allclose([r[quantity] for r in got], [r[quantity] for r in want],
+                                       rtol=1e-4, err_msg=f"{name} {quantity}")
+
+
+def _cmd(run_dir, sets, *extra, steps=STEPS, nprocs=RANKS, framework=None):
+    framework = framework or ["--framework", "torch", "--nprocs", str(nprocs)]
+    return [sys.executable, "-m", "trainspec.cli.main", "train", *framework, "--quiet",
+            "--steps", str(steps), "--run-dir", str(run_dir),
+            "--summary-json", str(run_dir / "summary.json"),
+            *(a for s in [*TINY, "metrics.interval=1", *sets] for a in ("--set", s)), *extra]
+
+
+def _train(run_dir, sets, *extra, **kwargs):
+    result = subprocess.run(_cmd(run_dir, sets, *extra, **kwargs), capture_output=True,
+                            text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_inner_step_with_a_plain_outer_step_is_synchronous(tmp_path):
+    plain = ["semi_sync.outer_lr=1.0", "semi_sync.outer_momentum=0.0"]
+    sync = _train(tmp_path / "sync", [*SGD, "checkpoint.interval=0"])
+    h1 = _train(tmp_path / "h1", [*SGD, "checkpoint.interval=0", "semi_sync.inner_steps=1", *plain])
+    momentum = _train(tmp_path / "momentum", [*SGD, "checkpoint.interval=0",
+                                              "semi_sync.inner_steps=1", plain[0],
+                                              "semi_sync.outer_momentum=0.5"])
+    want = np.array([r["loss"] for r in sync])
+    tol = 32 * 2.0**-23 * float(np.max(want))
+    assert np.max(np.abs(np.array([r["loss"] for r in h1]) - want)) <= tol
+    assert np.max(np.abs(np.array([r["loss"] for r in momentum]) - want)) > 100 * tol
+    # the outer step's all-reduce of the float32 parameters (P), every step when H = 1
+    p = 4 * sum(x.numel() for x in Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model)
+                .parameters())
+    assert {r["comm_bytes_by_axis"]["data"] for r in h1} == {p}
+
+
+def test_the_inner_steps_carry_nothing_over_the_data_axes(tmp_path):
+    """Amortised over the round: 1/H of the outer step's all-reduce is all of `data`'s."""
+    _train(tmp_path, ["checkpoint.interval=0", "semi_sync.inner_steps=4"], steps=2)
+    semi = json.loads((tmp_path / "summary.json").read_text())["semi_sync"]
+    p = 4 * sum(x.numel() for x in Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model)
+                .parameters())
+    assert semi["inner_comm_bytes_per_step"] == 0 and semi["outer_comm_bytes"] == p
+    assert semi["groups"] == 4 and semi["inner_steps"] == 4
+
+
+def test_a_checkpoint_mid_round_resumes_bitwise(tmp_path):
+    sets = ["semi_sync.inner_steps=3", "checkpoint.interval=4", "checkpoint.keep=3"]
+    want = {r["step"]: r["loss"] for r in _train(tmp_path / "whole", sets)}
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole", run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # from step 4: the round began at 3
+    got = {r["step"]: r["loss"] for r in _train(run_dir, sets)}
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == 4
+    assert got == want
+    other = subprocess.run(_cmd(run_dir, sets, steps=STEPS + 2, nprocs=2), capture_output=True,
+                           text=True, cwd=ROOT, timeout=600)
+    assert other.returncode == 2, other.stdout[-3000:] + other.stderr[-3000:]
+    said = {line.split("] ", 1)[1] for line in other.stdout.splitlines() if "error" in line}
+    assert said == {f"trainspec: error: semi_sync: the checkpoint in {run_dir}/checkpoints/8 "
+                    "holds 4 data groups' states, the mesh gives 2; resume on 4 data groups, or "
+                    "use another --run-dir"}, other.stdout + other.stderr
+    assert "Traceback" not in other.stdout + other.stderr
