@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainspec.core.decoder_shape import reference_shape
 from trainspec.core.flops import CONVENTIONS
 from trainspec.core.spec import ModelSpec, Spec
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerFlops:
-    """Analytic FLOPs of the reference decoder (trainspec.jax.models.transformer) per token."""
+    """Analytic FLOPs of the reference decoder (trainspec.jax.models.transformer) per token.
+    With `model.moe`, the parameters a token passes through: top_k experts' MLPs and the
+    router (trainspec.core.decoder_shape)."""
 
     model: ModelSpec
     seq_len: int
@@ -25,20 +28,30 @@ class TransformerFlops:
         return self.model.vocab_size * self.model.d_model
 
     @property
+    def active_mlp_width(self) -> int:
+        """Hidden units a token passes through: d_ff, or top_k experts' d_ff."""
+        return self.model.d_ff * (self.model.moe.top_k if self.model.moe else 1)
+
+    @property
+    def router_params(self) -> int:
+        return self.model.d_model * self.model.moe.experts if self.model.moe else 0
+
+    @property
     def block_matmul_params(self) -> int:
-        d, f = self.model.d_model, self.model.d_ff
-        return 4 * d * d + 2 * d * f  # q, k, v, out; mlp_in, mlp_out
+        """Matmul parameters one token passes through in a block: q, k, v, out; mlp_in and
+        mlp_out (of each expert it visits) and the router."""
+        d = self.model.d_model
+        return 4 * d * d + 2 * d * self.active_mlp_width + self.router_params
 
     @property
     def non_embedding_params(self) -> int:
-        """All parameters except the input embedding table: blocks, norms, output head."""
-        m = self.model
-        norms = (2 * m.n_layers + 1) * m.d_model
-        return m.n_layers * self.block_matmul_params + norms + m.d_model * m.vocab_size
+        """Active parameters except the input embedding table: blocks, norms, output head."""
+        return reference_shape(self.model).active_params - self.embedding_params
 
     @property
     def total_params(self) -> int:
-        return self.non_embedding_params + self.embedding_params
+        """Every parameter, every expert included."""
+        return reference_shape(self.model).total_params
 
     def attention_per_token(self, convention: str) -> float:
         """Scores (Q K^T) and weighted values (A V): 2 matmuls of 2 d T FLOPs each, x3 for
@@ -68,7 +81,8 @@ class TransformerFlops:
         if self.remat == "full":
             # The backward needs every block activation except the MLP output, so jax recomputes
             # the forward up to mlp_in: q, k, v, out, mlp_in projections and attention.
-            return m.n_layers * (2.0 * (4 * m.d_model**2 + m.d_model * m.d_ff) + attn_fwd)
+            mlp_in = m.d_model * self.active_mlp_width + self.router_params
+            return m.n_layers * (2.0 * (4 * m.d_model**2 + mlp_in) + attn_fwd)
         if self.remat == "dots_with_no_batch_dims_saveable":
             return m.n_layers * attn_fwd  # attention einsums have batch dims: recomputed
         return 0.0  # none, dots_saveable: every matmul output is kept
