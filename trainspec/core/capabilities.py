@@ -113,10 +113,9 @@ def roles_not_split(implementation: str, *roles: str) -> Refusal:
     def axes(request: Request) -> list[str]:
         return [a for role in roles for a in request.split(role)]
 
-    return Refusal(f"when a {' or '.join(roles)} axis is split",
-                   lambda value, request: bool(axes(request)),
-                   f"the {implementation} implementation does not split {' or '.join(roles)} "
-                   "axes, got {axes}",
+    named = " or ".join(roles) if len(roles) < 3 else f"{', '.join(roles[:-1])} or {roles[-1]}"
+    return Refusal(f"when a {named} axis is split", lambda value, request: bool(axes(request)),
+                   f"the {implementation} implementation does not split {named} axes, got {{axes}}",
                    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in axes(r))})
 
 
