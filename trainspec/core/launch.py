@@ -35,6 +35,9 @@ from trainspec.core import topology
 COORDINATOR = "TRAINSPEC_COORDINATOR"
 NUM_PROCESSES = "TRAINSPEC_NUM_PROCESSES"
 PROCESS_ID = "TRAINSPEC_PROCESS_ID"
+# The interface the job's coordinator listens on (JAX's coordination service, torch rank 0's
+# TCPStore) when not the one its address names (docs/scale-out.md).
+COORDINATOR_BIND = "TRAINSPEC_COORDINATOR_BIND"
 
 _PR_SET_PDEATHSIG = 1
 DEFAULT_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for every rank to write its checkpoint
@@ -82,6 +85,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def coordinator_bind(coordinator: str) -> str:
+    """The `host:port` the job's coordinator at `coordinator` listens on: its own address, on
+    the host TRAINSPEC_COORDINATOR_BIND names when set (`0.0.0.0`: every interface). So a
+    local job's (127.0.0.1, as `trainspec launch` gives it) is reachable from this host alone,
+    and a multi-host job's listens on the interface its address names, not on every one."""
+    host, port = split_host_port(coordinator)
+    host = os.environ.get(COORDINATOR_BIND) or host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" or "[v6]:port"."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -20,7 +20,8 @@ import os
 import jax
 
 from trainspec.core.errors import UserInputError
-from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID  # noqa: F401 (re-exported)
+from trainspec.core.launch import (  # noqa: F401 (re-exported)
+    COORDINATOR, NUM_PROCESSES, PROCESS_ID, coordinator_bind)
 from trainspec.core.spec import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 CLUSTER = "TRAINSPEC_CLUSTER"
@@ -55,6 +56,7 @@ def initialize_from_env(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT
         jax.distributed.initialize(
             os.environ[COORDINATOR], num_processes=num, process_id=pid,
             initialization_timeout=timeout,
+            coordinator_bind_address=coordinator_bind(os.environ[COORDINATOR]),
         )
         return True
     if os.environ.get(CLUSTER) == "auto":

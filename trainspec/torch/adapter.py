@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainspec.torch import collectives
+from trainspec.torch import collectives, rendezvous
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.torch.collectives import Group
 from trainspec.torch.capabilities import TORCH
@@ -58,18 +58,21 @@ class TorchAdapter(Adapter):
             world, rank = env_int(NUM_PROCESSES), env_int(PROCESS_ID)
             if not 0 <= rank < world:
                 raise UserInputError(f"{PROCESS_ID}={rank} is outside [0, {NUM_PROCESSES}={world})")
-            init = f"tcp://{os.environ[COORDINATOR]}"
-        elif os.environ.get("WORLD_SIZE"):
-            world, rank, init = env_int("WORLD_SIZE"), env_int("RANK"), "env://"
+            coordinator = os.environ[COORDINATOR]
+        elif os.environ.get("WORLD_SIZE"):  # torchrun: its agent's store
+            world, rank, coordinator = env_int("WORLD_SIZE"), env_int("RANK"), None
         else:
-            world, rank, init = 1, 0, f"tcp://127.0.0.1:{_free_port()}"
+            world, rank, coordinator = 1, 0, f"127.0.0.1:{_free_port()}"
         if self.device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         else:  # ranks on one host share its cores (trainspec launch starts them all locally)
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        dist.init_process_group(self.backend, init_method=init, world_size=world, rank=rank,
-                                timeout=self.timeout)
+        if coordinator is None:
+            dist.init_process_group(self.backend, init_method="env://", world_size=world,
+                                    rank=rank, timeout=self.timeout)
+        else:
+            rendezvous.join(self.backend, coordinator, world, rank, self.timeout)
         self._joined_here = True
         self.launched_ids = list(range(world))
 
@@ -94,8 +97,7 @@ class TorchAdapter(Adapter):
         if me not in kept:
             self._joined_here = False
             return False
-        dist.init_process_group(self.backend, init_method=f"tcp://{address[0]}",
-                                world_size=len(kept), rank=kept.index(me), timeout=self.timeout)
+        rendezvous.join(self.backend, address[0], len(kept), kept.index(me), self.timeout)
         self._joined_here = True
         self.launched_ids = [launched[r] for r in kept]
         return True
