@@ -5,6 +5,9 @@
   that looks at the collectives alone.
 - `WrongClip`: the numpy implementation clipping the gradient to twice the spec's norm (its
   reported gradient norm stays right).
+- `NoDecay`, `DecayOneDimOnly`, `EarlyWarmup`: the numpy implementation ignoring
+  `optimizer.weight_decay`, decaying only the 1-D parameters (the norm scales), and warming up
+  one update early (update n at (n + 1) / warmup_steps of the rate, a common off-by-one).
 - `Overclaiming`: declares fsdp and tensor axes honoured, then cannot split them.
 - `Undeclared`: a capability table without an entry for `metrics.tensorboard`.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from numpy_impl import NUMPY, NumpyAdapter
 
 from trainspec.core import records, reference_train as train
@@ -49,6 +53,37 @@ class WrongClip(NumpyAdapter):
         clip = spec.optimizer.grad_clip_norm
         return super().train_steps(load_spec(spec, [f"optimizer.grad_clip_norm={2 * clip}"]),
                                    params, batches)
+
+
+class NoDecay(NumpyAdapter):
+    name = "no-decay"
+
+    def train_steps(self, spec, params, batches):
+        return super().train_steps(load_spec(spec, ["optimizer.weight_decay=0"]), params, batches)
+
+
+class _OneDimDecayTrainer(train.Trainer):
+    def decayed(self, param):
+        return param if param.ndim == 1 else np.zeros_like(param)
+
+
+class DecayOneDimOnly(NumpyAdapter):
+    name = "decay-1d-only"
+    trainer = _OneDimDecayTrainer
+
+
+class _EarlyWarmupTrainer(train.Trainer):
+    def learning_rate(self):
+        o = self.spec.optimizer
+        warmup = min(o.warmup_steps, self.spec.train.steps - 1)
+        if self.count < warmup:
+            return o.learning_rate * (self.count + 1) / warmup
+        return super().learning_rate()
+
+
+class EarlyWarmup(NumpyAdapter):
+    name = "early-warmup"
+    trainer = _EarlyWarmupTrainer
 
 
 class Overclaiming(NumpyAdapter):

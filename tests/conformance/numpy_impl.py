@@ -88,6 +88,7 @@ class NumpyAdapter(SimulatedDevices):
 
     name = "numpy"
     capabilities = NUMPY
+    trainer = train.Trainer  # the reference's optimizer steps, run in float32
 
     def build_mesh(self, spec):
         return resolve_mesh(spec, self.devices)
@@ -121,7 +122,7 @@ class NumpyAdapter(SimulatedDevices):
         return float(loss_sum / denom), norm, float(tokens), guard
 
     def train_steps(self, spec, params, batches):
-        trainer, guard, steps = train.Trainer(spec, params, np.float32), init_nan_guard(), []
+        trainer, guard, steps = self.trainer(spec, params, np.float32), init_nan_guard(), []
         for batch in batches:
             loss, norm, _, guard = self.step(trainer, batch, guard)
             steps.append((loss, norm, train.tree_map(np.copy, trainer.params)))
@@ -129,7 +130,7 @@ class NumpyAdapter(SimulatedDevices):
 
     def train_run(self, spec, run_dir, steps):
         """`trainspec train` in brief: a record every metrics.interval steps, a summary."""
-        trainer = train.Trainer(spec, train.initial_params(spec.model, spec.seed), np.float32)
+        trainer = self.trainer(spec, train.initial_params(spec.model, spec.seed), np.float32)
         data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
         tokens_per_step = flops.tokens_per_step(spec)
         model = TransformerFlops(spec.model, spec.batch.seq_len)

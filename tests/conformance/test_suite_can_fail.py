@@ -1,5 +1,6 @@
 """The conformance suite can fail (tests/conformance/broken_impls.py): an implementation that
-trains nothing, one that clips to the wrong norm, one that claims layouts it cannot run and one
+trains nothing, one that clips to the wrong norm, ones that leave out weight decay, decay only
+the 1-D parameters or warm up one update early, one that claims layouts it cannot run and one
 whose table leaves a field out each fail it, naming the case or the field; the numpy
 implementation passes the subset it declares, its refused layouts named."""
 import pytest
@@ -7,6 +8,8 @@ import pytest
 import broken_impls
 from numpy_impl import NumpyAdapter
 from trainspec.core.conformance_runner import run, table
+from trainspec.core import golden
+from trainspec.core.conformance_steps import step_rows
 
 
 def _rows(adapter) -> dict:
@@ -42,7 +45,7 @@ def test_the_do_nothing_implementation_fails():
 def test_a_wrong_clip_norm_fails_the_trajectories(numpy_rows):
     rows = _rows(broken_impls.WrongClip())
     trajectory = rows["reference trajectory"]
-    assert trajectory.failed == 2
+    assert trajectory.failed == len(golden.OPTIMIZERS)
     assert "of its update away from the reference" in trajectory.first_failure
     assert rows["accumulation"].failed == numpy_rows["accumulation"].passed
 
@@ -58,3 +61,16 @@ def test_a_field_left_out_of_the_table_fails_naming_it():
     row = _rows(broken_impls.Undeclared())["capability table"]
     assert row.failed == 1
     assert row.first_failure == "metrics.tensorboard: not declared by undeclared's capability table"
+
+
+@pytest.mark.parametrize("impl,failure", [
+    (broken_impls.NoDecay, "adamw-decay-warmup: step 2: block_0/"),
+    (broken_impls.DecayOneDimOnly, "adamw-decay-warmup: step 2: block_0/key/kernel"),
+    (broken_impls.EarlyWarmup, "adamw-decay-warmup: step 1: block_0/attn_norm/scale moved 0.0"),
+])
+def test_a_wrong_decay_or_warmup_fails_the_trajectory_that_uses_them(impl, failure):
+    """The jobs without decay or warm-up pass; the one with both fails at its first update
+    with a nonzero learning rate (step 2), or at step 1 for a warm-up that starts early."""
+    trajectory = step_rows(impl())[0]
+    assert (trajectory.passed, trajectory.failed) == (2, 1), trajectory
+    assert trajectory.first_failure.startswith(failure), trajectory.first_failure

@@ -34,8 +34,12 @@ SPEC = ["model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=
         "optimizer.warmup_steps=0", f"train.steps={STEPS}", "checkpoint.interval=0",
         "health.fingerprints.interval=0"]
 # SGD's update is proportional to the clipped gradient, so it shows a wrong clip where Adam,
-# invariant to a constant gradient scale, would not.
-OPTIMIZERS = {"adamw": [], "sgd": ["optimizer.name=sgd", "optimizer.learning_rate=0.1"]}
+# invariant to a constant gradient scale, would not. The third job decays every parameter and
+# warms up over 2 of its 3 updates (learning rates 0, lr/2, then the cosine from lr): a decay
+# left out or confined to some parameters, or a warm-up one update early or late, moves a
+# parameter by a tenth of its update or more from step 1 or 2 on.
+OPTIMIZERS = {"adamw": [], "sgd": ["optimizer.name=sgd", "optimizer.learning_rate=0.1"],
+              "adamw-decay-warmup": ["optimizer.weight_decay=0.1", "optimizer.warmup_steps=2"]}
 
 
 def spec(optimizer: str = "adamw", overrides: list[str] = ()) -> Spec:

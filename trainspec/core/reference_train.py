@@ -113,6 +113,15 @@ class Trainer:
         denom = max(tokens, 1.0)
         return loss_sum / denom, tree_map(lambda g: g / self.dtype(denom), grads)
 
+    def learning_rate(self) -> float:
+        """The learning rate of the next update."""
+        return learning_rate(self.spec.optimizer, self.spec.train.steps, self.count)
+
+    def decayed(self, param: np.ndarray) -> np.ndarray:
+        """What weight decay pulls towards zero: every parameter, norm scales included, as
+        optax.adamw and torch.optim.AdamW do without a mask or parameter groups."""
+        return param
+
     def step(self, batch: dict) -> tuple[float, float]:
         """One optimizer step on the global batch: (loss, gradient norm before clipping)."""
         loss, grads = self.gradient(batch)
@@ -123,14 +132,14 @@ class Trainer:
         o, norm = self.spec.optimizer, global_norm(grads)
         if o.grad_clip_norm is not None and norm >= o.grad_clip_norm:
             grads = tree_map(lambda g: g / self.dtype(norm) * self.dtype(o.grad_clip_norm), grads)
-        lr = self.dtype(learning_rate(o, self.spec.train.steps, self.count))
+        lr = self.dtype(self.learning_rate())
         self.count += 1
         if o.name == "adamw":
             self.mu = tree_map(lambda m, g: ADAM_B1 * m + (1 - ADAM_B1) * g, self.mu, grads)
             self.nu = tree_map(lambda v, g: ADAM_B2 * v + (1 - ADAM_B2) * g * g, self.nu, grads)
             c1, c2 = 1 - ADAM_B1**self.count, 1 - ADAM_B2**self.count
             update = tree_map(lambda m, v, p: (m / c1) / (np.sqrt(v / c2) + ADAM_EPS)
-                              + o.weight_decay * p, self.mu, self.nu, self.params)
+                              + o.weight_decay * self.decayed(p), self.mu, self.nu, self.params)
         else:
             self.mu = tree_map(lambda t, g: g + SGD_MOMENTUM * t, self.mu, grads)
             update = self.mu
