@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--devices-per-host", type=int,
                    help="devices in one ICI domain (default: the profile's)")
     p.add_argument("--all-layouts", action="store_true",
-                   help="rank every data x fsdp x tensor factorisation (default: the spec's mesh)")
+                   help="rank every pipeline x data x fsdp x tensor factorisation (default: the "
+                   "spec's mesh)")
     p.add_argument("--params", type=float, metavar="N",
                    help="a transformer of about N parameters (e.g. 1.3e9): layers, width, heads "
                    "and d_ff from the shape rule of docs/plan.md; not with --layers/--d-model/"
@@ -107,6 +108,7 @@ def run(args) -> int:
     spec, profile = _spec(args), _profile(args)
     predict = predictor(profile)
     if args.all_layouts:
+        spec = search.with_pipeline_axis(spec)
         layouts = search.all_layouts(spec, args.devices, profile.ici_domain)
     else:
         layouts = [search.spec_layout(spec, args.devices, profile.ici_domain)]
@@ -142,8 +144,8 @@ def table(preds, profile, spec) -> str:
              f"# memory bytes per device; comm bytes of bus traffic per device per step; achievable "
              f"fraction {profile.achievable_fraction:.2f}, overlap {profile.comm_overlap:.2f}",
              f"{'rank':>4} {'layout (size/dcn)':<30} {'memory':>8} {'state':>8} {'act':>8} "
-             f"{'ici':>8} {'dcn':>8} {'compute ms':>10} {'comm ms':>9} {'step ms':>9} "
-             f"{'MFU':>6}  fits"]
+             f"{'ici':>8} {'dcn':>8} {'compute ms':>10} {'comm ms':>9} {'bubble ms':>9} "
+             f"{'step ms':>9} {'MFU':>6}  fits"]
     for i, p in enumerate(preds, 1):
         lay = " ".join(f"{a}={s}" + (f"/{p.dcn[a]}" if p.dcn[a] > 1 else "")
                        for a, s in p.layout.items())
@@ -157,8 +159,23 @@ def table(preds, profile, spec) -> str:
         lines.append(
             f"{i:>4} {lay:<30} {_gb(mem['total'])} {_gb(state)} {_gb(mem['activations'])} "
             f"{_gb(ici)} {_gb(dcn)} {p.compute_s * 1e3:>10.2f} {p.comm_s['exposed'] * 1e3:>9.2f} "
-            f"{p.step_time_s * 1e3:>9.2f} {100 * p.mfu:>5.1f}%  yes")
+            f"{p.bubble_s * 1e3:>9.2f} {p.step_time_s * 1e3:>9.2f} {100 * p.mfu:>5.1f}%  yes"
+            + (f"  stages: {_stages(p.pipeline)}" if p.pipeline else ""))
     return "\n".join(lines)
+
+
+def _stages(pipeline: dict) -> str:
+    """'1f1b m=16, layers 7+8x14+7, in flight 16 (stage 0)'."""
+    counts, runs = pipeline["layers_per_stage"], []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    layers = "+".join(f"{c}x{n}" if n > 1 else f"{c}" for c, n in runs)
+    v = pipeline["virtual_stages"]
+    return (f"{pipeline['schedule']} m={pipeline['microbatches']}" + (f" v={v}" if v > 1 else "")
+            + f", layers {layers}, in flight {pipeline['in_flight'][0]:g} (stage 0)")
 
 
 def plot(spec, profile, predict, path: Path, devices: int) -> None:

@@ -16,6 +16,13 @@ device and micro-batch, T tokens per row, L layers, width d:
   (2 + 4 L) + 3 operations (XLA combines the q, k and v input gradients into one all-reduce,
   one scalar rides with an activation); with full remat, each block's recomputed attention
   output once more (its MLP output is not needed by the backward, so not recomputed);
+- pipeline > 1 (of one stage, `Stage`): the tensor traffic above for the stage's own layers
+  (the embedding's on the first stage, the head's and the loss scalars on the last), per
+  pipeline micro-batch of 1/m of the rows; and point to point over the pipeline axis, per
+  pipeline micro-batch and chunk boundary, the boundary's activation (R x T x d / m elements)
+  forward and its gradient back: 2 v sends less one on the first and one on the last stage,
+  each a collective-permute between two devices (a whole activation per tensor rank: no
+  scatter over the tensor axis), on the DCN link when the pipeline axis spans hosts;
 - every step on more than one device, under `health.nan.policy` skip or halt: the NaN guard's
   all-reduce of one int32, its count of non-finite state slices, over the whole mesh (each
   group's own axes under semi_sync). Under rollback (the default) each device only flags its
@@ -32,7 +39,8 @@ import dataclasses
 
 from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan.hardware import Profile, bus_factor
-from trainspec.core.plan.shards import DTYPE_BYTES, data_split_shares, local_elements, shares
+from trainspec.core.plan.shards import (
+    DTYPE_BYTES, Stage, data_split_shares, local_elements, shares)
 from trainspec.core.plan.transformer import Param
 from trainspec.core.spec import Spec
 
@@ -100,7 +108,8 @@ def element_bytes(dtype: str, profile: Profile) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def collectives(spec: Spec, layout: ParallelDims, profile: Profile) -> list[Collective]:
+def collectives(spec: Spec, layout: ParallelDims, profile: Profile, stage: Stage | None = None,
+                microbatches: int = 1) -> list[Collective]:
     k, m, precision = spec.batch.accumulation_steps, spec.model, spec.precision
     data, fsdp, tensor = (layout.split(r) for r in ("data", "fsdp", "tensor"))
     semi_sync = spec.semi_sync is not None
@@ -113,19 +122,20 @@ def collectives(spec: Spec, layout: ParallelDims, profile: Profile) -> list[Coll
         out.append(Collective(kind, axes, float(nbytes), calls, n, n_dcn,
                               calls if ops is None else ops))
 
+    local = local_elements(spec, layout, stage=stage)
     if fsdp:
-        split = {s.param.path for s in shares(spec, layout) if s.axes & set(fsdp)}
-        gathered = [(s, gathers_per_step(s.param, spec)) for s in shares(spec, layout, skip=fsdp)
-                    if s.param.path in split]
+        split = {s.param.path for s in shares(spec, layout, stage=stage) if s.axes & set(fsdp)}
+        gathered = [(s, gathers_per_step(s.param, spec))
+                    for s in shares(spec, layout, skip=fsdp, stage=stage) if s.param.path in split]
         add("all-gather", fsdp, sum(s.elements * g for s, g in gathered), precision.param, 1,
             sum(g for _, g in gathered))
-        add(reduce_scatter, fsdp, local_elements(spec, layout, skip=fsdp), precision.grad_reduce, k)
+        add(reduce_scatter, fsdp, local_elements(spec, layout, skip=fsdp, stage=stage),
+            precision.grad_reduce, k)
     if data and semi_sync:  # the outer step's float32 parameter deltas, every H steps
-        add("all-reduce", data, local_elements(spec, layout), "float32",
-            1 / spec.semi_sync.inner_steps)
+        add("all-reduce", data, local, "float32", 1 / spec.semi_sync.inner_steps)
     elif data:
-        add("all-reduce", data, local_elements(spec, layout), precision.grad_reduce, 1)
-        regathered = data_split_shares(spec, layout)
+        add("all-reduce", data, local, precision.grad_reduce, 1)
+        regathered = data_split_shares(spec, layout, stage)
         if regathered:
             add("all-gather", data, sum(s.elements for s in regathered), precision.param, 1,
                 len(regathered))
@@ -133,10 +143,22 @@ def collectives(spec: Spec, layout: ParallelDims, profile: Profile) -> list[Coll
                     if size > 1 and not (semi_sync and a in data))
     if guarded and guard_meets(spec):  # the NaN guard's count of non-finite state slices (one int32)
         add("all-reduce", guarded, 1, "int32", 1)
+    # per pipeline micro-batch (the whole micro-batch without a pipeline)
+    tokens = spec.batch.micro / layout.group(data + fsdp)[0] * spec.batch.seq_len / microbatches
+    calls = k * microbatches
+    layers, first, last = ((len(stage.layers), stage.first, stage.last) if stage
+                           else (m.n_layers, True, True))
     if tensor:
-        tokens = spec.batch.micro / layout.group(data + fsdp)[0] * spec.batch.seq_len
-        recomputed = m.n_layers if spec.remat.policy == "full" else 0
-        add("all-reduce", tensor, (2 + 6 * m.n_layers + recomputed) * tokens * m.d_model,
-            precision.compute, k, k * (2 + 4 * m.n_layers + recomputed + LOSS_OPS),
-            extra_bytes=LOSS_SCALARS_PER_TOKEN * tokens * 4)  # the loss scalars: float32
+        recomputed = layers if spec.remat.policy == "full" else 0
+        add("all-reduce", tensor, (first + last + 6 * layers + recomputed) * tokens * m.d_model,
+            precision.compute, calls,
+            calls * (first + last + 4 * layers + recomputed + last * LOSS_OPS),
+            extra_bytes=last * LOSS_SCALARS_PER_TOKEN * tokens * 4)  # the loss scalars: float32
+    if stage is not None and layout.stages > 1:
+        sends = 2 * spec.pipeline.virtual_stages - first - last
+        pipeline = layout.split("pipeline")
+        crosses = 2 if layout.group(pipeline)[1] > 1 else 1  # a boundary between hosts
+        out.append(Collective("collective-permute", pipeline,
+                              float(tokens * m.d_model * element_bytes(precision.compute, profile)),
+                              calls * sends, 2, crosses, calls * sends))
     return out

@@ -11,7 +11,8 @@ from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan import xla_cpu
 from trainspec.core.plan.comm import guard_meets, regathered_by_remat
 from trainspec.core.plan.hardware import Profile
-from trainspec.core.plan.shards import DTYPE_BYTES, local_elements, optimizer_elements, shares
+from trainspec.core.plan.shards import (
+    DTYPE_BYTES, Stage, local_elements, optimizer_elements, shares)
 from trainspec.core.plan.transformer import token_activations
 from trainspec.core.spec import Spec
 
@@ -42,21 +43,24 @@ def peak_phase(mem: dict[str, float]) -> str:
     return max(PHASES, key=lambda phase: sum(mem[k] for k in PHASES[phase]))
 
 
-def memory(spec: Spec, layout: ParallelDims, profile: Profile) -> dict[str, float]:
+def memory(spec: Spec, layout: ParallelDims, profile: Profile, stage: Stage | None = None,
+           microbatches: int = 1, in_flight: float = 1.0) -> dict[str, float]:
     """Bytes per device of each part of `ARGUMENTS` and `PHASES`, and "total": the arguments
     and the largest phase (the buffers of one phase are dead in the others, and XLA reuses
-    their memory), the phase times the heap's slack on XLA:CPU."""
+    their memory), the phase times the heap's slack on XLA:CPU. With a pipeline, of one
+    `stage`: its parameters, and the activations of `in_flight` of the `microbatches` each
+    micro-batch is split into (plan.pipeline)."""
     pb, gb, cb = (DTYPE_BYTES[spec.precision.param], DTYPE_BYTES[spec.precision.grad_reduce],
                   DTYPE_BYTES[spec.precision.compute])
-    local = local_elements(spec, layout)
+    local = local_elements(spec, layout, stage=stage)
     fsdp_axes = layout.split("fsdp")
-    gathered = local_elements(spec, layout, skip=fsdp_axes)
+    gathered = local_elements(spec, layout, skip=fsdp_axes, stage=stage)
     data = layout.split("data")
     cpu = profile.backend == "XLA:CPU"
     whole_reduction = bool(fsdp_axes) and profile.reduce_scatter_as_all_reduce
     out = {
         "params": local * pb,
-        "optimizer": OPTIMIZER_COPIES[spec.optimizer.name] * optimizer_elements(spec, layout) * pb,
+        "optimizer": OPTIMIZER_COPIES[spec.optimizer.name] * optimizer_elements(spec, layout, stage) * pb,
         # semi_sync: the anchor (as the parameters) and the outer momentum (float32)
         "outer_state": local * (pb + 4) if spec.semi_sync is not None else 0.0,
         # the accumulator; XLA:CPU makes none for a single micro-batch
@@ -73,9 +77,10 @@ def memory(spec: Spec, layout: ParallelDims, profile: Profile) -> dict[str, floa
         * BATCH_BYTES_PER_TOKEN,
     }
     out["new_state"] = out["params"] + out["optimizer"]
-    out["kept_state_copy"] = (max(s.elements for s in shares(spec, layout)) * pb
+    out["kept_state_copy"] = (max(s.elements for s in shares(spec, layout, stage=stage)) * pb
                               if guard_meets(spec) else 0.0)
-    tokens = spec.batch.micro / layout.group(fsdp_axes + data)[0] * spec.batch.seq_len
+    tokens = (spec.batch.micro / layout.group(fsdp_axes + data)[0] * spec.batch.seq_len
+              / microbatches * in_flight)
     tensor = layout.tensor
     if cpu:
         # XLA:CPU gathers float32 weights (a 16-bit parameter converted first)
@@ -87,8 +92,9 @@ def memory(spec: Spec, layout: ParallelDims, profile: Profile) -> dict[str, floa
             spec.model, spec.batch.seq_len, tensor, spec.precision.compute, bool(fsdp_axes))
     else:
         out["weights_in_use"] = out["gathered_params"]
-        per_token = token_activations(spec.model, spec.batch.seq_len, spec.remat.policy,
-                                      profile.fused_attention)
+        per_token = token_activations(
+            spec.model, spec.batch.seq_len, spec.remat.policy, profile.fused_attention,
+            *((len(stage.layers), stage.first, stage.last) if stage else ()))
         out["activations"] = tokens * cb * (per_token.replicated + per_token.split / tensor)
     slack = xla_cpu.HEAP_SLACK if cpu else 1.0
     out["total"] = (sum(out[k] for k in ARGUMENTS)

@@ -16,8 +16,11 @@ import dataclasses
 from trainspec.core.plan.comm import Collective, collectives, guard_meets
 from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.memory import ARGUMENTS, PHASES, memory, peak_phase
+from trainspec.core.plan.pipeline import PipelinePlan, pipeline_plan, pipeline_reasons
+from trainspec.core.plan.shards import Stage
 from trainspec.core.mesh import ParallelDims
 from trainspec.core.spec import Spec
+from trainspec.core.transformer_flops import TransformerFlops
 
 
 @dataclasses.dataclass
@@ -38,6 +41,8 @@ class Prediction:
     tokens_per_step: int
     fits: bool = True
     reasons: list[str] = dataclasses.field(default_factory=list)
+    bubble_s: float = 0.0   # the pipeline's idle time (plan.pipeline), part of step_time_s
+    pipeline: dict | None = None
 
     @property
     def memory_bytes(self) -> float:
@@ -75,7 +80,26 @@ def check(spec: Spec, layout: ParallelDims) -> list[str]:
     if spec.batch.micro % shards:
         reasons.append(f"batch.micro_batch {spec.batch.micro} is not divisible by the {shards} "
                        "batch shards (data x fsdp)")
-    return reasons
+    return reasons + pipeline_reasons(spec, layout, shards)
+
+
+# Per micro-batch on a stage, and so stretched by the pipeline's bubble; the other collectives
+# run once per step, outside the pipeline's flush.
+PER_MICRO_BATCH = ("tensor", "pipeline")
+
+
+def stage_flops_share(spec: Spec, stage: Stage | None) -> float:
+    """The stage's part of the model's hardware FLOPs: its layers, the embedding's on the
+    first stage and the head's on the last (trainspec.core.transformer_flops)."""
+    whole = TransformerFlops(spec.model, spec.batch.seq_len, spec.remat.policy)
+    if stage is None:
+        return 1.0
+    m = spec.model
+    part = TransformerFlops(m.model_copy(update={"n_layers": len(stage.layers)}),
+                            spec.batch.seq_len, spec.remat.policy)
+    ends = (not stage.first) * 4.0 * m.vocab_size * m.d_model + (not stage.last) * 6.0 * (
+        m.vocab_size * m.d_model)
+    return (part.hardware_per_token() - ends) / whole.hardware_per_token()
 
 
 def update_bytes(mem: dict[str, float], micro_batches: int, guard_copies: bool) -> float:
@@ -91,36 +115,96 @@ def update_bytes(mem: dict[str, float], micro_batches: int, guard_copies: bool) 
             + 2 * state + mem["gradients"] + (2 * state if guard_copies else 0))
 
 
+@dataclasses.dataclass
+class _StageTime:
+    stage: Stage | None
+    memory: dict[str, float]
+    collectives: list[Collective]
+    compute_s: float
+    update_s: float
+    comm_s: dict[str, float]
+    bubble_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.update_s + self.comm_s["exposed"] + self.bubble_s
+
+
+def _stage(spec: Spec, layout: ParallelDims, profile: Profile, hardware_flops: float,
+           stage: Stage | None, plan: PipelinePlan | None) -> _StageTime:
+    """Memory and time of one stage (of the whole model without a pipeline)."""
+    n, dtype = layout.world_size, spec.precision.compute
+    per_host = min(n, profile.devices_per_host)
+    m = plan.microbatches if plan else 1
+    in_flight = plan.in_flight[stage.index] if plan else 1.0
+    compute_s = (hardware_flops * stage_flops_share(spec, stage) / (n // layout.stages)
+                 / profile.device_flops(dtype, per_host))
+    comms = collectives(spec, layout, profile, stage, m)
+    role_of = dict(zip(layout.names, layout.roles))
+
+    def exposed(per_micro_batch: bool) -> tuple[float, float]:
+        chosen = [c for c in comms
+                  if any(role_of[a] in PER_MICRO_BATCH for a in c.axes) == per_micro_batch]
+        ici = sum(profile.ici.time(c.ici_bus_bytes, c.ops, c.group // c.group_dcn)
+                  for c in chosen if c.group > c.group_dcn)
+        dcn = sum(profile.dcn.time(c.dcn_bus_bytes, c.ops, c.group_dcn)
+                  for c in chosen if c.group_dcn > 1)
+        return ici, dcn
+
+    (ici_mb, dcn_mb), (ici_step, dcn_step) = exposed(True), exposed(False)
+    ici, dcn = ici_mb + ici_step, dcn_mb + dcn_step
+    comm_s = {"ici": ici, "dcn": dcn, "exposed": (ici + dcn) * (1 - profile.comm_overlap)}
+    pipelined = compute_s + (ici_mb + dcn_mb) * (1 - profile.comm_overlap)
+    bubble_s = pipelined * plan.bubble / (1 - plan.bubble) if plan else 0.0
+    mem = memory(spec, layout, profile, stage, m, in_flight)
+    traffic = update_bytes(mem, spec.batch.accumulation_steps, guard_meets(spec))
+    return _StageTime(stage, mem, comms, compute_s, profile.memory_time(traffic, per_host),
+                      comm_s, bubble_s)
+
+
 def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_token: float,
             hardware_flops_per_token: float) -> Prediction:
     """Memory, communication, FLOPs, step time and MFU of `spec` under `layout` on `profile`.
 
-    step time = compute + overhead + update + (1 - comm_overlap) x communication: compute is
-    the hardware FLOPs of one device at `achievable_fraction` of its peak, update the
-    state-sized memory traffic (`update_bytes`) at the profile's memory bandwidth, and each
+    step time = compute + overhead + update + (1 - comm_overlap) x communication + bubble:
+    compute is the hardware FLOPs of one device at `achievable_fraction` of its peak, update
+    the state-sized memory traffic (`update_bytes`) at the profile's memory bandwidth, and each
     collective operation costs its link's latency for its group + bus bytes / bandwidth, on
-    its ICI part and on its DCN part (hierarchically)."""
+    its ICI part and on its DCN part (hierarchically). With a pipeline the slowest stage sets
+    the time and the fullest the memory; what a stage does per micro-batch (compute, its
+    tensor and point-to-point traffic) is stretched by the executed schedule's idle fraction
+    b: bubble = that work x b / (1 - b)."""
     n = layout.world_size
     reasons = check(spec, layout)
+    if layout.stages > 1 and profile.backend == "XLA:CPU":
+        reasons.append(f"mesh pipeline size {layout.stages}: the {profile.name} profile models "
+                       "compiled XLA:CPU programs, and no implementation compiles pipeline "
+                       "stages there")
     tokens = spec.batch.global_batch * spec.batch.seq_len
     model_flops = model_flops_per_token * tokens
     hardware_flops = hardware_flops_per_token * tokens
     dtype = spec.precision.compute
     per_host = min(n, profile.devices_per_host)
-    compute_s = hardware_flops / n / profile.device_flops(dtype, per_host)
-    comms = collectives(spec, layout, profile) if not reasons else []
-    ici = sum(profile.ici.time(c.ici_bus_bytes, c.ops, c.group // c.group_dcn)
-              for c in comms if c.group > c.group_dcn)
-    dcn = sum(profile.dcn.time(c.dcn_bus_bytes, c.ops, c.group_dcn) for c in comms if c.group_dcn > 1)
-    comm_s = {"ici": ici, "dcn": dcn, "exposed": (ici + dcn) * (1 - profile.comm_overlap)}
     overhead_s = profile.program_overhead_s
-    mem = memory(spec, layout, profile) if not reasons else {"total": float("nan")}
-    traffic = (update_bytes(mem, spec.batch.accumulation_steps, guard_meets(spec))
-               if not reasons else 0.0)
-    update_s = profile.memory_time(traffic, per_host)
-    step = compute_s + overhead_s + update_s + comm_s["exposed"]
     peak = profile.peak(dtype) / (per_host if profile.shared_host_compute else 1)
-    if not reasons and mem["total"] > profile.memory_bytes:
+    if reasons:
+        compute_s = hardware_flops / n / profile.device_flops(dtype, per_host)
+        step = compute_s + overhead_s
+        return Prediction(
+            layout=layout.shape, dcn=layout.dcn_shape, n_devices=n, memory={"total": float("nan")},
+            collectives=[], model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
+            compute_s=compute_s, overhead_s=overhead_s, update_s=0.0,
+            comm_s={"ici": 0.0, "dcn": 0.0, "exposed": 0.0}, step_time_s=step,
+            mfu=model_flops / (step * n * peak) if step > 0 else 0.0, tokens_per_step=tokens,
+            fits=False,
+            reasons=reasons)
+    plan = pipeline_plan(spec, layout) if layout.stages > 1 else None
+    stages = [_stage(spec, layout, profile, hardware_flops, s, plan)
+              for s in (plan.considered() if plan else [None])]
+    slowest = max(stages, key=lambda s: s.total_s)
+    mem = max((s.memory for s in stages), key=lambda m: m["total"])
+    step = slowest.total_s + overhead_s
+    if mem["total"] > profile.memory_bytes:
         biggest = max(ARGUMENTS + PHASES[peak_phase(mem)], key=mem.get)
         reasons.append(
             f"memory: {mem['total'] / 1e9:.1f} GB per device exceeds the "
@@ -128,10 +212,15 @@ def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_
             f"{mem[biggest] / 1e9:.1f} GB ({_remedy(biggest, profile)})")
     return Prediction(
         layout=layout.shape, dcn=layout.dcn_shape, n_devices=n, memory=mem,
-        collectives=comms, model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops,
-        compute_s=compute_s, overhead_s=overhead_s, update_s=update_s, comm_s=comm_s, step_time_s=step,
-        mfu=model_flops / (step * n * peak) if step > 0 else 0.0, tokens_per_step=tokens,
-        fits=not reasons, reasons=reasons)
+        collectives=slowest.collectives, model_flops_per_step=model_flops,
+        hardware_flops_per_step=hardware_flops, compute_s=slowest.compute_s,
+        overhead_s=overhead_s, update_s=slowest.update_s, comm_s=slowest.comm_s,
+        step_time_s=step, mfu=model_flops / (step * n * peak) if step > 0 else 0.0,
+        tokens_per_step=tokens, fits=not reasons, reasons=reasons, bubble_s=slowest.bubble_s,
+        pipeline=({**plan.as_dict(), "considered": [
+            {"stage": s.stage.index, "memory": s.memory["total"],
+             "activations": s.memory["activations"], "time_s": s.total_s + overhead_s}
+            for s in stages]} if plan else None))
 
 
 _REMEDIES = {

@@ -1,5 +1,5 @@
-"""Layouts of a device count: every (data, fsdp, tensor) factorisation, hosts on the outer axes,
-ranked by predicted step time (those that fit first)."""
+"""Layouts of a device count: every (pipeline, data, fsdp, tensor) factorisation, hosts on the
+outer axes, ranked by predicted step time (those that fit first)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.model import Prediction
 from trainspec.core.spec import Spec
 
-ROLE_ORDER = ("data", "fsdp", "tensor")
+ROLE_ORDER = ("pipeline", "data", "fsdp", "tensor")
 
 
 def _divisors(n: int) -> list[int]:
@@ -29,9 +29,21 @@ def role_axes(spec: Spec) -> dict[str, str]:
     return out
 
 
+def with_pipeline_axis(spec: Spec) -> Spec:
+    """The spec with a `pipeline` axis of size 1 first (outermost), unless it has one: the axis
+    the search sizes, whose traffic (stage boundaries' activations) may cross hosts."""
+    if spec.mesh.axes_with_role("pipeline"):
+        return spec
+    data = spec.to_dict()
+    data["mesh"]["axes"] = {"pipeline": {"role": "pipeline", "size": 1, "dcn": 1},
+                            **data["mesh"]["axes"]}
+    return Spec.model_validate(data)
+
+
 def layout_for(spec: Spec, sizes: dict[str, int], n_devices: int, ici_domain: int) -> ParallelDims:
     """Axis sizes with the cross-domain factor placed on the outermost axes that can take it
-    (data, then fsdp: their traffic is once per step), or the spec's own dcn factors."""
+    (in spec order: pipeline, data, then fsdp, whose traffic is point to point or once per
+    step), or the spec's own dcn factors."""
     dcn = {a: spec.mesh.axes[a].dcn for a in sizes}
     hosts = max(1, n_devices // ici_domain)
     if math.prod(dcn.values()) == 1 and hosts > 1:
@@ -42,7 +54,7 @@ def layout_for(spec: Spec, sizes: dict[str, int], n_devices: int, ici_domain: in
         if hosts > 1:
             raise UserInputError(
                 f"--devices {n_devices}: {max(1, n_devices // ici_domain)} hosts do not divide the "
-                f"data and fsdp axes ({sizes}); tensor parallelism stays within a host")
+                f"pipeline, data and fsdp axes ({sizes}); tensor parallelism stays within a host")
     return ParallelDims.of(spec, sizes, dcn)
 
 
@@ -55,25 +67,27 @@ def spec_layout(spec: Spec, n_devices: int, ici_domain: int) -> ParallelDims:
     return layout_for(spec, resolve_mesh(spec, n_devices).shape, n_devices, ici_domain)
 
 
+def _factorisations(n: int, roles: list[str]) -> list[dict[str, int]]:
+    """Every way to write n as a product of sizes of `roles` (the last takes the rest)."""
+    if len(roles) == 1:
+        return [{roles[0]: n}]
+    return [{roles[0]: d, **rest} for d in _divisors(n)
+            for rest in _factorisations(n // d, roles[1:])]
+
+
 def all_layouts(spec: Spec, n_devices: int, ici_domain: int) -> list[ParallelDims]:
     """Every factorisation of n over the role axes (others at size 1); tensor within a domain."""
     roles = role_axes(spec)
     out = []
-    for tensor in _divisors(n_devices) if "tensor" in roles else [1]:
-        if tensor > ici_domain:
+    for sizes_by_role in _factorisations(n_devices, list(roles)):
+        if sizes_by_role.get("tensor", 1) > ici_domain:
             continue
-        for fsdp in _divisors(n_devices // tensor) if "fsdp" in roles else [1]:
-            data = n_devices // tensor // fsdp
-            if data > 1 and "data" not in roles:
-                continue
-            sizes = {a: 1 for a in spec.mesh.axes}
-            for role, size in (("data", data), ("fsdp", fsdp), ("tensor", tensor)):
-                if role in roles:
-                    sizes[roles[role]] = size
-            try:
-                out.append(layout_for(spec, sizes, n_devices, ici_domain))
-            except UserInputError:
-                continue
+        sizes = {a: 1 for a in spec.mesh.axes}
+        sizes.update({roles[role]: size for role, size in sizes_by_role.items()})
+        try:
+            out.append(layout_for(spec, sizes, n_devices, ici_domain))
+        except UserInputError:
+            continue
     return out
 
 

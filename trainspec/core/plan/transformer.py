@@ -33,6 +33,11 @@ class Param:
         """Part of a transformer block (what remat recomputes)."""
         return self.path.startswith("block_")
 
+    @property
+    def layer(self) -> int | None:
+        """The block's index; None outside the blocks."""
+        return int(self.path.split("/")[0].removeprefix("block_")) if self.in_block else None
+
 
 def parameters(m: ModelSpec) -> list[Param]:
     d, h, f, v = m.d_model, m.n_heads, m.d_ff, m.vocab_size
@@ -64,12 +69,16 @@ class TokenActivations:
     split: float
 
 
-def token_activations(m: ModelSpec, seq_len: int, remat: str,
-                      fused_attention: bool = False) -> TokenActivations:
+def token_activations(m: ModelSpec, seq_len: int, remat: str, fused_attention: bool = False,
+                      layers: int | None = None, first: bool = True,
+                      last: bool = True) -> TokenActivations:
     """Per layer, without remat: the block input, attention-norm output, residual after
     attention and MLP-norm output (4 d, replicated); q, k, v and the attention output (4 d),
     scores and probabilities (2 H T), the MLP input projection and its GELU (2 d_ff), split.
-    Outside the layers: the one-hot input (V, replicated), logits and log-softmax (2 V, split).
+    Outside the layers: the one-hot input, logits and log-softmax (3 V, split: the one-hot
+    matmul with the vocabulary-split embedding is split like it, as XLA:CPU's compiled steps
+    keep 3 V / tensor per token: plan.xla_cpu).
+    A pipeline stage keeps its own `layers`, the input only if `first`, the logits if `last`.
 
     With `fused_attention` (flash attention: cuDNN on GPUs, Pallas on TPUs) the scores are
     never stored: one log-sum-exp per head and token is kept instead of 2 H T.
@@ -78,14 +87,15 @@ def token_activations(m: ModelSpec, seq_len: int, remat: str,
     (q, k, v, attention output, MLP projections) and recompute the rest; with
     `dots_with_no_batch_dims_saveable` the attention einsums (batch dims) are recomputed too.
     """
-    d, h, f, L = m.d_model, m.n_heads, m.d_ff, m.n_layers
+    d, h, f = m.d_model, m.n_heads, m.d_ff
+    L = m.n_layers if layers is None else layers
     scores = h if fused_attention else 2 * h * seq_len
     replicated, split = {
         "full": (d, 0),
         "dots_saveable": (d, 4 * d + scores / 2 + f),
         "dots_with_no_batch_dims_saveable": (d, 4 * d + f),
     }.get(remat, (4 * d, 4 * d + scores + 2 * f))
-    return TokenActivations(L * replicated + m.vocab_size, L * split + 2 * m.vocab_size)
+    return TokenActivations(L * replicated, L * split + (first + 2 * last) * m.vocab_size)
 
 
 # --params: the shape of a transformer of a given size. GPT-3 175B's shape (96 layers of width
