@@ -1,4 +1,5 @@
-"""`trainspec report RUN.jsonl [RUN2.jsonl ...] --out DIR`: table in the terminal, HTML + plots."""
+"""`trainspec report RUN.jsonl [RUN2.jsonl ...] --out DIR [--x tokens]`: tables in the terminal
+(metrics, spec fields that differ), HTML + plots."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, default=Path("report"),
                    help="output directory (default: report); one holding a report is refused")
     p.add_argument("--force", action="store_true", help="replace the report already in --out")
+    p.add_argument("--x", default="step", metavar="AXIS",
+                   help="the curves' x-axis: step (default) or tokens (tokens trained so far)")
     p.set_defaults(func=run)
 
 
@@ -29,7 +32,7 @@ def run(args) -> int:
     from trainspec.report.metrics_report import report
 
     check_out(args.out, args.force)
-    text, page = report(args.runs, args.out)
+    text, page = report(args.runs, args.out, args.x)
     print(text)
     print(f"\nreport: {page}")
     return 0

@@ -5,7 +5,7 @@ import statistics
 from pathlib import Path
 
 from trainspec.core.records import read_jsonl
-from trainspec.report import page as report_page
+from trainspec.report import page as report_page, spec_diff
 
 
 def _median(values):
@@ -20,7 +20,11 @@ def summarize(records: list[dict]) -> dict:
         "steps": last["step"],
         "final_loss": last["loss"],
         "step_time_s": _median(r["step_time_s"] for r in records),
+        "n_devices": last["n_devices"],
         "tokens_per_s": _median(r["tokens_per_s"] for r in records),
+        # throughput per device: the ratio rows compare runs on different device counts
+        "tokens_per_s_per_device": _median(r["tokens_per_s"] / r["n_devices"] for r in records
+                                           if r["tokens_per_s"] is not None and r["n_devices"]),
         "mfu": _median(r["mfu"] for r in records),
         "hfu": _median(r["hfu"] for r in records),
         "memory_peak_bytes": last["memory_peak_bytes"],
@@ -37,7 +41,8 @@ def summarize(records: list[dict]) -> dict:
 COLUMNS = [
     ("steps", "steps", "{:d}"), ("final_loss", "loss (last)", "{:.4f}"),
     ("step_time_s", "step ms (median)", "{:.1f}", 1e3),
-    ("tokens_per_s", "tokens/s (median)", "{:.0f}"),
+    ("n_devices", "devices", "{:d}"), ("tokens_per_s", "tokens/s (median)", "{:.0f}"),
+    ("tokens_per_s_per_device", "tokens/s per device (median)", "{:.0f}"),
     ("mfu", "MFU % (median)", "{:.2f}", 100), ("hfu", "HFU % (median)", "{:.2f}", 100),
     ("memory_peak_bytes", "mem MiB (compiled peak)", "{:.1f}", 2**-20),
     # payload S and nccl-tests' bus bytes (S x bus factor): a compression's saving shows in bus
@@ -99,11 +104,14 @@ def _run_name(path: Path) -> str:
     return path.parent.resolve().name if path.name == "metrics.jsonl" else path.stem
 
 
-def report(paths: list[Path], out: Path) -> tuple[str, Path]:
-    """The terminal table, and `out/index.html`: one self-contained page (report_page)."""
+def report(paths: list[Path], out: Path, x: str = "step") -> tuple[str, Path]:
+    """The terminal tables (metrics, then the spec fields that differ), and `out/index.html`:
+    one self-contained page (report_page) whose curves run along `x` (report_page.X_AXES)."""
     runs = {name: read_jsonl(p) for name, p in zip(run_names(paths), paths)}
     summaries = {name: summarize(recs) for name, recs in runs.items()}
+    specs = {name: spec_diff.run_spec(p) for name, p in zip(runs, paths)}
+    axis = report_page.x_axis(x, runs)  # refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
     page = out / "index.html"
-    page.write_text(report_page.page(runs, paths, *rows(summaries)))
-    return table(summaries), page
+    page.write_text(report_page.page(runs, paths, *rows(summaries), specs, axis))
+    return "\n\n".join(filter(None, [table(summaries), spec_diff.table(specs)])), page

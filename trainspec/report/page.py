@@ -13,10 +13,14 @@ import html
 import os
 import platform
 
-from trainspec.report import plots
+from trainspec.core.errors import UserInputError
+from trainspec.report import plots, spec_diff
 
-CURVES = [  # (title, y label, value of a record or None)
+CURVES = [  # (title, y label, value of a record or None[, its (low, high) band or None])
     ("Loss", "loss", lambda r: r["loss"]),
+    ("Gradient norm", "global norm, before clipping", lambda r: r.get("grad_norm")),
+    ("Gradient noise scale", "B_simple (tokens), 90% interval",
+     lambda r: r.get("gns"), lambda r: (r.get("gns_low"), r.get("gns_high"))),
     ("Throughput", "valid tokens / s", lambda r: r["tokens_per_s"]),
     ("Model FLOPs utilisation", "MFU (%)", lambda r: r["mfu"] and 100 * r["mfu"]),
     ("Learning rate", "learning rate", lambda r: r.get("learning_rate")),
@@ -47,22 +51,69 @@ def checkpoints(records: list[dict]) -> list[int]:
     return [r["step"] for r in records if r.get("checkpoint_saved") is True]
 
 
-def _curve(plt, title, ylabel, value, runs):
+class XAxis:
+    """Where a curve's records sit: by step, or by the tokens trained so far (each record's
+    steps_in_interval x batch_tokens, summed in order from the first record's start)."""
+
+    def __init__(self, name: str, runs: dict[str, list[dict]]):
+        self.name, self.label = name, X_AXES[name]
+        self._at = {run: self._positions(name, recs) for run, recs in runs.items()}
+
+    @staticmethod
+    def _positions(name: str, records: list[dict]) -> dict[int, float]:
+        if name == "step":
+            return {r["step"]: r["step"] for r in records}
+        first = records[0]
+        total, at = (first["step"] - first["steps_in_interval"]) * first["batch_tokens"], {}
+        for r in records:
+            total += r["steps_in_interval"] * r["batch_tokens"]
+            at[r["step"]] = total
+        return at
+
+    def of(self, run: str, step: int) -> float:
+        """The position of `run`'s step (a record's, or a step a mark names: the nearest
+        record at or before it)."""
+        at = self._at[run]
+        return at.get(step, at[max((s for s in at if s <= step), default=min(at))])
+
+
+X_AXES = {"step": "step", "tokens": "tokens trained (global_batch x seq_len per step)"}
+
+
+def x_axis(name: str, runs: dict[str, list[dict]]) -> XAxis:
+    """The axis `--x NAME` asks for; one line naming a run that cannot be drawn along it."""
+    if name not in X_AXES:
+        raise UserInputError(f"--x {name}: not an axis; one of {', '.join(X_AXES)}")
+    if name == "tokens":
+        for run, records in runs.items():
+            if any(not isinstance(r.get("batch_tokens"), (int, float)) for r in records):
+                raise UserInputError(f"--x tokens: {run} records no batch_tokens (a model "
+                                     "without sequences); give --x step")
+    return XAxis(name, runs)
+
+
+def _curve(plt, title, ylabel, value, runs, axis: XAxis | None = None, band=None):
     from matplotlib.lines import Line2D
 
+    axis = axis or XAxis("step", runs)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     handles = []
     for name, recs in runs.items():
-        points = [(r["step"], value(r)) for r in recs if value(r) is not None]
+        points = [(axis.of(name, r["step"]), value(r)) for r in recs if value(r) is not None]
         if not points:
             continue
         (line,) = ax.plot(*zip(*points), marker=".", label=name)
         handles.append(line)
+        spans = [(axis.of(name, r["step"]), *band(r)) for r in recs if band
+                 and value(r) is not None and None not in band(r)]
+        if spans:
+            ax.fill_between(*zip(*spans), color=line.get_color(), alpha=0.2, lw=0)
         for step in checkpoints(recs):
-            ax.axvline(step, color=line.get_color(), ls=":", lw=0.9, alpha=0.7)
+            ax.axvline(axis.of(name, step), color=line.get_color(), ls=":", lw=0.9, alpha=0.7)
         for _, source, mesh in resumes(recs):  # drawn where training continued from
-            ax.axvline(source, color=line.get_color(), ls="--", lw=1.4)
-            ax.annotate(f"resumed from {source}\n({mesh})", (source, 1), xycoords=("data", "axes fraction"),
+            at = axis.of(name, source)
+            ax.axvline(at, color=line.get_color(), ls="--", lw=1.4)
+            ax.annotate(f"resumed from {source}\n({mesh})", (at, 1), xycoords=("data", "axes fraction"),
                         xytext=(3, -3), textcoords="offset points", va="top", fontsize=7)
     if not handles:
         plt.close(fig)
@@ -71,18 +122,19 @@ def _curve(plt, title, ylabel, value, runs):
         handles.append(Line2D([], [], color="grey", ls=":", label="checkpoint saved"))
     if any(resumes(r) for r in runs.values()):
         handles.append(Line2D([], [], color="grey", ls="--", label="resume"))
-    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.set(title=title, xlabel=axis.label, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(handles=handles, fontsize=8)
     return fig
 
 
-def figures(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
-    """(caption, PNG data URI) of every plot comparing the runs."""
+def figures(runs: dict[str, list[dict]], axis: XAxis | None = None) -> list[tuple[str, str]]:
+    """(caption, PNG data URI) of every plot comparing the runs; a curve no run records is
+    left out."""
     plt = plots.pyplot()
     out = []
-    for title, ylabel, value in CURVES:
-        fig = _curve(plt, title, ylabel, value, runs)
+    for title, ylabel, value, *band in CURVES:
+        fig = _curve(plt, title, ylabel, value, runs, axis, *band)
         if fig is not None:
             out.append((f"{title}, per record", plots.data_uri(fig)))
 
@@ -129,16 +181,32 @@ def _run_line(name: str, path, records: list[dict]) -> str:
             + (f"; {html.escape('; '.join(events))}" if events else "") + "</li>")
 
 
-def page(runs: dict[str, list[dict]], paths: list, headers: list[str],
-         rows: list[tuple[bool, list[str]]]) -> str:
-    """The whole report. `rows`: (is a ratio row, cells) as `metrics_report.rows` makes them."""
+def _table(headers: list[str], rows: list[tuple[bool, list[str]]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join(
         f"<tr{' class=ratio' if ratio else ''}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
         + "</tr>" for ratio, cells in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _spec_section(specs: dict[str, dict | None]) -> str:
+    """The spec fields that differ between the runs, as a table (spec_diff)."""
+    if len(specs) < 2:
+        return ""
+    rows = spec_diff.differences(specs)
+    table = _table(["spec field", *specs], [(False, [f, *v]) for f, v in rows]) if rows else ""
+    return ("<h2>Spec fields that differ</h2>" + table
+            + "".join(f"<p class=meta>{html.escape(n)}</p>" for n in spec_diff.notes(specs)))
+
+
+def page(runs: dict[str, list[dict]], paths: list, headers: list[str],
+         rows: list[tuple[bool, list[str]]], specs: dict[str, dict | None] | None = None,
+         axis: XAxis | None = None) -> str:
+    """The whole report. `rows`: (is a ratio row, cells) as `metrics_report.rows` makes them;
+    `specs`: each run's spec as dotted fields (spec_diff.run_spec), None where unknown."""
     first = next(iter(runs.values()))[-1]
     figs = "".join(f'<figure><img src="{uri}" alt="{html.escape(cap)}"><figcaption>'
-                   f"{html.escape(cap)}</figcaption></figure>" for cap, uri in figures(runs))
+                   f"{html.escape(cap)}</figcaption></figure>" for cap, uri in figures(runs, axis))
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>trainspec report: "
@@ -146,10 +214,11 @@ def page(runs: dict[str, list[dict]], paths: list, headers: list[str],
         f"<h1>trainspec report: {html.escape(', '.join(runs))}</h1>"
         f"<p class=meta>written {when} on {html.escape(machine())}</p>"
         f"<ul class=meta>{''.join(_run_line(n, p, r) for (n, r), p in zip(runs.items(), paths))}</ul>"
-        f"<table><tr>{head}</tr>{body}</table>"
+        f"{_table(headers, rows)}"
         "<p class=meta>Medians are over the records' intervals (robust to a slow first "
         "interval); the run summary `trainspec train` prints gives means over the whole run. "
-        "Ratio rows divide by the first run. FLOPs convention: "
+        "Ratio rows divide by the first run; tokens/s per device compares runs on different "
+        "device counts. FLOPs convention: "
         f"{html.escape(str(first['flops_convention']))}. Definitions: docs/metrics.md. Dotted "
         "lines: checkpoint saved after that step; dashed: resume.</p>"
-        f"{figs}</body></html>\n")
+        f"{_spec_section(specs or {})}{figs}</body></html>\n")
