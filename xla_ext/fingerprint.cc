@@ -2,6 +2,7 @@
 #include <cstdint>
 
 #include "fingerprint_words.h"
+#include "handler_checks.h"
 #include "handlers.h"
 
 namespace ffi = xla::ffi;
@@ -16,12 +17,7 @@ uint64_t Fingerprint(const uint8_t* data, size_t nbytes) {
 }
 
 ffi::Error FingerprintImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> out) {
-  if (out->element_count() != 2) {
-    return ffi::Error::InvalidArgument("trainspec_fingerprint: output must hold 2 uint32 words");
-  }
-  if (x.element_count() > 0 && x.untyped_data() == nullptr) {
-    return ffi::Error::InvalidArgument("trainspec_fingerprint: input buffer has no data");
-  }
+  if (ffi::Error e = trainspec::CheckFingerprint(x, *out); e.failure()) return e;
   const uint64_t h = Fingerprint(static_cast<const uint8_t*>(x.untyped_data()), x.size_bytes());
   out->typed_data()[0] = static_cast<uint32_t>(h);
   out->typed_data()[1] = static_cast<uint32_t>(h >> 32);
@@ -31,6 +27,4 @@ ffi::Error FingerprintImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U32>> 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TrainspecFingerprint, FingerprintImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U32>>());
+                              trainspec::BindFingerprint(ffi::Ffi::Bind()));
