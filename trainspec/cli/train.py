@@ -12,7 +12,7 @@ from trainspec.cli.devices import ensure_host_devices
 from trainspec.cli.summary import print_summary
 from trainspec.cli.train_spec import (
     announce, given_flags, initial_params, leave_now, silent, spec_to_use, unwritable)
-from trainspec.core import run_lock
+from trainspec.core import arrivals, run_lock
 from trainspec.core.errors import UserInputError
 
 
@@ -136,8 +136,9 @@ def run(args) -> int:
     notes: list[str] = []  # said once the job is joined, by its writer
     spec_path = spec_to_use(args, notes.append)
     spec = load_spec(Path(spec_path), args.overrides)  # before the job: it sets XLA's timeout
+    import jax
     from jax.errors import JaxRuntimeError
-    from trainspec.jax.distributed import collective_timed_out, initialize_from_env, is_writer
+    from trainspec.jax.distributed import initialize_from_env, is_writer
 
     # a no-op unless launched as one process of several
     initialize_from_env(spec.collectives.timeout_s)
@@ -160,6 +161,11 @@ def run(args) -> int:
     model = user_model.load(args.model, spec) if args.model else None
     init_from = initial_params(args, spec, say)
     run_lock.hold(args.run_dir, is_writer())  # before anything is written there
+    def peer_lost(err: Exception) -> str:
+        return arrivals.peer_lost_line(args.run_dir, jax.process_count(), jax.process_index(),
+                                       arrivals.collective_of(str(err)),
+                                       spec.collectives.timeout_s)
+
     with _failed_save_threads_quiet():  # until the process leaves on a failed save
         try:
             summary = train(
@@ -184,19 +190,16 @@ def run(args) -> int:
         except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
             print(f"trainspec: stopped: {stop}", file=sys.stderr)
             return stop.exit_status
-        except CheckpointSaveError as err:
-            leave_now(str(err))
+        except CheckpointSaveError as err:  # a peer gone mid-save fails the save's gloo too
+            leave_now(peer_lost(err) if arrivals.peer_lost(str(err)) else str(err))
         except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
             leave_now(unwritable(args.run_dir, err))
         except JaxRuntimeError as err:
-            if not collective_timed_out(err):
+            if not arrivals.peer_lost(str(err)):
                 raise
             # A peer process stopped arriving; the job's other processes fail or wait in their
             # own collectives (`trainspec launch` stops them). The newest checkpoint stands.
-            leave_now(f"collectives.timeout_s: a collective across processes waited "
-                       f"{spec.collectives.timeout_s:g} s for a process that did not arrive "
-                       f"({str(err).splitlines()[0]}); the same command resumes {args.run_dir} "
-                       "from its newest good checkpoint")
+            leave_now(peer_lost(err))
     if is_writer():  # once per job, not once per process
         print_summary(summary)
     return 0

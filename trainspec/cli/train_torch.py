@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainspec.core import run_lock
+from trainspec.core import arrivals, run_lock
 from trainspec.core.errors import UserInputError
 
 DEFAULT_CPU_RANKS = 4
@@ -82,6 +82,12 @@ def run(args) -> int:
         return stop.exit_status
     except OSError as err:  # a full disk, a run dir gone read-only: the records, the spec
         leave_now(unwritable(args.run_dir, err))  # a background save may still be writing
+    except RuntimeError as err:  # gloo: a peer that did not arrive or went away
+        if not arrivals.peer_lost(str(err)):
+            raise
+        leave_now(arrivals.peer_lost_line(args.run_dir, len(adapter.launched_ids),
+                                          rank_from_env(), _collective(err),
+                                          spec.collectives.timeout_s))
     except CheckpointException as err:  # every rank gets it (DCP gathers the ranks' errors)
         if writer():
             leave_now(save_failed(spec, args.run_dir, err))
@@ -94,6 +100,16 @@ def run(args) -> int:
 
         print_summary(summary)
     return 0
+
+
+def _collective(err: BaseException) -> str:
+    """The torch.distributed collective `err` was raised in ("all_reduce"), from its
+    traceback."""
+    import traceback
+
+    names = [frame.name for frame in traceback.extract_tb(err.__traceback__)
+             if frame.filename.endswith("distributed_c10d.py") and not frame.name.startswith("_")]
+    return names[-1] if names else "collective"
 
 
 def save_failed(spec, run_dir: Path, err) -> str:

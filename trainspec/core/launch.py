@@ -6,7 +6,9 @@ This module imports no framework. Output lines are prefixed with the rank; gloo'
 connection notices are left out unless `verbose`. If one child fails,
 the launcher names the first to fail (by when it exited, not by rank: once a rank dies the
 others abort in their next collective) and its status or signal, and stops the others
-(SIGTERM, then SIGKILL after the grace period), so a job never outlives a dead rank.
+(SIGTERM, then SIGKILL after the grace period), so a job never outlives a dead rank. Where
+the first to exit did so because others did not arrive (a stopped or stalled rank: its line
+names them, trainspec.core.arrivals), the launcher blames those, and kills them at once.
 
 SIGINT/SIGTERM to the launcher are forwarded to every rank as SIGTERM, the preemption notice:
 each rank finishes its step, checkpoints (all at the same step) and exits 143 (trainspec.core.
@@ -29,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from trainspec.core import topology
+from trainspec.core import arrivals, topology
 
 # The job description every rank reads (framework-neutral: no framework is imported here).
 COORDINATOR = "TRAINSPEC_COORDINATOR"
@@ -54,6 +56,9 @@ GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d*|\d* ?is connected to \d*| ?peer 
 # How long the launcher waits, once the ranks have exited, for their last output lines: a
 # pump thread on a loaded machine can take more than a second to get the CPU.
 DRAIN_S = 15.0
+# How long the launcher waits for the last line of the rank that failed first, which may name
+# the ranks it waited for.
+BLAME_WAIT_S = 2.0
 
 
 # Where the kernel draws the ports it picks by itself (bind to port 0, an outgoing connection's
@@ -134,8 +139,10 @@ def _say(line: str, out=None) -> None:
         out.flush()
 
 
-def _pump(rank: int, stream, out, verbose: bool) -> None:
+def _pump(rank: int, stream, out, verbose: bool, blamed: dict[int, list[int]]) -> None:
     for line in iter(stream.readline, ""):
+        if found := arrivals.BLAME.search(line):  # this rank names the ranks it waited for
+            blamed.setdefault(rank, [int(r) for r in found.group(1).split(",")])
         if not verbose and "NOT connected" not in line:
             line, pieces = GLOO_CONNECTED.subn("", line)
             if not line.strip(string.digits + string.whitespace if pieces else string.whitespace):
@@ -158,6 +165,7 @@ class Launch:
         self._threads: list[threading.Thread] = []  # output pumps and exit watchers
         self._pumps: list[threading.Thread] = []
         self.exits: list[tuple[int, int]] = []  # (rank, status) in the order the ranks exited
+        self.blamed: dict[int, list[int]] = {}  # rank -> the ranks its line says did not arrive
         self._exited = threading.Condition()
 
     def _env(self, rank: int) -> dict[str, str]:
@@ -180,7 +188,8 @@ class Launch:
             self.children.append(child)
             pinned = f", --bind {self.bind}: CPUs {sorted(self.cpus[rank])}" if self.cpus[rank] else ""
             _say(f"[launch] rank {rank} pid {child.pid}{pinned}")
-            for target, args in ((_pump, (rank, child.stdout, sys.stdout, self.verbose)),
+            pump = (rank, child.stdout, sys.stdout, self.verbose, self.blamed)
+            for target, args in ((_pump, pump),
                                  (self._watch, (rank, child))):
                 thread = threading.Thread(target=target, args=args, daemon=True)
                 thread.start()
@@ -193,13 +202,17 @@ class Launch:
             self.exits.append((rank, status))
             self._exited.notify_all()
 
+    def _signal(self, rank: int, sig: int) -> None:
+        child = self.children[rank]
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def _signal_all(self, sig: int) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                try:
-                    os.killpg(child.pid, sig)
-                except ProcessLookupError:
-                    pass
+        for rank in range(len(self.children)):
+            self._signal(rank, sig)
 
     def stop_all(self) -> None:
         """SIGTERM every live child, SIGKILL what is left after the grace period."""
@@ -228,8 +241,17 @@ class Launch:
             if not failed:
                 return 0
             rank, status = failed[0]
-            _say(f"[launch] rank {rank} {describe_status(status)} first; stopping the others",
-                 sys.stderr)
+            self._pumps[rank].join(timeout=BLAME_WAIT_S)  # its last line: whom it blames
+            if blamed := self.blamed.get(rank):
+                _say(f"[launch] rank(s) {', '.join(map(str, blamed))} did not arrive (rank "
+                     f"{rank} {describe_status(status)} saying so); stopping the others",
+                     sys.stderr)
+                for late in blamed:  # stalled or stopped: nothing to wait for
+                    if late < len(self.children):
+                        self._signal(late, signal.SIGKILL)
+            else:
+                _say(f"[launch] rank {rank} {describe_status(status)} first; stopping the "
+                     "others", sys.stderr)
             self.stop_all()
             return status if status > 0 else 128 - status  # -9 (killed) -> 137, like a shell
         finally:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from trainspec.core import bad_steps
+from trainspec.core.arrivals import StepMarks
 from trainspec.core.faults import Faults
 from trainspec.core.goodput import Goodput
 from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector
@@ -145,6 +146,7 @@ class Run:
         self.bar = progress_bar(self.steps, self.progress and self.step.is_writer)
         self.bar.update(self.at)
         self.signals.install = self.step.local_signals
+        marks = StepMarks(self.run_dir, self.step.process_index, len(self.step.participants))
         with self.signals:
             self.recorder.start()
             while self.at < self.steps:
@@ -155,6 +157,7 @@ class Run:
                 batch, self._prefetched = self._prefetched, None
                 batch = self._batch(self.at - 1) if batch is None else batch
                 self._data_wait = time.perf_counter() - t0
+                marks.entered(self.at)  # whoever waits for this process names its step
                 yield batch
         self.bar.close()
         self.step.finish(self.state)

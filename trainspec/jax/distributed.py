@@ -73,12 +73,6 @@ def _bound_cpu_collectives(timeout_s: float) -> None:
             f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}={max(1, math.ceil(timeout_s))}").strip()
 
 
-def collective_timed_out(err: jax.errors.JaxRuntimeError) -> bool:
-    """Whether `err` (raised by a step's result) is XLA:CPU's cross-process collective giving
-    up on a peer: "Gloo all-reduce failed: ... Timed out waiting 5000ms for recv ..."."""
-    return "Timed out waiting" in str(err)
-
-
 def is_writer() -> bool:
     """Whether this process writes the job's shared files (metrics, summary): process 0 only."""
     return jax.process_index() == 0
