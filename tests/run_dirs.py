@@ -2,8 +2,11 @@
 a writer runs or after it was killed; a signal to a training command once its run directory
 shows it got far enough."""
 import hashlib
+import os
+import re
 import signal
 import subprocess
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -41,3 +44,26 @@ def signal_when(proc: subprocess.Popen, ready: Callable[[], bool],
         time.sleep(0.01)
     proc.send_signal(signum)
     return proc.communicate(timeout=120)
+
+
+def stop_rank_when_recorded(job: subprocess.Popen, run_dir: Path, rank: int,
+                            records: int = 2) -> tuple[int, float, str, dict[int, int]]:
+    """SIGSTOP rank `rank` of a launched `job` (output piped, `[launch] rank R pid P` lines)
+    once its run dir holds `records` metric records; (the job's exit status, seconds from the
+    stop to its end, its output, {rank: pid})."""
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    metrics, deadline = Path(run_dir) / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= records):
+        assert job.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.1)
+    pids = {int(m.group(1)): int(m.group(2)) for line in list(lines)
+            if (m := re.match(r"\[launch\] rank (\d+) pid (\d+)", line))}
+    t0 = time.monotonic()
+    os.kill(pids[rank], signal.SIGSTOP)
+    status = job.wait(timeout=600)
+    elapsed = time.monotonic() - t0
+    reader.join(timeout=5)
+    return status, elapsed, "".join(lines), pids

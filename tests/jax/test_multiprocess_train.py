@@ -26,6 +26,8 @@ from trainspec.core.spec import load_spec
 from trainspec.jax.feed import local_rows
 from trainspec.jax.train import run
 
+from run_dirs import stop_rank_when_recorded
+
 pytestmark = pytest.mark.slow
 
 # A multi-host layout: the cross-process part of data parallelism is an axis of its own
@@ -193,6 +195,18 @@ def test_killed_rank_stops_a_training_job(spec_file, tmp_path):
     assert any("rank 1 was killed by SIGKILL first; stopping the others" in line for line in lines)
 
 
+def _assert_rank_1_blamed(out, timeout_s, step, last_entered):
+    """Rank 0's one line names rank 1 (at `step`, `last_entered` its own mark: patterns), and
+    launch blames rank 1; no traceback."""
+    assert re.search(
+        rf"\[rank 0\] trainspec: error: collectives.timeout_s: step {step}'s [\w-]+ waited up "
+        rf"to {timeout_s} s for rank\(s\) 1, which did not arrive \(rank 1 last entered step "
+        rf"{last_entered}; rank 0 had entered step \d+\)", out), out[-4000:]
+    assert ("[launch] rank(s) 1 did not arrive (rank 0 exited with status 2 saying so); "
+            "stopping the others") in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+
+
 def test_a_process_that_does_not_arrive_fails_the_job_after_the_collective_timeout(
         spec_file, tmp_path):
     """Rank 1 stops for 90 s before step 3: rank 0's gradient all-reduce (XLA's, over gloo)
@@ -209,13 +223,7 @@ def test_a_process_that_does_not_arrive_fails_the_job_after_the_collective_timeo
                   env={**os.environ, "TRAINSPEC_FAULTS": json.dumps(faults)})
     out, _ = job.communicate(timeout=300)
     assert job.returncode == 2, out[-4000:]
-    assert re.search(
-        rf"\[rank 0\] trainspec: error: collectives.timeout_s: step 3's [\w-]+ waited up to "
-        rf"{timeout_s} s for rank\(s\) 1, which did not arrive \(rank 1 last entered step 2; "
-        r"rank 0 had entered step \d+\)", out), out[-4000:]
-    assert ("[launch] rank(s) 1 did not arrive (rank 0 exited with status 2 saying so); "
-            "stopping the others") in out, out[-4000:]
-    assert "Traceback" not in out, out[-4000:]
+    _assert_rank_1_blamed(out, timeout_s, "3", "2")
 
 
 def test_a_stopped_rank_is_named_by_the_survivor_and_blamed_by_launch(spec_file, tmp_path):
@@ -223,27 +231,13 @@ def test_a_stopped_rank_is_named_by_the_survivor_and_blamed_by_launch(spec_file,
     names rank 1 and its stopped process in one line; launch blames rank 1 (not rank 0, the
     first to exit) and kills it; exit 2 within the timeout and a margin, no traceback."""
     timeout_s = 20
-    job, lines, reader = _launch_until_recorded(
-        2, spec_file, tmp_path / "run", "--steps", "10000", "--set", "metrics.interval=1",
-        "--set", f"collectives.timeout_s={timeout_s}")
-    pids = [int(m.group(1)) for line in list(lines)
-            if (m := re.match(r"\[launch\] rank \d+ pid (\d+)", line))]
-    t0 = time.monotonic()
-    os.kill(pids[1], signal.SIGSTOP)
-    code = job.wait(timeout=timeout_s + 120)
-    elapsed = time.monotonic() - t0
-    reader.join(timeout=5)
-    out = "".join(lines)
+    job = _launch(spec_file, tmp_path / "run", "--steps", "10000", "--set", "metrics.interval=1",
+                  "--set", f"collectives.timeout_s={timeout_s}")
+    code, elapsed, out, pids = stop_rank_when_recorded(job, tmp_path / "run", rank=1)
     assert code == 2, out[-4000:]
     assert elapsed < timeout_s + KILL_BOUND_S, elapsed
-    assert re.search(
-        rf"\[rank 0\] trainspec: error: collectives.timeout_s: step \d+'s [\w-]+ waited up to "
-        rf"{timeout_s} s for rank\(s\) 1, which did not arrive \(rank 1 last entered step \d+, "
-        rf"its process {pids[1]} stopped; rank 0 had entered step \d+\)", out), out[-4000:]
-    assert ("[launch] rank(s) 1 did not arrive (rank 0 exited with status 2 saying so); "
-            "stopping the others") in out, out[-4000:]
-    assert "Traceback" not in out, out[-4000:]
-    assert not any(_alive(pid) for pid in pids), "a rank outlived the job"
+    _assert_rank_1_blamed(out, timeout_s, r"\d+", rf"\d+, its process {pids[1]} stopped")
+    assert not any(_alive(pid) for pid in pids.values()), "a rank outlived the job"
 
 
 def test_sigterm_to_launch_checkpoints_every_rank_and_resumes_bitwise(spec_file, tmp_path):

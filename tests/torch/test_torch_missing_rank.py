@@ -1,14 +1,11 @@
 """A stopped rank on PyTorch (4 gloo ranks): every surviving rank's collective gives up after
 collectives.timeout_s and names the stopped rank in one line; the launcher blames it, not the
 first rank to exit, and the job ends with exit 2 within the timeout and a margin."""
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 
+from run_dirs import stop_rank_when_recorded
 from tiny import TINY
 from xla_env import without_device_count
 
@@ -23,22 +20,7 @@ def test_a_stopped_rank_is_named_by_every_survivor_and_blamed_by_the_launcher(tm
          "--nprocs", "4", "--quiet", "--steps", "10000", "--run-dir", str(tmp_path),
          *[a for s in sets for a in ("--set", s)]],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=without_device_count())
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(job.stdout.readline, "")),
-                              daemon=True)
-    reader.start()
-    metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert job.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
-        time.sleep(0.1)
-    pids = {int(m.group(1)): int(m.group(2)) for line in list(lines)
-            if (m := re.match(r"\[launch\] rank (\d+) pid (\d+)", line))}
-    t0 = time.monotonic()
-    os.kill(pids[2], signal.SIGSTOP)
-    code = job.wait(timeout=TIMEOUT_S + 120)
-    elapsed = time.monotonic() - t0
-    reader.join(timeout=5)
-    out = "".join(lines)
+    code, elapsed, out, pids = stop_rank_when_recorded(job, tmp_path, rank=2)
     assert code == 2, out[-4000:]
     assert elapsed < TIMEOUT_S + MARGIN_S, elapsed
     named = re.findall(
