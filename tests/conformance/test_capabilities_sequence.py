@@ -1,7 +1,5 @@
-"""Context and expert axes and [model.moe] in the capability tables: refused by name where an
-implementation does not run them."""
-import pytest
-
+"""Context and expert axes and [model.moe] in the capability tables: JAX runs a context axis;
+what an implementation does not run is refused by name."""
 from trainspec.core.capabilities import Request
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import load_spec
@@ -9,13 +7,26 @@ from trainspec.jax.capabilities import JAX
 from trainspec.torch.capabilities import TORCH
 
 
-@pytest.mark.parametrize("table", [JAX, TORCH], ids=lambda t: t.implementation)
-def test_implementations_refuse_what_they_do_not_run_by_name(table):
-    spec = load_spec({"mesh": {"axes": {"data": {"size": -1}, "context": {"size": 2}}}})
-    lines = table.refusals(Request(spec, resolve_mesh(spec, 8)))
-    name = table.implementation.replace("jax", "JAX")
-    assert len(lines) == 1 and lines[0].startswith(f"mesh.axes.*.size: the {name} implementation "
-                                                   "does not split context, expert"), lines
+def _refusals(table, data):
+    spec = load_spec(data)
+    return table.refusals(Request(spec, resolve_mesh(spec, 8)))
+
+
+CONTEXT = {"mesh": {"axes": {"data": {"size": -1}, "context": {"size": 2}}}}
+EXPERT = {"mesh": {"axes": {"data": {"size": -1}, "expert": {"size": 2}}},
+          "model": {"moe": {"experts": 4}}}
+
+
+def test_jax_runs_a_context_axis_and_torch_refuses_it_in_one_line():
+    assert _refusals(JAX, CONTEXT) == []
+    lines = _refusals(TORCH, CONTEXT)
+    assert len(lines) == 1 and lines[0].startswith(
+        "mesh.axes.*.size: the torch implementation does not split context, expert"), lines
     assert lines[0].endswith(" axes, got context=2"), lines
-    moe = load_spec({"model": {"moe": {"experts": 4}}})
-    assert table.refusals(Request(moe, resolve_mesh(moe, 8)))[0].startswith("model.moe: ")
+
+
+def test_experts_are_refused_by_name():
+    for table in (JAX, TORCH):
+        lines = _refusals(table, EXPERT)
+        assert lines[0].startswith("mesh.axes.*.size: ") and lines[0].endswith("got expert=2")
+        assert lines[1].startswith("model.moe: ")

@@ -13,8 +13,8 @@ from trainspec.core.spec import Spec
 
 # Which roles each conventional logical axis is sharded over by default (docs/spec.md).
 DEFAULT_ROLE_RULES = {
-    "batch": ("data", "fsdp"),
-    "length": (),
+    "batch": ("data", "fsdp", "expert"),  # an expert axis splits the batch as a data axis
+    "length": ("context",),
     "embed": ("fsdp",),
     "mlp": ("tensor",),
     "heads": ("tensor",),

@@ -31,7 +31,7 @@ def _reference(*fields: str) -> list:
 JAX = Capabilities("jax", dict([
     *_reference("spec_version", "seed", "mesh.axes.*.role"),
     ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major",
-                                  roles_not_split("JAX", "context", "expert", "pipeline"))),
+                                  roles_not_split("JAX", "expert", "pipeline"))),
     ("mesh.axes.*.dcn", honoured("process blocks of the hybrid mesh (trainspec.core.mesh); "
                                  "with the hierarchical backend a data axis lies all within or "
                                  "all across processes")),
@@ -59,8 +59,10 @@ JAX = Capabilities("jax", dict([
     *_reference("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
                 "model.d_ff"),
     ("model.moe", refused_section("the JAX reference model is dense")),
-    *((f"context.{name}", honoured("no effect without a split context axis (refused)"))
-      for name in ("attention", "split")),
+    ("context.attention", honoured("ring: ppermute of key/value blocks with an online "
+                                   "softmax; all_gather: one all-gather (trainspec.jax.context)")),
+    ("context.split", honoured("the batch's sequences permuted in the step, each rank's "
+                               "shard its chunks")),
     *_reference("optimizer.name", "optimizer.learning_rate",
                 "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip_norm",
                 "train.steps", "checkpoint.interval", "checkpoint.keep"),

@@ -27,6 +27,7 @@ from trainspec.core.transformer_flops import for_spec as model_flops
 from trainspec.core.user_model import UserModel
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.checkpoint import Checkpointer
+from trainspec.jax.context import attention_for, split_sequence
 from trainspec.jax.distributed import is_writer
 from trainspec.jax.feed import local_rows
 from trainspec.core.exclusion import exclude
@@ -97,9 +98,11 @@ def _components(spec: Spec, total_steps: int):
         dtype=jnp.dtype(spec.precision.compute),
         param_dtype=jnp.dtype(spec.precision.param),
         remat=spec.remat.policy,
+        attention=attention_for(spec),
     )
 
     def loss_fn(params, batch):
+        batch = split_sequence(spec, batch)  # the context axes' order; a sum over tokens
         logits = model.apply({"params": params}, batch["inputs"])
         loss_sum, tokens = next_token_loss(logits, batch["targets"], batch["mask"])
         return loss_sum, tokens, {}

@@ -6,6 +6,7 @@ Every parameter and the main activations carry the conventional logical axis nam
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -46,10 +47,17 @@ class Projection(nn.Module):
         return jnp.tensordot(x, kernel, axes=(tuple(range(-self.n_in, 0)), tuple(range(self.n_in))))
 
 
+def causal_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 class Block(nn.Module):
     config: ModelSpec
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    # (batch, length, heads, head_dim) x3 -> the same: causal attention by global position
+    # (trainspec.jax.context.attention_for gives the context-parallel one)
+    attention: Callable = causal_attention
 
     @nn.compact
     def __call__(self, x):
@@ -68,7 +76,7 @@ class Block(nn.Module):
             for n in ("query", "key", "value")
         ]
         q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "heads", "kv")) for t in qkv)
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        attn = self.attention(q, k, v)
         out = proj((c.n_heads, head_dim, c.d_model), ("heads", "kv", "embed"), n_in=2, name="out")(attn)
         x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
         h = norm("mlp_norm")(x)
@@ -85,6 +93,7 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     remat: str = "none"
+    attention: Callable = causal_attention
 
     @nn.compact
     def __call__(self, tokens):
@@ -105,7 +114,7 @@ class Transformer(nn.Module):
         if self.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
         for i in range(c.n_layers):
-            x = block(c, self.dtype, self.param_dtype, name=f"block_{i}")(x)
+            x = block(c, self.dtype, self.param_dtype, self.attention, name=f"block_{i}")(x)
         x = nn.RMSNorm(
             dtype=self.dtype,
             param_dtype=self.param_dtype,
