@@ -27,8 +27,6 @@ owe the gradient sum, becomes replica 0's residual (docs/communication.md).
 from __future__ import annotations
 
 import contextlib
-import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -43,44 +41,11 @@ from trainspec.jax.checksum import checksums, first_mismatch
 from trainspec.core.compression import RESIDUAL
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
+from trainspec.core.store import (  # noqa: F401 (CheckpointSaveError re-exported)
+    BadCheckpoint, Checkpoints, CheckpointSaveError, check_compatible, due, first_line)
 from trainspec.jax.distributed import is_writer
 
-log = logging.getLogger(__name__)
-
 FORMAT = 2  # 2: the meta holds per-array checksums
-# The sections that define the computation: resuming under a different one would silently
-# train another model. Placement (mesh, layout, collectives) and bookkeeping may change.
-MUST_MATCH = ("seed", "model", "optimizer", "batch", "precision", "semi_sync")
-# Placement fields that change what the state holds: compression with error feedback adds a
-# residual per replica.
-STATE_DEFINING = (("collectives", "compression"), ("collectives", "error_feedback"))
-
-
-def _first_difference(saved: Any, current: Any, path: str) -> tuple[str, Any, Any] | None:
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current)):
-            diff = _first_difference(saved.get(key), current.get(key), f"{path}.{key}")
-            if diff:
-                return diff
-        return None
-    return None if saved == current else (path, saved, current)
-
-
-def check_compatible(saved: dict, spec: Spec, where: Path) -> None:
-    """Raise UserInputError naming the first computation- or state-defining field that changed."""
-    current, defaults = spec.to_dict(), Spec().to_dict()
-    diffs = [_first_difference(saved.get(section), current.get(section), section)
-             for section in MUST_MATCH]
-    for section, key in STATE_DEFINING:  # older checkpoints predate the field: its default
-        was = saved.get(section, {}).get(key, defaults[section][key])
-        diffs.append(_first_difference(was, current[section][key], f"{section}.{key}"))
-    for diff in diffs:
-        if diff:
-            field, was, now = diff
-            raise UserInputError(
-                f"{field}: the checkpoints in {where} were written with {was!r}, the spec says "
-                f"{now!r}; use a new --run-dir, or the saved value"
-            )
 
 
 def _by_path(state):
@@ -166,8 +131,11 @@ class Checkpointer:
         self.spec = spec
         self.interval = spec.checkpoint.interval
         self.directory = (Path(run_dir) / spec.checkpoint.dir).absolute()
-        if self.directory.exists() and not self.directory.is_dir():
-            raise UserInputError(f"checkpoint.dir: {self.directory} exists and is not a directory")
+        # The trunk's policy over orbax's layout: orbax writes, renames and lists the steps
+        # (its unfinished `*.orbax-checkpoint-tmp*` are never listed) and verification is the
+        # per-array checksums; the trunk decides fallback, quarantine and refusal.
+        self.store = Checkpoints(self.directory, writer=is_writer(), sync=self._reload_everywhere)
+        self.store.check_directory()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=spec.checkpoint.keep,
             enable_async_checkpointing=spec.checkpoint.async_save,
@@ -184,7 +152,7 @@ class Checkpointer:
         return self.interval > 0
 
     def due(self, step: int, last_step: int) -> bool:
-        return self.enabled and (step % self.interval == 0 or step == last_step)
+        return due(step, last_step, self.interval)
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, state, total_steps: int, health: dict | None = None) -> None:
@@ -264,7 +232,7 @@ class Checkpointer:
         try:
             meta = self.read_meta(step)
         except Exception as err:  # noqa: BLE001
-            raise BadCheckpoint(f"its meta does not read back ({_first_line(err)})") from None
+            raise BadCheckpoint(f"its meta does not read back ({first_line(err)})") from None
         if meta.get("format") != FORMAT or meta.get("step") != step:
             raise BadCheckpoint(f"it is not a trainspec format-{FORMAT} checkpoint of step {step}")
         check_compatible(meta["spec"], self.spec, self.directory)
@@ -278,7 +246,7 @@ class Checkpointer:
                 abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
             restored = self.manager.restore(step, args=ocp.args.Composite(state=state))
         except Exception as err:  # noqa: BLE001
-            raise BadCheckpoint(f"its state does not read back ({_first_line(err)})") from None
+            raise BadCheckpoint(f"its state does not read back ({first_line(err)})") from None
         differs = first_mismatch(meta["checksums"], restored.state)
         if differs is not None:
             raise BadCheckpoint(f"the checksum of {differs} differs from the one saved")
@@ -287,44 +255,19 @@ class Checkpointer:
     def restore_latest(self, target) -> tuple[Any, dict | None]:
         """The newest good checkpoint resharded like `target`, or (None, None) when there is
         none. `target` carries the current job's shardings: the abstract state its step
-        planned, so that nothing is initialised only to be overwritten. Newer bad ones are
-        quarantined; if every one is bad, UserInputError (they all stay in place)."""
-        bad: list[tuple[int, str]] = []
-        for step in self.good_steps():
-            try:
-                state, meta = self.restore(step, target)
-            except BadCheckpoint as why:
-                bad.append((step, str(why)))
-                continue
-            for bad_step, why in bad:
-                log.warning("checkpoint %d is bad (%s): moved to %s; resuming from checkpoint %d",
-                            bad_step, why, self._quarantine(bad_step), step)
-            self._reload_everywhere()
-            self.last_saved = step
-            return state, meta
-        if bad:
-            newest, why = bad[0]
-            raise UserInputError(
-                f"checkpoint.dir: all {len(bad)} checkpoints in {self.directory} are bad (newest, "
-                f"{newest}: {why}); they are kept; pass --restart to train from step 0")
-        return None, None
+        planned, so that nothing is initialised only to be overwritten. The trunk's policy
+        (trainspec.core.store): newer bad ones quarantined; none good, NoGoodCheckpoint."""
+        found = self.store.restore_newest(lambda step: self.restore(step, target),
+                                          self.good_steps())
+        if found is None:
+            return None, None
+        self.manager.reload()
+        self.last_saved = found[1]["step"]
+        return found
 
-    # -- setting aside ------------------------------------------------------------------------
     @property
     def quarantine(self) -> Path:
-        return self.directory.with_name(self.directory.name + "-quarantine")
-
-    def _quarantine(self, step: int) -> Path:
-        """Move step `step` out of the listed checkpoints (process 0; the others only read)."""
-        target = self.quarantine / str(step)
-        suffix = 1
-        while target.exists():
-            target = self.quarantine / f"{step}.{suffix}"
-            suffix += 1
-        if is_writer():
-            self.quarantine.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(self.directory / str(step)), target)
-        return target
+        return self.store.quarantine_dir
 
     def _reload_everywhere(self) -> None:
         """Every process lists the steps again once process 0 has moved some aside."""
@@ -334,9 +277,7 @@ class Checkpointer:
 
     def set_aside(self) -> list[Path]:
         """Move every checkpoint into the quarantine (starting over keeps the old ones)."""
-        moved = [self._quarantine(step) for step in self.good_steps()]
-        self._reload_everywhere()
-        return moved
+        return self.store.set_aside(self.good_steps())
 
     def saved_total_steps(self) -> int | None:
         """The run length the newest good checkpoint was planned for (its LR schedule), if any."""
@@ -348,16 +289,3 @@ class Checkpointer:
             check_compatible(meta["spec"], self.spec, self.directory)
             return int(meta["total_steps"])
         return None
-
-
-class BadCheckpoint(Exception):
-    """A checkpoint that does not read back, or whose arrays differ from their checksums."""
-
-
-class CheckpointSaveError(UserInputError):
-    """Writing a checkpoint failed (an unwritable `checkpoint.dir`, a full disk): the run ends."""
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0][:200]}" if text else type(err).__name__
