@@ -2,8 +2,8 @@
 
 Where the job is described, first match wins:
 1. TRAINSPEC_COORDINATOR (host:port), TRAINSPEC_NUM_PROCESSES, TRAINSPEC_PROCESS_ID — set by
-   `trainspec launch`, or by hand (Kubernetes: the process id defaults to JOB_COMPLETION_INDEX,
-   the index of a pod in an Indexed Job);
+   `trainspec launch`, or by hand (trainspec.core.job_env: the process id defaults to
+   JOB_COMPLETION_INDEX, the index of a pod in a Kubernetes Indexed Job);
 2. a cluster that jax recognises by itself (SLURM's SLURM_* variables, Open MPI, ...) when
    TRAINSPEC_CLUSTER=auto is set: jax reads the coordinator, count and id from it;
 3. otherwise: a single process, nothing to do.
@@ -19,7 +19,7 @@ import os
 
 import jax
 
-from trainspec.core.errors import UserInputError
+from trainspec.core.job_env import described_job, env_int
 from trainspec.core.launch import (  # noqa: F401 (re-exported)
     COORDINATOR, NUM_PROCESSES, PROCESS_ID, coordinator_bind)
 from trainspec.core.spec import DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -31,14 +31,6 @@ INIT_TIMEOUT = "TRAINSPEC_INIT_TIMEOUT_S"
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 
-def _int_env(name: str, fallback: str | None = None) -> int:
-    raw = os.environ.get(name, os.environ.get(fallback, "") if fallback else "")
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserInputError(f"environment variable {name}: expected an integer, got {raw!r}") from None
-
-
 def initialize_from_env(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> bool:
     """Initialise jax.distributed if the environment describes a multi-process job, with
     XLA:CPU's collectives across processes failing after `collective_timeout_s` (the spec's
@@ -46,17 +38,14 @@ def initialize_from_env(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT
 
     Must run before jax's first device query. Returns whether a multi-process job was joined.
     """
-    timeout = _int_env(INIT_TIMEOUT) if os.environ.get(INIT_TIMEOUT) else 300
-    if os.environ.get(COORDINATOR):
-        num = _int_env(NUM_PROCESSES)
-        pid = _int_env(PROCESS_ID, fallback="JOB_COMPLETION_INDEX")
-        if not 0 <= pid < num:
-            raise UserInputError(f"{PROCESS_ID}={pid} is outside [0, {NUM_PROCESSES}={num})")
+    timeout = env_int(INIT_TIMEOUT) if os.environ.get(INIT_TIMEOUT) else 300
+    job = described_job()
+    if job is not None:
         _bound_cpu_collectives(collective_timeout_s)
         jax.distributed.initialize(
-            os.environ[COORDINATOR], num_processes=num, process_id=pid,
+            job.coordinator, num_processes=job.processes, process_id=job.process_id,
             initialization_timeout=timeout,
-            coordinator_bind_address=coordinator_bind(os.environ[COORDINATOR]),
+            coordinator_bind_address=coordinator_bind(job.coordinator),
         )
         return True
     if os.environ.get(CLUSTER) == "auto":

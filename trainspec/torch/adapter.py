@@ -22,11 +22,11 @@ from trainspec.torch import collectives, rendezvous
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.torch.collectives import Group
 from trainspec.torch.capabilities import TORCH
-from trainspec.torch.support import env_int, rank_grid
+from trainspec.torch.support import rank_grid
+from trainspec.core.job_env import described_job, env_int
 from trainspec.core.collectives_reference import to_groups
 from trainspec.core.fingerprint import fingerprint_reference
-from trainspec.core.errors import UserInputError
-from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+from trainspec.core.launch import COORDINATOR
 from trainspec.core.spec import Spec
 
 
@@ -54,11 +54,9 @@ class TorchAdapter(Adapter):
         if dist.is_initialized():
             self.launched_ids = self.launched_ids or list(range(dist.get_world_size()))
             return
-        if os.environ.get(COORDINATOR):
-            world, rank = env_int(NUM_PROCESSES), env_int(PROCESS_ID)
-            if not 0 <= rank < world:
-                raise UserInputError(f"{PROCESS_ID}={rank} is outside [0, {NUM_PROCESSES}={world})")
-            coordinator = os.environ[COORDINATOR]
+        job = described_job()  # the trunk's reading, JOB_COMPLETION_INDEX included
+        if job is not None:
+            world, rank, coordinator = job.processes, job.process_id, job.coordinator
         elif os.environ.get("WORLD_SIZE"):  # torchrun: its agent's store
             world, rank, coordinator = env_int("WORLD_SIZE"), env_int("RANK"), None
         else:

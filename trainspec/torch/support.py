@@ -7,21 +7,13 @@ import os
 
 import numpy as np
 
-from trainspec.core.errors import UserInputError
 from trainspec.core.capabilities import Request
 from trainspec.core.exclusion import first_that_fits, prefixes
 from trainspec.core.mesh import ParallelDims, check_batch, place_devices, resolve_mesh, usable_ids
 from trainspec.core.spec import Spec
-from trainspec.core.launch import COORDINATOR, PROCESS_ID
+from trainspec.core.job_env import env_int, process_id_from_env  # noqa: F401 (re-exported)
+from trainspec.core.launch import COORDINATOR
 from trainspec.torch.capabilities import TORCH
-
-
-def env_int(name: str) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserInputError(f"environment variable {name}: expected an integer, got {raw!r}") from None
 
 
 def launched() -> bool:
@@ -32,10 +24,7 @@ def launched() -> bool:
 
 def rank_from_env() -> int:
     """This process's rank as the launcher set it (0 when not launched)."""
-    for name in (PROCESS_ID, "RANK"):
-        if os.environ.get(name):
-            return env_int(name)
-    return 0
+    return process_id_from_env("RANK")
 
 
 # The sections a step depends on whatever the model (the reference one or a user's); the
