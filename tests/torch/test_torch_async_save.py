@@ -1,11 +1,12 @@
-"""`checkpoint.async_save = true` on torch (DCP's async_save, trainspec/torch/background_save.py):
+"""`checkpoint.async_save = true` on torch (trainspec/torch/background_save.py):
 
 - the state a save holds is the one of its step, though the step goes on changing the tensors
   in place while it is written (one rank, in process);
 - a job on 4 gloo ranks that saves in the background trains the synchronous job's losses bit
   for bit, and resumed from its step-4 checkpoint (written while steps 5-8 trained) it goes on
   to those losses bit for bit;
-- a save held in the middle of its write (DCP's metadata never written) lets training go on,
+- a save held in the middle of its write (every rank's file written, never sealed) lets
+  training go on,
   and after kill -9 of the whole job it is never taken for a checkpoint: the rerun resumes from
   the one before it, bit for bit.
 """
@@ -34,22 +35,21 @@ pytestmark = pytest.mark.slow  # four torch jobs of 4 ranks: about a minute on 2
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, RANKS = 12, 4
 SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=3"]
-# Holds the save of step 8 in the middle of its write: DCP's `finish` (rank 0 writes the
-# checkpoint's .metadata after every rank's shards) never returns; a file says it got there.
+# Holds the save of step 8 in the middle of its write: the seal (rank 0 writes the manifest
+# and renames, after every rank's file) never returns; a file says it got there.
 HOLD_SAVE = '''
 import time
-from pathlib import Path
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from trainspec.core.store import Checkpoints
 
-finish = FileSystemWriter.finish
+seal = Checkpoints.seal
 
-def held(self, metadata, results):
-    if str(self.path).endswith("/8.partial"):
-        Path(self.path, "..", "..", "held").touch()
+def held(self, step, meta, keep):
+    if step == 8:
+        (self.directory.parent / "held").touch()
         time.sleep(3600)
-    return finish(self, metadata, results)
+    return seal(self, step, meta, keep)
 
-FileSystemWriter.finish = held
+Checkpoints.seal = held
 '''
 
 

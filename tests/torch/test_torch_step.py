@@ -70,7 +70,7 @@ def test_nonfinite_steps_are_skipped_then_halt(tmp_path, adapter):
     # steps 1-3 non-finite and dropped (no update, no optimizer state); the third is one too
     # many in a row: halted, with the state after step 2 checkpointed and named
     assert f"the state after step 2 is checkpoint 2 in {tmp_path}" in str(halt.value)
-    meta = json.loads((tmp_path / "checkpoints" / "2" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "checkpoints" / "2" / "manifest.json").read_text())["meta"]
     assert (meta["updates"], meta["skipped_steps"]) == (0, 2)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["skipped_steps"], r["loss"]) for r in records] == [
@@ -119,7 +119,7 @@ def test_rollback_policy_skips_nan_batches_and_resumes_bitwise(
     assert losses == clean_losses and all(math.isfinite(v) for v in losses.values())
     for ours, theirs in zip(job.params, clean.params, strict=True):
         assert torch.equal(ours.detach(), theirs.detach())
-    meta = json.loads((tmp_path / "checkpoints" / "10" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "checkpoints" / "10" / "manifest.json").read_text())["meta"]
     assert meta["skipped_batches"] == [4, 5]
 
 

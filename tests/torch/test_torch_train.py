@@ -128,7 +128,7 @@ def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp
     assert stopped_at < STEPS, "the run ended before the signal: nothing is tested"
     assert (f"trainspec: stopped: SIGTERM after step {stopped_at}; checkpoint {stopped_at} is "
             "in ") in out, out
-    assert (tmp_path / "checkpoints" / str(stopped_at) / "meta.json").is_file()
+    assert (tmp_path / "checkpoints" / str(stopped_at) / "manifest.json").is_file()
     result = _run(_cmd(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"] == stopped_at

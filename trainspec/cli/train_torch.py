@@ -48,6 +48,7 @@ def run(args) -> int:
     from trainspec.core.health import HealthHalt
     from trainspec.core.loop import Preempted
     from trainspec.core.run_files import AlreadyTrained
+    from trainspec.core.store import NoGoodCheckpoint
     from trainspec.torch.adapter import TorchAdapter
     from trainspec.torch.members import LeftOut
     from torch.distributed.checkpoint.api import CheckpointException
@@ -69,6 +70,10 @@ def run(args) -> int:
         if writer():
             announce(str(done))
         return 0
+    except NoGoodCheckpoint as refusal:  # every rank decided it alike: said once
+        if writer():
+            print(f"trainspec: error: {refusal}", file=sys.stderr)
+        return 2
     except LeftOut as out:  # the others train on without this rank
         print(f"trainspec: {out}", file=sys.stderr)
         return 0
@@ -135,12 +140,16 @@ def _start_ranks(args, spec, model) -> int:
     from trainspec.torch.support import check_run, ranks_kept
     from trainspec.core.launch import run as launch
     from trainspec.core.run_files import refuse_foreign_checkpoints
+    from trainspec.core.store import check_resumable
 
     nprocs = args.nprocs or default_ranks()
     kept = ranks_kept(spec, nprocs, spec.mesh.exclude_devices)  # the ranks that will train
     check_run(spec, len(kept), own_model=model is not None)  # one line here, not one per rank
-    # The ranks would refuse another framework's checkpoints too, each in its own line.
+    # The ranks would refuse these too, each in its own line: another framework's checkpoints,
+    # no good one, or a spec they cannot resume under. Said once here, before any rank starts.
     refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, "torch")
+    if not args.restart:
+        check_resumable(args.run_dir / spec.checkpoint.dir, spec)
     argv = list(args.argv)
     if "--nprocs" in argv:  # the ranks join; they do not start ranks of their own
         i = argv.index("--nprocs")

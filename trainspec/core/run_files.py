@@ -12,8 +12,8 @@ from trainspec.core.spec_source import to_toml
 
 SPEC_FILE = "spec.toml"  # the spec a run dir was last trained under, --set overrides applied
 # A file that each implementation's finished checkpoint step holds and the other's never does
-# (orbax's step metadata; the torch implementation's meta), by `trainspec train --framework`.
-CHECKPOINT_MARKERS = {"jax": "_CHECKPOINT_METADATA", "torch": "meta.json"}
+# (orbax's step metadata; rank 0's state file), by `trainspec train --framework`.
+CHECKPOINT_MARKERS = {"jax": "_CHECKPOINT_METADATA", "torch": "rank-00000.safetensors"}
 
 
 class AlreadyTrained(Exception):

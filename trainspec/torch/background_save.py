@@ -1,30 +1,25 @@
 """One checkpoint written in the background (trainspec.torch.checkpoint, `checkpoint.async_save`):
-DCP's `async_save` copies the state to host memory before it returns (so the step may change
-its tensors in place), and writes it from a thread of its own; a second thread here waits for
-that write and then runs the checkpoint's completion (every rank's shards on disk, then rank 0
-marks it good), so that a checkpoint is complete as soon as it is written rather than when
-the loop next asks."""
+the state was copied to host memory before (so the step may change its tensors in place); a
+thread here writes this rank's file and then runs the checkpoint's completion (every rank's
+file on disk, then rank 0 seals it), so that a checkpoint is complete as soon as it is written
+rather than when the loop next asks."""
 from __future__ import annotations
 
 import atexit
 import threading
 from collections.abc import Callable
-from pathlib import Path
-
-import torch.distributed.checkpoint as dcp
 
 
 class BackgroundSave:
-    """`state` saved to `directory` over `group`, then `complete(group)`; `wait()` joins it and
-    raises what failed in the background."""
+    """`write()`, then `complete(group)`, in a thread; `wait()` joins it and raises what failed
+    in the background."""
 
-    def __init__(self, state: dict, directory: Path, group, complete: Callable):
+    def __init__(self, write: Callable[[], None], group, complete: Callable):
         self._error: BaseException | None = None
-        written = dcp.async_save(state, checkpoint_id=str(directory), process_group=group)
 
         def finish() -> None:
             try:
-                written.result()
+                write()
                 complete(group)
             except BaseException as err:  # raised again in the loop's thread, by wait()
                 self._error = err
@@ -33,7 +28,7 @@ class BackgroundSave:
         # that ends without `wait()` still completes its last save, rather than aborting in
         # the middle of the save's collectives. Every rank's save runs on the save group
         # alone, so it completes even where this rank's loop died of an exception; where
-        # another rank died, it fails at the group's timeout, never marked good.
+        # another rank died, it fails at the group's timeout, never sealed.
         self._thread = threading.Thread(target=finish, name="trainspec-checkpoint", daemon=True)
         self._thread.start()
         atexit.register(self._thread.join)

@@ -121,12 +121,12 @@ TORCH = Capabilities("torch", dict([
     *((f"optimizer.{name}", honoured("torch.optim.AdamW or SGD, stepped as optax's"))
       for name in ("name", "learning_rate", "warmup_steps", "weight_decay", "grad_clip_norm")),
     ("train.steps", honoured()),
-    ("checkpoint.interval", honoured("torch.distributed.checkpoint (DCP), resharded on load")),
+    ("checkpoint.interval", honoured("safetensors blocks under the trunk's manifest, resharded on load")),
     ("checkpoint.keep", honoured()),
     ("checkpoint.dir", honoured()),
     ("checkpoint.async_save", honoured(
-        "true: DCP's async_save over a gloo group of its own; the state is copied to host "
-        "memory before the step goes on, and marked good once every rank's shards are written; "
+        "true: the state is copied to host memory before the step goes on, written in the "
+        "background and sealed over a gloo group of its own once every rank's file is written; "
         "false: training waits for each save")),
     ("health.preflight", honoured(
         "every rank: a matmul in each float dtype against the float64 product, an all-reduce "

@@ -18,8 +18,6 @@ PyTorch runs eagerly: metrics are host numbers when the step returns, and nothin
 from __future__ import annotations
 
 import math
-
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -249,41 +247,42 @@ class TorchRunStep:
 
 
 class TorchRunCheckpointer:
-    """trainspec.core.loop.Checkpointer over TorchCheckpointer (DCP): the state is a torch
-    step; its applied-update count and skipped steps travel in the checkpoint's meta."""
+    """trainspec.core.loop.Checkpointer over TorchCheckpointer: the state is a torch step; its
+    applied-update count and skipped steps travel in the checkpoint's meta."""
 
     def __init__(self, spec, run_dir: Path, writer: bool):
-        self.dcp = TorchCheckpointer(spec, Path(run_dir), writer)
-        self.directory, self.writer = self.dcp.directory, writer
+        self.files = TorchCheckpointer(spec, Path(run_dir), writer)
+        self.directory, self.writer = self.files.directory, writer
 
     @property
     def last_saved(self) -> int | None:
-        return self.dcp.last_saved
+        return self.files.last_saved
 
     @property
     def enabled(self) -> bool:
-        return self.dcp.interval > 0
+        return self.files.interval > 0
 
     def due(self, step: int, last_step: int) -> bool:
-        return self.dcp.due(step, last_step)
+        return self.files.due(step, last_step)
 
     def rejoined(self, writer: bool) -> None:
         """The job was re-formed (trainspec.torch.members): whether this rank writes now; the
         background saves' group is made again in the new job."""
-        self.writer = self.dcp.writer = writer
-        self.dcp.forget_groups()
+        self.writer = writer
+        self.files.rejoined(writer)
 
     def save(self, step: int, state, total_steps: int, health: dict) -> None:
-        self.dcp.save(step, state.model, state.optimizer, total_steps, state.updates,
-                      health["skipped_steps"], state.mesh_shape, health["consecutive_nonfinite"],
-                      health.get("skipped_batches", []), state.outer)
+        self.files.save(step, state.model, state.optimizer, total_steps, state.updates,
+                        health["skipped_steps"], state.mesh_shape,
+                        health["consecutive_nonfinite"], health.get("skipped_batches", []),
+                        state.outer)
 
     def wait(self) -> None:
         """Block until the last save is complete (`checkpoint.async_save`: written behind)."""
-        self.dcp.wait()
+        self.files.wait()
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
-        meta = self.dcp.restore_latest(target.model, target.optimizer, target.outer)
+        meta = self.files.restore_latest(target.model, target.optimizer, target.outer)
         if meta is None:
             return None, None
         target.total_steps, target.updates = meta["total_steps"], meta["updates"]
@@ -293,23 +292,11 @@ class TorchRunCheckpointer:
             "skipped_batches": meta.get("skipped_batches", [])}}
 
     def saved_total_steps(self) -> int | None:
-        return self.dcp.saved_total_steps()
+        return self.files.saved_total_steps()
 
     def set_aside(self) -> list[Path]:
         """Move every checkpoint into `<dir>-quarantine/` (rank 0; the others wait)."""
-        quarantine = self.directory.with_name(self.directory.name + "-quarantine")
-        moved = []
-        for step in self.dcp.steps():
-            target = quarantine / str(step)
-            suffix = 1
-            while target.exists():
-                target, suffix = quarantine / f"{step}.{suffix}", suffix + 1
-            if self.writer:
-                quarantine.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(self.directory / str(step)), target)
-            moved.append(target)
-        dist.barrier()
-        return moved
+        return self.files.set_aside()
 
     def __enter__(self):
         return self
@@ -320,7 +307,7 @@ class TorchRunCheckpointer:
 
 class Run(core_run.Run):
     """The run services (trainspec.core.run.Run) for a user's own loop around `step`, a
-    `trainspec.torch.wrap` step of this rank, in the job it joined: DCP checkpoints in
+    `trainspec.torch.wrap` step of this rank, in the job it joined: checkpoints in
     `run_dir`, the spec's metrics sinks, progress, summary. `steps` defaults to `train.steps`;
     `model_flops` fills the records' MFU. Other options as trainspec.core.run.Run."""
 

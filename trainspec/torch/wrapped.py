@@ -2,7 +2,7 @@
 trainspec.jax.wrap(loss_step(loss_fn), spec) makes on JAX (docs/adapters.md, "Your own PyTorch
 model"): the layout onto the spec's DeviceMesh (trainspec/torch/layout.py), token-weighted
 accumulation, the precision policy, the optimizer, schedule and clipping of `[optimizer]`, the
-non-finite policy of `[health.nan]`, replica fingerprints and DCP checkpoints.
+non-finite policy of `[health.nan]`, replica fingerprints and checkpoints.
 
 Gradients: each micro-batch's loss *sum* is back-propagated; FSDP2 reduce-scatters the sums over
 the fsdp axis once per step, the local gradients are all-reduced over the data axes once per step
