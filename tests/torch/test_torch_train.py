@@ -175,8 +175,9 @@ def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
 
 
 def test_resumes_on_another_world_size(tmp_path, reference):
-    """The reference run's step-8 checkpoint (2 ranks) continues on 4 ranks: DCP reshards the
-    state, the data position carries on; the losses follow the uninterrupted run's."""
+    """The reference run's step-8 checkpoint (2 ranks) continues on 4 ranks: the saved blocks
+    reshard onto the new layout, the data position carries on; the losses follow the
+    uninterrupted run's."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / str(STEPS))
