@@ -9,6 +9,7 @@ from torch import nn
 from trainspec.core.user_model import UserModel
 
 FEATURES, HIDDEN = 8, 32
+LEARNING_RATE = 3e-2
 
 
 def make(spec) -> UserModel:
@@ -27,7 +28,8 @@ def make(spec) -> UserModel:
         return {"x": x, "y": np.sin(x @ target)}
 
     def optimizer(params):
-        return torch.optim.Adam(params)  # the learning rate is the spec's schedule's
+        # the model's own optimizer governs, its learning rate included (docs/wrapping.md)
+        return torch.optim.Adam(params, lr=LEARNING_RATE)
 
     # 2 FLOPs per multiply-add of the two weights, forward + backward = 3 x forward, per row
     flops = 6 * (FEATURES * HIDDEN + HIDDEN) * spec.batch.global_batch

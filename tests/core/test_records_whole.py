@@ -71,3 +71,15 @@ def test_a_rewound_file_is_appended_at_its_new_end(tmp_path):
     assert [r["step"] for r in _lines(path)] == [1, 2, 3]
     records.JsonlWriter(path).close()  # a new run starts empty
     assert path.read_text() == ""
+
+
+def test_aux_leaves_are_recorded_by_path():
+    """A user's aux pytree (host values at the record) becomes {path: number}: nested names
+    joined by '/', list items by index, non-finite as null, arrays of many elements left out."""
+    import numpy as np
+
+    from trainspec.core.recorder import aux_fields
+
+    tree = {"acc": np.float32(0.5), "parts": [np.float32(1.0), {"n": 3}],
+            "bad": np.float32("nan"), "vector": np.ones(4)}
+    assert aux_fields(tree) == {"acc": 0.5, "parts/0": 1.0, "parts/1/n": 3.0, "bad": None}

@@ -66,6 +66,10 @@ def test_an_own_loop_writes_records_checkpoints_and_a_summary(uninterrupted):
     assert [r["step"] for r in records] == [1, 2, 4, 6]
     assert [r["step"] for r in records if r.get("checkpoint_saved")] == [2, 4, 6]
     assert all(r["learning_rate"] == 3e-2 and r["framework"] == "jax" for r in records)
+    # the loss's aux, summed over the 2 micro-batches, reaches the records: |error| summed
+    # over 16 rows is at least sqrt(loss sum) = sqrt(16 x the mean loss)
+    for r in records:
+        assert r["aux"]["abs_error_sum"] >= (16 * r["loss"]) ** 0.5 > 0
     flops = 6 * (FEATURES * HIDDEN + HIDDEN) * 16  # per row x 16 rows a step
     assert {r["model_flops_per_step"] for r in records} == {flops} and records[-1]["mfu"] > 0
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 6]  # keep 2
@@ -113,3 +117,18 @@ def test_a_bad_model_is_one_line(tmp_path, capsys, reference, says):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and says in err[-1] and err[-1].startswith("trainspec: error: --model")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_torch_layout_on_a_jax_model_is_one_line(tmp_path, capsys):
+    (tmp_path / "planned.py").write_text(
+        f"import importlib.util\nspec = importlib.util.spec_from_file_location('m', {str(FILE)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "import dataclasses\n"
+        "def make(s):\n    return dataclasses.replace(m.make(s), fsdp_units=['blocks.*'])\n")
+    code = main(["train", "--quiet", "--model", f"{tmp_path / 'planned.py'}:make",
+                 "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["trainspec: error: --model: tensor_plan and fsdp_units name "
+                                 "torch modules; on JAX the spec's layout.rules split a model "
+                                 "by its logical axis names"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

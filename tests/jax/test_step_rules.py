@@ -101,7 +101,8 @@ def test_cost_analysis_sees_every_micro_batch():
 
 @pytest.mark.parametrize("loss_fn, returned", [
     (lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), r"it returned float32\[\]"),  # a bare mean
-    (lambda p, b: (jnp.sum(b["x"] @ p["w"]), b["y"].size, {}), "its valid_tokens is int"),
+    (lambda p, b: (jnp.sum(b["x"] @ p["w"]), b["mask"], {}), r"its valid_tokens is float32\[\d,5\]"),
+    (lambda p, b: (jnp.sum(b["x"] @ p["w"]), True, {}), "its valid_tokens is bool"),
     (lambda p, b: (b["x"] @ p["w"], jnp.sum(b["mask"]), {}), r"its loss_sum is float32\[\d,5\]"),
     (lambda p, b: (jnp.sum(b["x"] @ p["w"]), jnp.sum(b["mask"])), "it returned tuple of 2"),
 ])
@@ -117,3 +118,18 @@ def test_a_wrong_loss_fn_return_is_one_line_saying_what_is_expected(loss_fn, ret
         message = str(err.value)
         assert "\n" not in message and re.search(f"; {returned}$", message), message
         assert message.startswith("loss_fn(params, batch) must return (loss_sum, valid_tokens, aux)")
+
+
+def test_a_python_token_count_trains_as_the_same_count_in_an_array():
+    """valid_tokens as a Python int (a count from shapes, as torch's wrap takes it) is the
+    same step as that count in an array: both frameworks accept the same types."""
+    def counted(as_int):
+        def loss_fn(params, batch):
+            err = batch["x"] @ params["w"] - batch["y"]
+            count = batch["y"].size
+            return 0.5 * jnp.sum(err * err), count if as_int else jnp.float32(count), {}
+        step, init = _wrapped(loss_fn=loss_fn)
+        return step(step.init(init, np.ones(DIM, np.float32)), _batch())
+    (with_int, int_metrics), (with_array, array_metrics) = counted(True), counted(False)
+    assert float(int_metrics["valid_tokens"]) == BATCH * SEQ
+    np.testing.assert_array_equal(with_int.params["w"], with_array.params["w"])

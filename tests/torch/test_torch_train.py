@@ -172,6 +172,7 @@ def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_loss"] < summary["initial_loss"] and summary["framework"] == "torch"
     assert records[-1]["model_flops_per_step"] == 6 * (8 * 32 + 32) * 16  # the model's own
+    assert {r["learning_rate"] for r in records} == {3e-2}  # its optimizer's own, as on JAX
 
 
 def test_resumes_on_another_world_size(tmp_path, reference):

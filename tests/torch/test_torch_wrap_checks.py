@@ -6,6 +6,8 @@ refused by a model of other shapes or another compression. Multi-rank behaviour 
 against plain torch, resume on another mesh, replica check) is in test_torch_wrap.py; remat,
 ZeRO-1, compression and GNS against references in test_torch_features.py."""
 import collections
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainspec.torch
+from trainspec.cli.main import main
 from gpt_model import GPT, GPTConfig, adamw, token_loss
 from tiny import TINY
 from trainspec.core.conformance_runner import ragged_batch
@@ -291,3 +294,76 @@ def test_a_checkpoint_is_refused_by_a_model_of_other_shapes(tmp_path):
     assert same.restore(trainspec.torch.TorchCheckpointer(same.spec, tmp_path)) == 1
     assert same.updates == 1
     assert all(torch.equal(a, b) for a, b in zip(same.params, step.params))
+
+
+@pytest.mark.parametrize("spec_schedule,lr", [(True, 0.0), (False, 0.5)])
+def test_a_model_s_own_optimizer_keeps_its_learning_rate_without_spec_schedule(spec_schedule, lr):
+    """By default the spec's schedule sets the learning rate (0 at the first update under
+    warm-up) and clips; with spec_schedule=False (`--model` bringing its optimizer) the
+    optimizer's own rate governs and nothing is clipped."""
+    step = wrap(optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.5),
+                overrides=["optimizer.grad_clip_norm=1e-6"], spec_schedule=spec_schedule)
+    before = [q.detach().clone() for q in step.params]
+    metrics = step(batch())
+    moved = max(float((q.detach() - b).abs().max()) for q, b in zip(step.params, before))
+    assert metrics["learning_rate"] == lr and step.learning_rate(1) == (0.5 if lr else 3e-3)
+    # unclipped SGD at 0.5 moves a parameter far more than 0.5 x 1e-6
+    assert (moved == 0.0) if spec_schedule else (moved > 1e-3)
+
+
+class NanoGPTNamed(nn.Module):
+    """A block named as modded-nanoGPT names its projections (none the default plan knows)
+    beside an untied head the plan does know."""
+
+    def __init__(self):
+        super().__init__()
+        block = nn.ModuleDict({name: nn.Linear(8, 8) for name in ("c_q", "c_k", "c_v")})
+        block.update({"c_fc": nn.Linear(8, 32), "c_proj": nn.Linear(32, 8)})
+        self.blocks = nn.ModuleList([block])
+        self.lm_head = nn.Linear(8, 16)
+
+
+def test_a_default_plan_that_leaves_block_linears_unsplit_warns_naming_them(caplog):
+    with caplog.at_level(logging.WARNING, logger="trainspec"):
+        plan = default_tensor_plan(NanoGPTNamed(), 2)
+    assert list(plan) == ["lm_head"]
+    assert [r.getMessage() for r in caplog.records] == [(
+        "tensor_plan: the default plan leaves 5 nn.Linear layers unsplit, each whole on every "
+        "rank of the tensor axis (blocks.0.c_q, blocks.0.c_k, blocks.0.c_v, blocks.0.c_fc and "
+        "1 more); give wrap (or a UserModel) a tensor_plan that names them")]
+
+
+NANO = '''
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from trainspec.core.user_model import UserModel
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict({"c_fc": nn.Linear(8, 32),
+                                                    "c_proj": nn.Linear(32, 8)})])
+        self.lm_head = nn.Linear(8, 16)
+
+def make(spec, plan=True):
+    tensor_plan = {"blocks.0.c_fc": ColwiseParallel(), "blocks.0.c_proj": RowwiseParallel(),
+                   "lm_head": ColwiseParallel()} if plan else None
+    return UserModel(Net, None, None, tensor_plan=tensor_plan)
+
+def unplanned(spec):
+    return make(spec, plan=False)
+'''
+
+
+@pytest.mark.parametrize("fn,fc,warns", [("make", "dim 0 over tensor", False),
+                                         ("unplanned", "replicated", True)])
+def test_a_user_model_carries_its_tensor_plan(tmp_path, capsys, fn, fc, warns):
+    """`validate --model` lays a UserModel out by its tensor_plan (the one `train --model`
+    passes to wrap); without one, the nanoGPT-named block stays whole, and says so."""
+    (tmp_path / "nano.py").write_text(NANO)
+    assert main(["validate", str(DEFAULT_SPEC_PATH), "--framework", "torch", "--nprocs", "2",
+                 "--model", f"{tmp_path / 'nano.py'}:{fn}", "--set", "mesh.axes.data.size=1",
+                 "--set", "mesh.axes.tensor.size=2"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(rf"blocks\.0\.c_fc\.weight +\(32, 8\) +{fc}", out), out
+    assert ("the default plan leaves 2 nn.Linear layers unsplit" in err) == warns, err

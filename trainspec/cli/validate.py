@@ -86,8 +86,8 @@ def _torch(args, spec, model) -> int:
 
             built, units = Transformer(spec.model), ("blocks.*",)
         else:
-            built, units = model.init(), None
-    layout = describe.parameter_layout(dims, built, units)
+            built, units = model.init(), model.fsdp_units
+    layout = describe.parameter_layout(dims, built, units, model and model.tensor_plan)
     _valid(args, spec)
     print(f"ranks: {world} (torch)")
     print("mesh: " + " x ".join(f"{k}={v}" for k, v in dims.shape.items()))

@@ -49,6 +49,20 @@ class OnHost:
         return metrics
 
 
+def aux_fields(tree, prefix: str = "") -> dict[str, float | None]:
+    """The scalar leaves of a step's `aux` by path ('a/b', list items by index); a leaf of
+    more than one element is left out of the record."""
+    items = (tree.items() if isinstance(tree, dict) else enumerate(tree)
+             if isinstance(tree, (list, tuple)) else None)
+    if items is None:
+        return {prefix: records.finite_or_none(float(np.asarray(tree)))} \
+            if np.size(tree) == 1 else {}
+    out = {}
+    for key, value in items:
+        out.update(aux_fields(value, f"{prefix}/{key}" if prefix else str(key)))
+    return out
+
+
 class Recorder:
     """Collects per-step values and host timings; writes a record per interval to `sinks`.
 
@@ -141,6 +155,7 @@ class Recorder:
                                       self._pending_wait, self.goodput.summary(now)),
             **self.per_record(),
             **record_fields(self.noise_scale.estimate()),
+            **({"aux": aux_fields(now_metrics["aux"])} if now_metrics.get("aux") else {}),
             **extra_fields,
         }
         for sink in self.sinks:

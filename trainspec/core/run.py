@@ -96,6 +96,11 @@ class Run:
                 for moved in self.ckpt.set_aside():
                     log.warning("--restart: checkpoint moved to %s", moved)
             self.total_steps = self.ckpt.saved_total_steps() or self.steps
+            if self.total_steps < self.steps:  # the cosine ends at a tenth of its peak
+                log.warning(f"--steps {self.steps}: the checkpoints were planned for "
+                            f"{self.total_steps} steps; the spec's learning-rate schedule stays "
+                            f"theirs and holds its floor after step {self.total_steps} "
+                            f"(--restart plans it over {self.steps})")
         except BaseException:
             self.ckpt.__exit__(*sys.exc_info())
             raise

@@ -3,7 +3,7 @@
 
 `module` is a Python file (`path/to/my_model.py`) or an importable module (`pkg.my_model`).
 What `init` and `loss` are depends on the framework that trains it (docs/wrapping.md for JAX,
-docs/adapters.md for torch); `batches`, `flops_per_token` and `schedule` mean the same on both.
+docs/adapters.md for torch); `batches` and `flops_per_step` mean the same on both.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,20 @@ class UserModel:
       `trainspec.jax.loss_step`; torch: `loss(model, batch) -> (loss_sum, valid_tokens)`, as
       for `trainspec.torch.wrap`. Either way the step accumulates micro-batches and weights by
       tokens.
-    - `optimizer`: torch only, optional: `optimizer(params) -> torch.optim.Optimizer` (default:
-      the spec's `[optimizer]`); on JAX the optimizer is the state's.
+    - `optimizer`: torch only, optional: `optimizer(params) -> torch.optim.Optimizer`; on JAX
+      the optimizer is the state's. A model's own optimizer governs on both frameworks: its
+      update rule, learning rate and any clipping are its own, and the spec's `[optimizer]`
+      applies only where the model brings none (torch without `optimizer`).
     - `batches(index) -> {name: NumPy array}`: the whole global batch number `index` (0-based),
       a pure function of it, so that a resume continues with exactly the next batch; dimension 0
       is the batch (`batch.global_batch` rows), dimension 1 the sequence where there is one.
     - `flops_per_step`: the model's FLOPs of one optimizer step over the whole global batch
       (forward + backward), for MFU; None: MFU is null (XLA's count still gives HFU on JAX).
-    - `schedule(updates) -> learning rate` for the records on JAX; None: null (torch sets and
-      records the spec's schedule itself).
+    - `schedule(updates) -> learning rate` for the records on JAX; None: null (torch records
+      its optimizer's learning rate, or the spec's schedule where it builds the optimizer).
+    - `tensor_plan`, `fsdp_units`: torch only, `trainspec.torch.wrap`'s arguments of those
+      names ({module name: ParallelStyle}; module-name rules for FSDP2 units); None: the
+      defaults. On JAX the spec's `layout.rules` split a model by its logical axis names.
     """
 
     init: Callable[..., Any]
@@ -47,6 +52,8 @@ class UserModel:
     flops_per_step: float | None = None
     schedule: Callable[[int], float] | None = None
     optimizer: Callable | None = None
+    tensor_plan: dict | None = None
+    fsdp_units: Sequence[str] | None = None
 
     def model_flops(self, spec):
         """The records' FLOPs formula (trainspec.core.flops.ModelFlops), or None."""

@@ -83,8 +83,8 @@ class Precision:
 
 
 LOSS_FN_RETURNS = ("loss_fn(params, batch) must return (loss_sum, valid_tokens, aux): the sum of "
-                   "per-token losses and the count of valid tokens as scalar arrays, aux a pytree "
-                   "(or {})")
+                   "per-token losses as a scalar array, the count of valid tokens as a scalar "
+                   "array or a Python number, aux a pytree (or {})")
 
 
 def _kind(value) -> str:
@@ -98,17 +98,20 @@ def _kind(value) -> str:
 
 def loss_parts(returned):
     """`loss_fn`'s return checked at trace time: a wrong one is one line saying what was
-    expected and what came back (a bare mean, a Python count), not an error from deep in
-    the accumulation. A Python number is refused too: a count taken from shapes includes
-    padding, which the token-weighted rule must not count."""
+    expected and what came back (a bare mean, a per-token array), not an error from deep in
+    the accumulation. A Python count (`batch["y"].size`) is taken as torch's wrap takes it, a
+    constant of the trace."""
     if not isinstance(returned, (tuple, list)) or len(returned) != 3:
         raise UserInputError(f"{LOSS_FN_RETURNS}; it returned {_kind(returned)}")
-    for name, value in zip(("loss_sum", "valid_tokens"), returned[:2]):
+    loss_sum, tokens, aux = returned
+    if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
+        tokens = jnp.float32(tokens)
+    for name, value in (("loss_sum", loss_sum), ("valid_tokens", tokens)):
         if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or np.shape(value) != ():
             raise UserInputError(f"{LOSS_FN_RETURNS}; its {name} is {_kind(value)}")
-    if not jnp.issubdtype(returned[0].dtype, jnp.floating):
-        raise UserInputError(f"{LOSS_FN_RETURNS}; its loss_sum is {_kind(returned[0])}")
-    return returned
+    if not jnp.issubdtype(loss_sum.dtype, jnp.floating):
+        raise UserInputError(f"{LOSS_FN_RETURNS}; its loss_sum is {_kind(loss_sum)}")
+    return loss_sum, tokens, aux
 
 
 def accumulate(loss_fn, params, micro_batches, precision: Precision,

@@ -18,6 +18,7 @@ import optax
 from flax.training.train_state import TrainState
 
 from trainspec.core.data import ByteBatches
+from trainspec.core.errors import UserInputError
 from trainspec.core.faults import Faults
 from trainspec.core.loop import train
 from trainspec.core.run import Run
@@ -199,6 +200,9 @@ def run(
     reference model's parameters to start from (trainspec.core.params_file.read) when the run
     does not resume; refused with `model` (UserInputError), as `trainspec train` refuses it."""
     JAX.check_flags({"--init-from": init_from, "--model": model})
+    if model is not None and (model.tensor_plan is not None or model.fsdp_units is not None):
+        raise UserInputError("--model: tensor_plan and fsdp_units name torch modules; on JAX "
+                             "the spec's layout.rules split a model by its logical axis names")
     run_dir.mkdir(parents=True, exist_ok=True)
     if not restart:  # before orbax lists them (and warns that they are not its own)
         refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import logging
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -23,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from trainspec.core.errors import UserInputError
+
+log = logging.getLogger("trainspec")
 
 # The default tensor-parallel plan's names (the last part of an nn.Linear's module name), as
 # Megatron, Llama and Hugging Face models name their projections. A fused projection (GPT-2's
@@ -136,6 +139,13 @@ def default_tensor_plan(model: nn.Module, ranks: int) -> dict[str, object]:
             f"tensor_plan: the model has no nn.Linear that the default plan knows by name "
             f"({', '.join(sorted(COLUMN_SPLIT | ROW_SPLIT | OUTPUT_HEAD))}); give wrap a "
             "tensor_plan {module name: ColwiseParallel() / RowwiseParallel() ...}")
+    unsplit = [name for name, _ in linears if name not in plan]
+    if unsplit:  # e.g. nanoGPT's c_q, c_fc, c_proj: replicated over the axis, silently
+        shown = ", ".join(unsplit[:4]) + (f" and {len(unsplit) - 4} more" if len(unsplit) > 4
+                                          else "")
+        log.warning(f"tensor_plan: the default plan leaves {len(unsplit)} nn.Linear layers "
+                    f"unsplit, each whole on every rank of the tensor axis ({shown}); give "
+                    "wrap (or a UserModel) a tensor_plan that names them")
     return plan
 
 

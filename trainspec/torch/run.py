@@ -33,7 +33,6 @@ from trainspec.torch.adapter import TorchAdapter
 from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.comm import BUS_FACTOR, CommCounter, mesh_axes_of
 from trainspec.torch.layout import local_block
-from trainspec.torch.optim import learning_rate
 from trainspec.torch.peak import peak_flops
 from trainspec.torch.wrapped import WrappedStep
 
@@ -149,8 +148,9 @@ class TorchRunStep:
         return {**{key: values[0] for key, values in per_group.items()}, **combined}
 
     def learning_rate(self, updates: int) -> float:
-        """The spec's schedule over the step's run length (a resumed run keeps its own)."""
-        return learning_rate(self.spec.optimizer, self.job.total_steps, updates)
+        """The step's: the spec's schedule over its run length (a resumed run keeps its own),
+        or the optimizer's own learning rate where the model brings its optimizer."""
+        return self.job.learning_rate(updates)
 
     def summary_fields(self) -> dict:
         """Under [semi_sync], the schedule and each part's bytes (as the JAX summary)."""

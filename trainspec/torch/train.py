@@ -59,7 +59,8 @@ def user_job(spec: Spec, model: UserModel, adapter: TorchAdapter, total_steps: i
     takes them: `trainspec.torch.wrap` of its model and loss, this rank's rows of each batch."""
     job = WrappedStep(model.init, model.loss, spec, mesh=adapter.build_mesh(spec),
                       device=adapter.device, optimizer_fn=model.optimizer,
-                      total_steps=total_steps)
+                      total_steps=total_steps, spec_schedule=model.optimizer is None,
+                      tensor_plan=model.tensor_plan, fsdp_units=model.fsdp_units)
     rows = job.rows()
     return (TorchRunStep(job, adapter, model.model_flops(spec)), job, lambda: job,
             lambda index: {name: x[rows] for name, x in model.batches(index).items()})

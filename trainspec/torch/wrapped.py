@@ -71,7 +71,9 @@ class WrappedStep:
       rows it is given (a scalar tensor) and how many tokens they count;
     - `optimizer_fn(params)` builds the optimizer over the laid-out parameters (default: the
       spec's `optimizer.name`); the spec's schedule sets every group's `lr` before each update,
-      and gradients are clipped to `optimizer.grad_clip_norm`;
+      and gradients are clipped to `optimizer.grad_clip_norm`, unless `spec_schedule=False`:
+      then the optimizer keeps its own learning rate and nothing is clipped (`trainspec train
+      --model` with a model that brings its optimizer, as on JAX);
     - `fsdp_units`: module-name rules for FSDP2 units (default: the children of the outermost
       nn.ModuleLists); `tensor_plan`: {module name: ParallelStyle} (default: by nn.Linear names);
     - `autocast`: the forward and the loss run under torch.autocast(`precision.compute`) when it
@@ -85,11 +87,13 @@ class WrappedStep:
     def __init__(self, model_fn: Callable[[], nn.Module], loss_fn: Callable, spec: Spec, *,
                  mesh: DeviceMesh, device: torch.device, optimizer_fn: Callable | None = None,
                  total_steps: int | None = None, fsdp_units: Sequence[str] | None = None,
-                 tensor_plan: dict | None = None, autocast: bool = True, nan_guard: bool = True):
+                 tensor_plan: dict | None = None, autocast: bool = True, nan_guard: bool = True,
+                 spec_schedule: bool = True):
         self.dims = check_layout(spec, mesh.size())  # what everything below reads of the mesh
         _check_mesh(mesh, self.dims.shape)
         self.spec, self.mesh, self.device, self.loss_fn = spec, mesh, device, loss_fn
         self.total_steps = total_steps or spec.train.steps
+        self.spec_schedule = spec_schedule
         p = spec.precision
         self.param_dtype, self.grad_dtype = TORCH_DTYPES[p.param], TORCH_DTYPES[p.grad_reduce]
         self.compute_dtype = TORCH_DTYPES[p.compute]
@@ -155,6 +159,13 @@ class WrappedStep:
         self.guard = init_nan_guard()
         self._loss_checked = False
 
+    def learning_rate(self, updates: int) -> float:
+        """The learning rate of update `updates`: the spec's schedule over the run length, or
+        the optimizer's own (its first group's) without `spec_schedule`."""
+        if self.spec_schedule:
+            return learning_rate(self.spec.optimizer, self.total_steps, updates)
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def _build(self, model_fn) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.spec.seed)
@@ -210,12 +221,13 @@ class WrappedStep:
             g.div_(denom)
         grad_norm = self.norms.norm(grads)
         finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-        lr = learning_rate(self.spec.optimizer, self.total_steps, self.updates)
+        lr = self.learning_rate(self.updates)
         taken = self._decide(finite, apply)
         if taken:
-            clip_by_global_norm(grads, grad_norm, self.spec.optimizer.grad_clip_norm)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            if self.spec_schedule:
+                clip_by_global_norm(grads, grad_norm, self.spec.optimizer.grad_clip_norm)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
             self.optimizer.step()
             if self.reduction is not None:
                 self.reduction.commit()
