@@ -33,6 +33,7 @@ PER_RECORD = {
     "skipped_steps": "loss/skipped_steps",  # health: steps not applied (non-finite)
     "skipped_batches": "loss/skipped_batches",  # health: batches a rollback left out
     "rolled_back_from_step": "loss/rolled_back_from_step",  # the mark of a rollback
+    "aux": "aux",  # a user's loss_fn aux values: one scalar per path, aux/<path>
     "step_time_s": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s",
     "padded_tokens_per_s": "perf/padded_tokens_per_s", "mfu": "perf/mfu", "hfu": "perf/hfu",
     "data_wait_s": "perf/data_wait_s", "data_wait_fraction": "perf/data_wait_fraction",
