@@ -1,5 +1,5 @@
-"""Context and expert axes and [model.moe] in the capability tables: JAX runs a context axis;
-what an implementation does not run is refused by name."""
+"""Context and expert axes and [model.moe] in the capability tables: JAX runs both (experts
+routed over the whole micro-batch); what an implementation does not run is refused by name."""
 from trainspec.core.capabilities import Request
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import load_spec
@@ -25,8 +25,16 @@ def test_jax_runs_a_context_axis_and_torch_refuses_it_in_one_line():
     assert lines[0].endswith(" axes, got context=2"), lines
 
 
-def test_experts_are_refused_by_name():
-    for table in (JAX, TORCH):
-        lines = _refusals(table, EXPERT)
-        assert lines[0].startswith("mesh.axes.*.size: ") and lines[0].endswith("got expert=2")
-        assert lines[1].startswith("model.moe: ")
+def test_jax_runs_experts_and_torch_refuses_them_by_name():
+    assert _refusals(JAX, {**EXPERT, "metrics": {"gns": False}}) == []
+    lines = _refusals(TORCH, EXPERT)
+    assert lines[0].startswith("mesh.axes.*.size: ") and lines[0].endswith("got expert=2")
+    assert lines[1].startswith("model.moe: ")
+
+
+def test_jax_refuses_experts_routed_per_replica():
+    """With a split data axis and GNS over replicas on (the default), the step gives the
+    model one replica's rows: routing would not be over the micro-batch."""
+    lines = _refusals(JAX, EXPERT)
+    assert len(lines) == 1 and lines[0].startswith(
+        "model.moe.experts: experts route over the whole micro-batch"), lines

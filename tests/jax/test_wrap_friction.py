@@ -102,7 +102,7 @@ def test_an_unknown_logical_axis_names_the_leaf_and_the_known_axes():
         wrap(_step, _spec(tensor=2)).plan(init_fn, jax.random.key(0))
     assert _one_line(err) == (
         "state.params['Dense_0']['kernel']: logical axis 'hidden' has no rule (known: batch, "
-        "length, embed, mlp, heads, kv, vocab, layers); add it to layout.rules, e.g. "
+        "length, embed, mlp, heads, kv, vocab, layers, expert); add it to layout.rules, e.g. "
         "layout.rules.hidden = []")
     step = wrap(_step, load_spec(_spec(tensor=2), ['layout.rules.hidden = ["tensor"]']))
     state = step.init(init_fn, jax.random.key(0))

@@ -21,6 +21,7 @@ DEFAULT_ROLE_RULES = {
     "kv": (),
     "vocab": ("tensor",),
     "layers": (),
+    "expert": ("expert",),
 }
 
 

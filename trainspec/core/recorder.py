@@ -156,6 +156,7 @@ class Recorder:
             **self.per_record(),
             **record_fields(self.noise_scale.estimate()),
             **({"aux": aux_fields(now_metrics["aux"])} if now_metrics.get("aux") else {}),
+            **records.moe_fields(now_metrics.get("aux")),
             **extra_fields,
         }
         for sink in self.sinks:

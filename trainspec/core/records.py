@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainspec.core.errors import UserInputError
 
 SCHEMA_PATH = Path(__file__).with_name("metrics.schema.json")
@@ -164,6 +166,22 @@ def interval_fields(facts: dict, steps: int, wall_s: float, valid_tokens: float,
         "elapsed_s": goodput["elapsed_s"],
         "goodput": goodput["goodput"],
         "badput_s": goodput["badput_s"],
+    }
+
+
+def moe_fields(aux) -> dict:
+    """The expert fields of a record from a step's `aux` metrics, where the model reports them
+    (trainspec.jax.models.moe: per-layer expert load and the dropped, balance and z sums with
+    their count of layers x micro-batches); {} for a model without experts."""
+    if not isinstance(aux, dict) or "moe_load" not in aux:
+        return {}
+    load = np.asarray(aux["moe_load"], np.float64).reshape(-1, np.shape(aux["moe_load"])[-1])
+    count = float(aux["moe_layers"])
+    return {
+        "moe_load_max_over_mean": finite_or_none(np.max(load.max(1) / load.mean(1))),
+        "moe_dropped_tokens": finite_or_none(aux["moe_dropped"]),
+        "moe_load_balance_loss": finite_or_none(float(aux["moe_balance"]) / count),
+        "moe_z_loss": finite_or_none(float(aux["moe_z"]) / count),
     }
 
 

@@ -39,6 +39,8 @@ PER_RECORD = {
     "data_wait_s": "perf/data_wait_s", "data_wait_fraction": "perf/data_wait_fraction",
     "goodput": "perf/goodput", "badput_s": "perf/badput_s",  # one scalar per category
     "memory_live_bytes": "memory/live_bytes",
+    **{f"moe_{name}": f"moe/{name}" for name in (  # with experts
+        "load_max_over_mean", "dropped_tokens", "load_balance_loss", "z_loss")},
 }
 # Facts of the compiled step: constant while it runs, so a scalar only when the value changes
 # (the first record, and after a resume or rollback onto another layout), not a flat line.

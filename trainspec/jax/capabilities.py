@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from trainspec.core.capabilities import (
     INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, pipeline_fields_unused, refused,
-    refused_section, roles_not_split)
+    roles_not_split)
 from trainspec.jax.backends import backend
 
 EXT_BESIDE_XLA = Refusal(
@@ -24,6 +24,20 @@ COMPRESSION_ON_HIERARCHICAL = Refusal(
     "reduces float32)")
 
 
+# The step reduces over data replicas explicitly (trainspec.jax.step) with accumulation, GNS
+# over replicas, a compression or a custom-call backend: the model then sees one replica's
+# rows, and would route (and bound capacity) per replica, not over the micro-batch.
+MOE_ROUTES_PER_REPLICA = Refusal(
+    "with split data axes and accumulation, replica GNS, compression or a non-xla backend",
+    lambda value, r: value is not None and bool(r.split("data")) and (
+        r.spec.batch.accumulation_steps > 1 or r.spec.metrics.gns is not False
+        or r.spec.collectives.compression != "none" or r.spec.collectives.backend != "xla"),
+    "experts route over the whole micro-batch, which a split data axis with accumulation, "
+    "metrics.gns, compression or a non-xla backend divides into replicas: set "
+    "metrics.gns = false and leave those at their defaults, or split the batch over an "
+    "expert or fsdp axis instead")
+
+
 def _reference(*fields: str) -> list:
     return [(f, honoured()) for f in fields]
 
@@ -31,7 +45,7 @@ def _reference(*fields: str) -> list:
 JAX = Capabilities("jax", dict([
     *_reference("spec_version", "seed", "mesh.axes.*.role"),
     ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major",
-                                  roles_not_split("JAX", "expert", "pipeline"))),
+                                  roles_not_split("JAX", "pipeline"))),
     ("mesh.axes.*.dcn", honoured("process blocks of the hybrid mesh (trainspec.core.mesh); "
                                  "with the hierarchical backend a data axis lies all within or "
                                  "all across processes")),
@@ -58,7 +72,12 @@ JAX = Capabilities("jax", dict([
                              "naming the field")),
     *_reference("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
                 "model.d_ff"),
-    ("model.moe", refused_section("the JAX reference model is dense")),
+    ("model.moe.experts", honoured(
+        "every block's MLP (trainspec.jax.models.moe); experts split over the expert axes, "
+        "tokens moved by the all-to-alls XLA makes of the dispatch and combine",
+        MOE_ROUTES_PER_REPLICA)),
+    *_reference("model.moe.top_k", "model.moe.capacity_factor",
+                "model.moe.load_balance_weight", "model.moe.z_loss_weight"),
     ("context.attention", honoured("ring: ppermute of key/value blocks with an online "
                                    "softmax; all_gather: one all-gather (trainspec.jax.context)")),
     ("context.split", honoured("the batch's sequences permuted in the step, each rank's "

@@ -36,6 +36,7 @@ from trainspec.jax.health.exclusion import largest_mesh
 from trainspec.jax.health.faults import faulty_reduction
 from trainspec.jax.health.memory import check_host_batch
 from trainspec.jax.health.preflight import preflight
+from trainspec.jax.models.moe import moe_losses_and_stats
 from trainspec.jax.models.transformer import Transformer, next_token_loss
 from trainspec.jax.params_file import placed, save_initial, with_values
 from trainspec.jax.run import JaxStep, abstract_state
@@ -104,9 +105,13 @@ def _components(spec: Spec, total_steps: int):
 
     def loss_fn(params, batch):
         batch = split_sequence(spec, batch)  # the context axes' order; a sum over tokens
-        logits = model.apply({"params": params}, batch["inputs"])
+        if spec.model.moe is None:
+            logits = model.apply({"params": params}, batch["inputs"])
+            return (*next_token_loss(logits, batch["targets"], batch["mask"]), {})
+        logits, sown = model.apply({"params": params}, batch["inputs"], mutable=["moe"])
         loss_sum, tokens = next_token_loss(logits, batch["targets"], batch["mask"])
-        return loss_sum, tokens, {}
+        aux_per_token, stats = moe_losses_and_stats(sown["moe"], spec.model.moe)
+        return loss_sum + aux_per_token * tokens, tokens, stats
 
     tx = make_optimizer(spec, total_steps)
 

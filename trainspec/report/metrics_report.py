@@ -33,6 +33,11 @@ def summarize(records: list[dict]) -> dict:
         "data_wait_fraction": _median(r["data_wait_fraction"] for r in records),
         "compile_time_s": last["compile_time_s"],
         "goodput": last["goodput"],
+        # with experts (absent from other runs' records: "-")
+        "moe_load_max_over_mean": _median(r.get("moe_load_max_over_mean") for r in records),
+        "moe_dropped_tokens": _median(r.get("moe_dropped_tokens") for r in records),
+        "moe_load_balance_loss": last.get("moe_load_balance_loss"),
+        "moe_z_loss": last.get("moe_z_loss"),
     }
 
 
@@ -50,6 +55,10 @@ COLUMNS = [
     ("comm_bus_bytes_per_step", "comm MiB/step (bus)", "{:.2f}", 2**-20),
     ("data_wait_fraction", "data wait % (median)", "{:.1f}", 100),
     ("compile_time_s", "compile s (last)", "{:.1f}"), ("goodput", "goodput % (last)", "{:.1f}", 100),
+    ("moe_load_max_over_mean", "expert load max/mean (median)", "{:.2f}"),
+    ("moe_dropped_tokens", "dropped tokens/step (median)", "{:.0f}"),
+    ("moe_load_balance_loss", "load-balance loss (last)", "{:.4f}"),
+    ("moe_z_loss", "router z-loss (last)", "{:.4f}"),
 ]
 
 

@@ -24,6 +24,10 @@ CURVES = [  # (title, y label, value of a record or None[, its (low, high) band 
     ("Throughput", "valid tokens / s", lambda r: r["tokens_per_s"]),
     ("Model FLOPs utilisation", "MFU (%)", lambda r: r["mfu"] and 100 * r["mfu"]),
     ("Learning rate", "learning rate", lambda r: r.get("learning_rate")),
+    ("Expert load", "tokens per expert, max / mean",
+     lambda r: r.get("moe_load_max_over_mean")),
+    ("Dropped tokens", "(token, expert) assignments per step",
+     lambda r: r.get("moe_dropped_tokens")),
     ("Peak memory per device (compiled)", "MiB",
      lambda r: r["memory_peak_bytes"] and r["memory_peak_bytes"] / 2**20),
 ]

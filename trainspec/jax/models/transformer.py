@@ -15,6 +15,7 @@ import numpy as np
 
 from trainspec.core.spec import ModelSpec
 from trainspec.jax.layout import gathered_for_use
+from trainspec.jax.models.moe import MoEMlp
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
@@ -80,9 +81,12 @@ class Block(nn.Module):
         out = proj((c.n_heads, head_dim, c.d_model), ("heads", "kv", "embed"), n_in=2, name="out")(attn)
         x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
         h = norm("mlp_norm")(x)
-        h = proj((c.d_model, c.d_ff), ("embed", "mlp"), name="mlp_in")(h)
-        h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
-        h = proj((c.d_ff, c.d_model), ("mlp", "embed"), name="mlp_out")(h)
+        if c.moe is not None:
+            h = MoEMlp(c, self.dtype, self.param_dtype, name="moe")(h)
+        else:
+            h = proj((c.d_model, c.d_ff), ("embed", "mlp"), name="mlp_in")(h)
+            h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+            h = proj((c.d_ff, c.d_model), ("mlp", "embed"), name="mlp_out")(h)
         return nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
 
 
