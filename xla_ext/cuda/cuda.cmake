@@ -22,6 +22,9 @@ set(XLA_EXT_CUDA_MODULE_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/module.cc
   ${CMAKE_CURRENT_LIST_DIR}/handlers.cc
   ${CMAKE_CURRENT_LIST_DIR}/../handler_checks.cc
+  ${CMAKE_CURRENT_LIST_DIR}/nccl_api.cc
+  ${CMAKE_CURRENT_LIST_DIR}/nccl_comms.cc
+  ${CMAKE_CURRENT_LIST_DIR}/nccl_handlers.cc
 )
 
 add_library(xla_ext_cuda_kernels STATIC ${XLA_EXT_CUDA_KERNELS})
@@ -38,4 +41,16 @@ target_compile_definitions(_xla_ext_cuda PRIVATE TRAINSPEC_JAXLIB_VERSION="${JAX
 target_compile_options(_xla_ext_cuda PRIVATE ${XLA_EXT_WARNINGS})
 target_link_libraries(_xla_ext_cuda PRIVATE xla_ext_cuda_kernels CUDA::cudart_static
                       ${CMAKE_DL_LIBS})
+# NCCL is loaded at run time (nccl_api.h); its header, where the nvidia-nccl wheel in the building
+# environment ships one, only checks our declarations against NCCL's at compile time.
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c
+          "import importlib.metadata as m; d = m.distribution('nvidia-nccl-cu13'); print(d.locate_file('nvidia/nccl/include'))"
+  OUTPUT_VARIABLE NCCL_INCLUDE_DIR OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
+  message(STATUS "NCCL declarations checked against ${NCCL_INCLUDE_DIR}/nccl.h")
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/nccl_api.cc PROPERTIES
+    COMPILE_DEFINITIONS TRAINSPEC_HAVE_NCCL_H INCLUDE_DIRECTORIES "${NCCL_INCLUDE_DIR}")
+endif()
+
 install(TARGETS _xla_ext_cuda LIBRARY DESTINATION trainspec/jax)

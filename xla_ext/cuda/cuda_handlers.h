@@ -10,3 +10,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecFingerprintCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecQuantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecDequantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecErrorFeedbackCuda);
+
+// cuda/nccl_handlers.cc: the ext collectives through NCCL.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllReduceCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecReduceScatterCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllGatherCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecAllToAllCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecBroadcastCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TrainspecPermuteCuda);

@@ -1,4 +1,11 @@
-"""The `ext` backend: the spec's collectives as the xla_ext FFI custom calls (CPU, one process).
+"""The `ext` backend: the spec's collectives as the xla_ext FFI custom calls.
+
+On CPU the handlers meet in process (xla_ext/collectives.cc). On a GPU mesh the same targets
+run the CUDA handlers (xla_ext/cuda/nccl_handlers.cc) over an NCCL communicator per group
+(trainspec.jax.collectives.nccl, made when the call is traced under `jax.set_mesh`); there,
+all_reduce is deterministic (rank-order sums, the CPU handlers' results) unless
+`deterministic=False` asks for one ncclAllReduce, and gathered, scattered or split dimensions
+must be the leading one.
 
 Call these through `trainspec.jax.collectives` (api.py validates the arguments; this module trusts
 them) inside `jax.shard_map`; the semantics are those of the tiled lax collectives. Each
@@ -26,7 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax._src.mesh import get_concrete_mesh  # no public accessor in jax 0.10.2
+
 from trainspec.jax import xla_ext
+from trainspec.jax.collectives import nccl
 from trainspec.core.spec import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 SUPPORTED_DTYPES = tuple(
@@ -69,7 +79,27 @@ def _timeout_ms(timeout_s) -> np.int64:
     return np.int64(max(1, round(t * 1000)))
 
 
-def _custom_call(op: str, x, out_shape, axis_name, timeout_s, in_place=False, **attrs):
+def _gpu_attrs(op: str, names: tuple[str, ...], timeout_s, gpu_only: dict) -> dict:
+    """The CUDA handlers' extra attributes on a GPU mesh: the group's NCCL communicator and the
+    op's `gpu_only` ones; none on CPU. Refuses in one line what cannot run on this GPU."""
+    mesh = get_concrete_mesh()
+    concrete = mesh is not None and not mesh.empty
+    platform = mesh.devices.flat[0].platform if concrete else jax.default_backend()
+    if platform != "gpu":
+        return {}
+    xla_ext.require_cuda(_TARGETS[op])
+    if not concrete:
+        raise ValueError(f"ext {op} on a GPU needs the concrete mesh to make its NCCL "
+                         "communicator: trace under `with jax.set_mesh(mesh):`")
+    t = DEFAULT_COLLECTIVE_TIMEOUT_S if timeout_s is None else timeout_s
+    return {"comm": np.int64(nccl.communicator(mesh, names, t)),
+            **{k: np.int64(v) for k, v in gpu_only.items()}}
+
+
+def _custom_call(op: str, x, out_shape, axis_name, timeout_s, in_place=False, gpu_only=None,
+                 **attrs):
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    attrs.update(_gpu_attrs(op, names, timeout_s, gpu_only or {}))
     n, rank, group = _group(axis_name)
     # In place, the output takes the input's buffer (operand 0): the handler's units read every
     # member's elements of a range before writing that range anywhere, so reading and writing
@@ -81,7 +111,6 @@ def _custom_call(op: str, x, out_shape, axis_name, timeout_s, in_place=False, **
     )
     # The HLO keeps the group size (an attribute) but not which mesh axes form the group: the
     # name scope carries them into the call's metadata for trainspec.jax.metrics.comm to read.
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     with jax.named_scope("trainspec_axes=" + "+".join(names)):
         return call(x, rank, group, call_site=np.int64(next(_call_sites)), group_size=np.int64(n),
                     timeout_ms=_timeout_ms(timeout_s), **attrs)
@@ -90,26 +119,28 @@ def _custom_call(op: str, x, out_shape, axis_name, timeout_s, in_place=False, **
 # ---- all_reduce -------------------------------------------------------------------------------
 
 
-def all_reduce(x, axis_name, op="sum", *, timeout_s=None, in_place=False):
+def all_reduce(x, axis_name, op="sum", *, timeout_s=None, in_place=False, deterministic=True):
     """Like lax.psum / pmean / pmax / pmin (op "sum", "mean", "max", "min"); `in_place`: the
-    result is written over `x`'s buffer (its gradient's too)."""
-    return _all_reduce(x, axis_name, op, timeout_s, in_place)
+    result is written over `x`'s buffer (its gradient's too). `deterministic=False` lets a GPU
+    run one ncclAllReduce (NCCL's reduction order); the CPU handlers are always deterministic."""
+    return _all_reduce(x, axis_name, op, timeout_s, in_place, deterministic)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _all_reduce(x, axis_name, op, timeout_s, in_place):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _all_reduce(x, axis_name, op, timeout_s, in_place, deterministic):
     return _custom_call("all_reduce", x, x.shape, axis_name, timeout_s, in_place,
+                        gpu_only={"deterministic": deterministic},
                         reduce_op=np.int64(_REDUCE_OPS[op]))
 
 
-def _all_reduce_fwd(x, axis_name, op, timeout_s, in_place):
-    return _all_reduce(x, axis_name, op, timeout_s, in_place), None
+def _all_reduce_fwd(x, axis_name, op, timeout_s, in_place, deterministic):
+    return _all_reduce(x, axis_name, op, timeout_s, in_place, deterministic), None
 
 
-def _all_reduce_bwd(axis_name, op, timeout_s, in_place, _, ct):
+def _all_reduce_bwd(axis_name, op, timeout_s, in_place, deterministic, _, ct):
     if op in ("max", "min"):
         raise ValueError(f"all_reduce with op={op!r} is not differentiable (nor is lax.p{op})")
-    return (_all_reduce(ct, axis_name, op, timeout_s, in_place),)
+    return (_all_reduce(ct, axis_name, op, timeout_s, in_place, deterministic),)
 
 
 _all_reduce.defvjp(_all_reduce_fwd, _all_reduce_bwd)
@@ -214,7 +245,7 @@ def _broadcast_fwd(x, axis_name, root, timeout_s):
 
 def _broadcast_bwd(axis_name, root, timeout_s, _, ct):
     # Every member's output came from root's x: root's gradient is the sum of all cotangents.
-    total = _all_reduce(ct, axis_name, "sum", timeout_s, False)
+    total = _all_reduce(ct, axis_name, "sum", timeout_s, False, True)
     rank = _group(axis_name)[1]
     return (jnp.where(rank == root, total, jnp.zeros_like(total)),)
 
