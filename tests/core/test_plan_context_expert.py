@@ -33,9 +33,11 @@ def test_ring_and_all_to_all_bytes_by_hand():
     comm = comm_bytes(SMALL, lay)
     tokens = 2 * 64 / 4                       # one micro-batch's tokens on one rank
     kv = tokens * 2 * (4 + 4) * 2             # kv heads x (key + value width) x 2 bytes
-    assert comm["context"] == 3 * (4 - 1) * kv * 4 * 3   # 3 passes, 4 layers, 3 micro-batches
+    assert comm["context"] == 2 * (4 - 1) * kv * 4 * 3   # 2 passes, 4 layers, 3 micro-batches
+    remat = comm_bytes(SMALL, dataclasses.replace(lay, full_remat=True))["context"]
+    assert remat == comm["context"] * 3 / 2   # the forward ring again
     rows = tokens * 2 * 8 * 2                 # top_k rows of d_model, 2 bytes
-    assert comm["expert"] == 4 * rows * (2 - 1) / 2 * 4 * 3
+    assert comm["expert"] == 4 * rows * 4 * 3
     assert comm_bytes(SMALL, dataclasses.replace(lay, sizes={}))["context"] == 0
 
 

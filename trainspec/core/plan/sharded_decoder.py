@@ -13,10 +13,13 @@ Where each thing lives, per device:
   micro-batches in flight on the first stage.
 Communication per device and step, in bytes sent (S of nccl-tests):
 - context: the ring passes each rank's key/value block on (context - 1) times per layer and
-  micro-batch in the forward pass, and keys, values and their gradients in the backward pass:
-  3 (context - 1) x the local key/value bytes;
+  micro-batch in the forward pass, and the blocks' gradients back in the backward pass (the
+  autodiff of a permute): 2 (context - 1) x the local key/value bytes, 3 with full remat (the
+  forward ring again);
 - expert: per MoE layer and micro-batch, dispatch and combine in the forward pass and both again
-  in the backward pass: 4 x the local tokens x top_k x d_model x bytes x (expert - 1) / expert;
+  in the backward pass: 4 all-to-alls of the local tokens x rows per token x d_model x bytes,
+  rows per token top_k for a slot-packed dispatch, `experts` for the reference model's
+  buffers indexed by token (trainspec.jax.models.moe).
 - data: one all-reduce of each gradient over its replicas.
 """
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Layout:
     precision: Precision = MIXED
     zero1: bool = False
     full_remat: bool = False    # keep only each layer's input; recompute one layer at a time
+    dispatch_rows: int | None = None  # rows per token an all-to-all carries; None: top_k
 
     def size(self, role: str) -> int:
         return self.sizes.get(role, 1)
@@ -134,9 +138,10 @@ def comm_bytes(shape: DecoderShape, lay: Layout) -> dict[str, float]:
     kv = tokens * shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
     dense, expert = local_params(shape, lay)
     return {
-        "context": 3 * (c - 1) * kv * p.activation * layers_here * lay.micro_batches,
-        "expert": (4 * tokens * shape.top_k * shape.d_model * p.activation * (e - 1) / e
-                   * moe_here * lay.micro_batches),
+        "context": ((3 if lay.full_remat else 2) * (c - 1) * kv * p.activation * layers_here
+                    * lay.micro_batches),
+        "expert": (4 * tokens * (lay.dispatch_rows or shape.top_k) * shape.d_model
+                   * p.activation * moe_here * lay.micro_batches if e > 1 else 0.0),
         "data": (dense + expert) * p.grad if lay.size("data") * c * e > 1 else 0.0,
     }
 
