@@ -6,17 +6,19 @@ from pathlib import Path
 
 import pytest
 
+from cli_runs import read_records
 from trainspec.cli.main import main
 from xla_env import without_device_count
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args, **env):
-    """Run the real entry point in a fresh process (device setup, exit code, stderr)."""
+def _cli(*args, cwd, **env):
+    """Run the real entry point in a fresh process (device setup, exit code, stderr), in `cwd`:
+    a test's own directory, where a command without --run-dir writes runs/default."""
     return subprocess.run(
         [sys.executable, "-m", "trainspec.cli.main", *args],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=cwd,
         env={**without_device_count(), **env},
     )
 
@@ -27,7 +29,7 @@ def default_run(tmp_path_factory):
     # Compiled at XLA's default, as a user runs it: 30 steps of the default model repay the
     # optimisation (alone, 2 cores: 29 s of CPU against 37 s with the suite's switch on).
     result = _cli("train", "--steps", "30", "--run-dir", str(run_dir), "--quiet",
-                  "--summary-json", str(run_dir / "summary.json"),
+                  "--summary-json", str(run_dir / "summary.json"), cwd=run_dir,
                   JAX_DISABLE_MOST_OPTIMIZATIONS="0")
     assert result.returncode == 0, result.stderr
     return run_dir, result
@@ -46,20 +48,20 @@ def test_default_job_learns(default_run):
 
 def test_metrics_jsonl_has_a_record_per_interval(default_run):
     run_dir, _ = default_run
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir)
     steps = [r["step"] for r in records]
     assert steps == [1, 5, 10, 15, 20, 25, 30]  # default spec: metrics.interval = 5
     assert all("step_time_s" in r and "tokens_per_s" in r for r in records[1:])
 
 
 def test_host_devices_option_changes_mesh(tmp_path):
-    result = _cli("validate", str(ROOT / "examples/fsdp.toml"), "--host-devices", "4")
+    result = _cli("validate", str(ROOT / "examples/fsdp.toml"), "--host-devices", "4", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "mesh: data=1 x fsdp=4" in result.stdout
 
 
 def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path):
-    result = _cli("train", "--set", "batch.micro_batch=7")
+    result = _cli("train", "--set", "batch.micro_batch=7", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "Traceback" not in result.stderr
@@ -96,7 +98,8 @@ BAD_ARGS = {
 
 
 @pytest.mark.parametrize("case", BAD_ARGS)
-def test_bad_input_cases(case, capsys):
+def test_bad_input_cases(case, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --run-dir, runs/default, is relative
     argv, expected = BAD_ARGS[case]
     assert main(argv) == 2
     err = capsys.readouterr().err

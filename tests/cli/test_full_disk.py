@@ -5,13 +5,11 @@ The disk is a real 3 MiB tmpfs where this process may mount one (root), else the
 writer's `os.write` fails as a full disk's does from the third record on (half the line
 written, then ENOSPC), in every process of the job (a sitecustomize on PYTHONPATH)."""
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from cli_runs import run_cli, train_command
 from tiny import TINY
 from xla_env import without_device_count
 
@@ -36,10 +34,8 @@ records.os = FullDiskFromTheThirdRecord()
 
 def _train(framework, run_dir, steps):
     sets = [*TINY, "checkpoint.interval=2", "metrics.interval=1", "checkpoint.async_save=false"]
-    return [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", framework,
-            "--quiet", "--steps", str(steps), "--run-dir", str(run_dir),
-            *(["--nprocs", "2"] if framework == "torch" else []),
-            *[a for s in sets for a in ("--set", s)]]
+    return train_command(run_dir, sets, steps=steps, framework=framework,
+                         nprocs=2 if framework == "torch" else None, summary=False)
 
 
 def _check(result, run_dir):
@@ -62,8 +58,7 @@ def test_a_full_disk_is_one_line_and_tears_no_record(tmp_path, framework):
     (site / "sitecustomize.py").write_text(FULL_DISK_SITE)
     env = {**without_device_count(), "PYTHONPATH": str(site)}
     run_dir = tmp_path / "run"
-    result = subprocess.run(_train(framework, run_dir, steps=6), capture_output=True,
-                            text=True, env=env, timeout=300)
+    result = run_cli(_train(framework, run_dir, steps=6), env=env, timeout=300)
     _check(result, run_dir)
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
 
@@ -83,6 +78,6 @@ def small_tmpfs(tmp_path):
 def test_a_real_full_tmpfs_is_one_line_and_tears_no_record(small_tmpfs, framework):
     (small_tmpfs / "filler").write_bytes(bytes(2_000_000))  # about 1 MiB left
     run_dir = small_tmpfs / "run"
-    result = subprocess.run(_train(framework, run_dir, steps=40), capture_output=True,
-                            text=True, env=without_device_count(), timeout=300)
+    result = run_cli(_train(framework, run_dir, steps=40), env=without_device_count(),
+                     timeout=300)
     _check(result, run_dir)

@@ -1,5 +1,4 @@
 """Checkpoints: atomic, kept N, resumed bit for bit on the same mesh and resharded onto another."""
-import json
 import shutil
 
 import jax
@@ -14,6 +13,7 @@ from trainspec.jax.health.faults import Faults, InjectedCrash
 from trainspec.core.run_files import AlreadyTrained
 from trainspec.jax.train import Job, build_job, run
 
+from run_dirs import recorded_losses
 from tiny import tiny_spec
 
 # Sync saves here: the test then knows which checkpoints exist when the injected crash hits.
@@ -22,18 +22,13 @@ SPEC8 = ["mesh.axes.fsdp.size=2", "checkpoint.interval=4", "checkpoint.async_sav
 STEPS, CRASH = 10, 6
 
 
-def _losses(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The reference: 10 steps on data=4 x fsdp=2, never stopped."""
     run_dir = tmp_path_factory.mktemp("ref")
     summary = run(tiny_spec(*SPEC8, "metrics.interval=1"), run_dir, steps=STEPS, progress=False)
     assert summary["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
-    return _losses(run_dir)
+    return recorded_losses(run_dir)
 
 
 def _crash_then_resume(tmp_path, monkeypatch, *resume_overrides):
@@ -45,7 +40,7 @@ def _crash_then_resume(tmp_path, monkeypatch, *resume_overrides):
     monkeypatch.setattr(ByteBatches, "batch", lambda self, i, *a: fed.append(i) or original(self, i, *a))
     summary = run(tiny_spec(*SPEC8, "metrics.interval=1", *resume_overrides), tmp_path,
                   steps=STEPS, progress=False)
-    return summary, fed, _losses(tmp_path)
+    return summary, fed, recorded_losses(tmp_path)
 
 
 def test_resume_same_mesh_is_bitwise(tmp_path, monkeypatch, uninterrupted):

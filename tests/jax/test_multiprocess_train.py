@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from cli_runs import read_records, read_summary
 from trainspec.core import params_file
 from trainspec.core.errors import UserInputError
 from trainspec.core.reference_train import initial_params, leaves
@@ -96,12 +97,8 @@ def _finish(job, timeout=300):
     return out
 
 
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _losses(run_dir):
-    records = _records(run_dir)
+    records = read_records(run_dir)
     steps = [r["step"] for r in records]
     # One writer: each step once (two writers doubled every line), in order.
     assert steps == list(range(1, STEPS + 1)), steps
@@ -134,7 +131,7 @@ def test_two_processes_follow_one_process_and_hierarchical_follows_xla(
     # Process 0 alone reports: one summary line, one summary file.
     assert len(re.findall(r"^\[rank (\d)\] trained \d+ steps", out, re.M)) == 1
     assert "[rank 0] trained" in out
-    assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == _losses(xla)[-1]
+    assert read_summary(tmp_path)["final_loss"] == _losses(xla)[-1]
 
     # hierarchical, checkpointed at steps 3, 6 and 8, follows xla. Then the job resumes from
     # step 3 (the later checkpoints removed, as if lost) and redoes steps 4-8: orbax's
@@ -260,8 +257,8 @@ def test_sigterm_to_launch_checkpoints_every_rank_and_resumes_bitwise(spec_file,
     _finish(_launch(spec_file, run_dir, "--steps", steps, *ckpt, "--summary-json",
                     str(tmp_path / "resumed.json")))
     assert json.loads((tmp_path / "resumed.json").read_text())["resumed_from"] == saved[0]
-    resumed = [(r["step"], r["loss"]) for r in _records(run_dir)]
-    assert resumed == [(r["step"], r["loss"]) for r in _records(reference)]
+    resumed = [(r["step"], r["loss"]) for r in read_records(run_dir)]
+    assert resumed == [(r["step"], r["loss"]) for r in read_records(reference)]
 
 
 # ---- checks that need no second process -----------------------------------------------------

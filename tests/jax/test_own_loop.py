@@ -11,6 +11,7 @@ import jax
 import jsonschema
 import pytest
 
+from run_dirs import recorded_losses
 from tiny import LAYOUTS, TINY, tiny_spec
 from trainspec.cli.main import main
 from trainspec.core.records import json_schema, read_jsonl
@@ -45,10 +46,6 @@ def _own_loop(run_dir, steps, announce=None):
             state, metrics = step(state, batch)
             state = run.after_step(state, metrics)
     return run.summary()
-
-
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_jsonl(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +88,7 @@ def test_the_cli_trains_the_model_and_an_own_loop_resumes_it_bitwise(uninterrupt
     assert said == ["resumed from step 4 (mesh data=4 x fsdp=2 x tensor=1 → "
                     "data=4 x fsdp=2 x tensor=1, unchanged)"]
     assert summary["resumed_from"] == 4
-    want, got = _losses(reference), _losses(tmp_path)
+    want, got = recorded_losses(reference), recorded_losses(tmp_path)
     assert sorted(got) == [1, 2, 4, 5, 6]  # the first step after a resume is recorded too
     assert {step: got[step] for step in want} == want  # bit for bit
 

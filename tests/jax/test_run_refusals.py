@@ -15,28 +15,20 @@ from trainspec.core.errors import UserInputError
 from trainspec.jax.health.memory import GIB, check_host_batch, check_step
 from trainspec.jax.train import run
 
+from cli_runs import cli_env, run_cli, start_cli, train_command
 from tiny import TINY, tiny_spec
-from xla_env import without_device_count
 
-ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 30  # issue 10: a failed save ends the run within 30 s
 
 
 def _train(run_dir, *sets, steps=4):
-    overrides = [a for s in [*TINY, *sets] for a in ("--set", s)]
-    return [sys.executable, "-m", "trainspec.cli.main", "train", "--quiet", "--steps", str(steps),
-            "--run-dir", str(run_dir), *overrides]
-
-
-def _env():
-    return {**without_device_count(), "TRAINSPEC_FAULTS": "{}"}
+    return train_command(run_dir, [*TINY, *sets], steps=steps, summary=False)
 
 
 def test_checkpoint_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "checkpoints").write_text("not a directory")
     t0 = time.monotonic()
-    result = subprocess.run(_train(tmp_path), capture_output=True, text=True, env=_env(),
-                            cwd=ROOT, timeout=BOUND_S)
+    result = run_cli(_train(tmp_path), env=cli_env(), timeout=BOUND_S)
     print(f"exited after {time.monotonic() - t0:.1f} s")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
@@ -65,9 +57,8 @@ def _replace_with_a_file(directory):
 def test_a_save_that_fails_mid_run_ends_it_with_one_line(tmp_path):
     """The checkpoint directory turns into a file after the first save: the next (background)
     save fails; the run ends with one line, exit 2, and does not hang at shutdown."""
-    proc = subprocess.Popen(_train(tmp_path, "checkpoint.interval=2", "metrics.interval=1",
-                                   steps=10000), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    proc = start_cli(_train(tmp_path, "checkpoint.interval=2", "metrics.interval=1", steps=10000),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env())
     checkpoints = tmp_path / "checkpoints"
     try:
         # Any saved step, not step 2 alone: a run that starts from a warm compilation cache
@@ -107,8 +98,8 @@ def test_a_disk_that_fills_mid_run_is_one_line(tmp_path):
     """The disk fills after a checkpoint started in the background: one line, exit 2, no
     traceback and nothing from orbax's threads."""
     argv = _train(tmp_path, "checkpoint.interval=2", "metrics.interval=1", steps=6)
-    result = subprocess.run([sys.executable, "-c", FULL_DISK_FROM_STEP_3, *argv[3:]],
-                            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    result = run_cli([sys.executable, "-c", FULL_DISK_FROM_STEP_3, *argv[3:]], env=cli_env(),
+                     timeout=300)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"trainspec: error: --run-dir {tmp_path}: No space left on device"]

@@ -1,11 +1,6 @@
 """`[semi_sync]` (DiLoCo): the data axes carry traffic only at outer steps, H = 1 with a plain
 outer step is synchronous training, kill -9 resumes bit for bit, and bad input is one line."""
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
@@ -19,8 +14,9 @@ from trainspec.jax.metrics.comm import analyze_compiled
 from trainspec.jax.semi_sync import SemiSyncStep
 from trainspec.jax.train import build_job
 from run_dirs import recorded_losses
-from test_checkpoint_crash import ROOT, _complete_steps, _env
 from tiny import TINY, tiny_spec
+from cli_runs import cli_env, kill_9_after_first_checkpoint, run_cli_ok, read_summary
+from cli_runs import train_command
 
 pytestmark = pytest.mark.slow
 
@@ -172,17 +168,9 @@ JOB = [*TINY, "metrics.interval=1", f"checkpoint.interval={INTERVAL}", "checkpoi
        f"semi_sync.inner_steps={H}"]
 
 
-def _cmd(run_dir):
-    sets = [a for s in JOB for a in ("--set", s)]
-    return [sys.executable, "-m", "trainspec.cli.main", "train", "--quiet", "--steps", str(STEPS),
-            "--run-dir", str(run_dir), "--summary-json", str(run_dir / "summary.json"), *sets]
-
-
 def _run(run_dir):
-    result = subprocess.run(_cmd(run_dir), capture_output=True, text=True, env=_env(), cwd=ROOT,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr
-    return json.loads((run_dir / "summary.json").read_text())
+    run_cli_ok(train_command(run_dir, JOB, steps=STEPS), env=cli_env())
+    return read_summary(run_dir)
 
 
 def test_kill_9_then_resume_is_bitwise(tmp_path_factory):
@@ -196,18 +184,10 @@ def test_kill_9_then_resume_is_bitwise(tmp_path_factory):
     record = json.loads((reference_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["comm_bytes_per_step"] == pytest.approx(amortised)
 
-    proc = subprocess.Popen(_cmd(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=_env(), cwd=ROOT)
-    deadline = time.time() + 300
-    while not _complete_steps(run_dir) and time.time() < deadline:  # right after the first save
-        time.sleep(0.02)
-    # a kill after a random delay once came after the last save on CI (16 steps take well under
-    # a second): the run must still be going when it is killed, or the test tests nothing
-    assert proc.poll() is None, "the run ended before the kill: the test tests nothing"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    complete = _complete_steps(run_dir)
-    assert complete, "the kill came before any checkpoint: the test tests nothing"
+    # killed right after the first save, not after a random delay: 16 steps take well under a
+    # second, and the run must still be going when it is killed
+    complete = kill_9_after_first_checkpoint(train_command(run_dir, JOB, steps=STEPS),
+                                             env=cli_env())
     resumed = _run(run_dir)
     assert resumed["resumed_from"] == complete[-1] and complete[-1] < STEPS
     assert recorded_losses(run_dir) == recorded_losses(reference_dir)

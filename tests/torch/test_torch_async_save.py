@@ -10,13 +10,10 @@
   and after kill -9 of the whole job it is never taken for a checkpoint: the rerun resumes from
   the one before it, bit for bit.
 """
-import json
 import os
 import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ import trainspec.torch
 from gpt_model import GPT, GPTConfig, adamw, token_loss
 from run_dirs import recorded_losses
 from tiny import TINY
+from cli_runs import read_summary, run_cli_ok, run_dir_of, start_cli, train_command
 from trainspec.core.conformance_runner import ragged_batch
 from trainspec.core.data import ByteBatches
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
@@ -32,7 +30,6 @@ from trainspec.torch.adapter import TorchAdapter
 
 pytestmark = pytest.mark.slow  # four torch jobs of 4 ranks: about a minute on 2 cores
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, RANKS = 12, 4
 SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=3"]
 # Holds the save of step 8 in the middle of its write: the seal (rank 0 writes the manifest
@@ -55,15 +52,12 @@ Checkpoints.seal = held
 
 def _cmd(run_dir, asynchronous: bool):
     sets = [*SETS, f"checkpoint.async_save={str(asynchronous).lower()}"]
-    return [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
-            "--nprocs", str(RANKS), "--quiet", "--steps", str(STEPS), "--run-dir", str(run_dir),
-            "--summary-json", str(run_dir / "summary.json"), *(a for s in sets for a in ("--set", s))]
+    return train_command(run_dir, sets, steps=STEPS, framework="torch", nprocs=RANKS)
 
 
 def _run(cmd, env=None):
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return json.loads(Path(cmd[cmd.index("--summary-json") + 1]).read_text())
+    run_cli_ok(cmd, env=env)
+    return read_summary(run_dir_of(cmd))
 
 
 def _good(run_dir) -> list[str]:
@@ -120,9 +114,8 @@ def test_kill_9_during_a_background_save_never_leaves_it_taken_as_good(tmp_path,
     (hook / "sitecustomize.py").write_text(HOLD_SAVE)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(_cmd(run_dir, asynchronous=True), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = start_cli(_cmd(run_dir, asynchronous=True), env=env, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 300
         # the save of step 8 is held; training goes on until the next save waits for it

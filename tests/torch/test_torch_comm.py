@@ -4,28 +4,20 @@ gloo ranks of data 2 x fsdp 2: FSDP2's reduce-scatter of the gradient on `fsdp` 
 all-gathers between P (once per step) and 2P (again in backward), the data all-reduce of each
 rank's half-shard P/2 plus the step's few scalars; the bus bytes follow nccl-tests' factors.
 (Data parallel alone: one all-reduce of P plus scalars, in test_torch_train.py.)"""
-import json
-import subprocess
-import sys
-from pathlib import Path
 
+from cli_runs import read_records, run_cli_ok, train_command
 from tiny import TINY, tiny_spec
 from trainspec.torch.model import Transformer
 
-ROOT = Path(__file__).resolve().parents[2]
 SCALARS = 64  # bytes of loss sums, token counts and the like, at most
 
 
 def test_data_by_fsdp_counts_the_gradient_collectives(tmp_path):
     sets = [*TINY, "mesh.axes.data.size=2", "mesh.axes.fsdp.size=2", "checkpoint.interval=0",
             "metrics.interval=1"]
-    cmd = [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
-           "--nprocs", "4", "--quiet", "--steps", "2", "--run-dir", str(tmp_path),
-           *(a for s in sets for a in ("--set", s))]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_cli_ok(train_command(tmp_path, sets, steps=2, framework="torch", nprocs=4, summary=False))
     p = 4 * sum(x.numel() for x in Transformer(tiny_spec().model).parameters())
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(tmp_path)
     assert records[0]["comm_bytes_by_kind"] == records[-1]["comm_bytes_by_kind"]  # every step
     kind, axis = records[-1]["comm_bytes_by_kind"], records[-1]["comm_bytes_by_axis"]
     assert kind["reduce-scatter"] == p

@@ -2,18 +2,14 @@
 are laid out host-major across hosts (the core's hybrid layout, as JAX's), row-major on one
 host; a job over two simulated hosts (LOCAL_WORLD_SIZE=2 on 4 gloo ranks) with the fsdp axis
 across them trains the single-host job's losses."""
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
+from cli_runs import read_records, run_cli_ok, train_command
 from tiny import TINY, tiny_spec
 from trainspec.torch.support import rank_grid
 
-ROOT = Path(__file__).resolve().parents[2]
 FSDP_ACROSS = ["mesh.axes.data.size=2", "mesh.axes.fsdp.size=2", "mesh.axes.fsdp.dcn=2"]
 
 
@@ -28,16 +24,10 @@ def test_the_axis_across_hosts_takes_one_rank_of_each():
 
 
 def _losses(run_dir, sets, env=None):
-    cmd = [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
-           "--nprocs", "4", "--quiet", "--steps", "3", "--run-dir", str(run_dir),
-           "--summary-json", str(run_dir / "summary.json"),
-           *(a for s in [*TINY, "checkpoint.interval=0", "metrics.interval=1", *sets]
-             for a in ("--set", s))]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                            env={**os.environ, **(env or {})})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines)]
+    cmd = train_command(run_dir, [*TINY, "checkpoint.interval=0", "metrics.interval=1", *sets],
+                        steps=3, framework="torch", nprocs=4)
+    run_cli_ok(cmd, env={**os.environ, **(env or {})})
+    return [r["loss"] for r in read_records(run_dir)]
 
 
 def test_two_hosts_train_the_one_host_losses(tmp_path):

@@ -9,20 +9,17 @@ The JAX side runs once per layout family (one reference for the layouts without
 accumulation, one with micro-batches): JAX's own layouts agree with each other to float32
 rounding (tests/jax/test_step.py), far inside the tolerance. Without --init-from the torch run
 starts from its own draws and misses the tolerance: the comparison can fail."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from cli_runs import read_records, run_cli_ok, train_command
 from tiny import TINY
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, RTOL = 20, 1e-5
 SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=0"]  # every step recorded
 DATA1 = "mesh.axes.data.size=1"
@@ -45,13 +42,8 @@ FAMILIES = {"plain": [], "accumulation": [ACCUMULATE]}
 
 def _train(run_dir: Path, overrides: list[str], *extra: str) -> dict[str, np.ndarray]:
     """`trainspec train` into `run_dir`; the per-step loss and gradient norm it recorded."""
-    sets = [a for s in [*SETS, *overrides] for a in ("--set", s)]
-    result = subprocess.run(
-        [sys.executable, "-m", "trainspec.cli.main", "train", "--quiet", "--steps", str(STEPS),
-         "--run-dir", str(run_dir), *sets, *extra],
-        capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_cli_ok(train_command(run_dir, [*SETS, *overrides], *extra, steps=STEPS, summary=False))
+    records = read_records(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return {key: np.array([r[key] for r in records]) for key in ("loss", "grad_norm")}
 

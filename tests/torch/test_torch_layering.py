@@ -4,11 +4,10 @@ torch` runs with jax made unimportable, and the JAX adapter imports with torch m
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from cli_runs import run_cli_ok, train_command
 from tiny import TINY
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _blocking(tmp_path, name):
@@ -19,13 +18,9 @@ def _blocking(tmp_path, name):
 
 
 def test_torch_training_imports_no_jax(tmp_path):
-    spec = [*TINY, "checkpoint.interval=2"]
-    sets = [a for s in spec for a in ("--set", s)]
-    result = subprocess.run(
-        [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch", "--nprocs", "2",
-         "--quiet", "--steps", "2", "--run-dir", str(tmp_path / "run"), *sets],
-        capture_output=True, text=True, cwd=ROOT, env=_blocking(tmp_path, "jax"), timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_cli_ok(train_command(tmp_path / "run", [*TINY, "checkpoint.interval=2"], steps=2,
+                             framework="torch", nprocs=2, summary=False),
+               env=_blocking(tmp_path, "jax"), timeout=300)
     assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
 
 
@@ -33,5 +28,5 @@ def test_jax_adapter_imports_no_torch(tmp_path):
     code = ("import trainspec.jax.adapter, trainspec.core.conformance_runner, trainspec.jax.train, sys; "
             "assert 'torch' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=ROOT, env=_blocking(tmp_path, "torch"), timeout=300)
+                            cwd=tmp_path, env=_blocking(tmp_path, "torch"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -2,30 +2,21 @@
 pass their rounding bounds; a rank whose all-reduce values arrive wrong (the planted
 Faults.faulty_reduction) is named in one line, left out, and the rest train on the mesh that
 fits them; healthy ranks all pass and train on all of them."""
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
+from cli_runs import read_summary, run_cli_ok, train_command
 from tiny import TINY
 from trainspec.torch.preflight import matmul_failures
 
-ROOT = Path(__file__).resolve().parents[2]
 SETS = [*TINY, "checkpoint.interval=0", "health.preflight=true"]
 
 
 def _train(run_dir, nprocs, env=None):
-    sets = [a for s in SETS for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
-           "--nprocs", str(nprocs), "--quiet", "--steps", "3", "--run-dir", str(run_dir),
-           "--summary-json", str(run_dir / "summary.json"), *sets]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                            env={**os.environ, **(env or {})})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr, json.loads((run_dir / "summary.json").read_text())
+    cmd = train_command(run_dir, SETS, steps=3, framework="torch", nprocs=nprocs)
+    out = run_cli_ok(cmd, env={**os.environ, **(env or {})})
+    return out, read_summary(run_dir)
 
 
 def test_a_healthy_device_passes_the_matmuls():

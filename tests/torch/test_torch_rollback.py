@@ -10,38 +10,28 @@
 - both on 5 ranks, `--exclude-devices 0` then a bit flipped in rank 2's replica: ranks are named
   as launched throughout (rank 2, now the job's second), ranks 1 and 3 go on.
 """
-import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from cli_runs import read_records, read_summary, run_cli_ok, train_command
 from tiny import TINY
 
 pytestmark = pytest.mark.slow  # six torch jobs: over a minute on 2 cores
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "health.fingerprints.interval=1"]
 
 
 def _run(run_dir, nprocs, *extra, env=None):
-    sets = [a for s in SETS for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
-           "--nprocs", str(nprocs), "--quiet", "--steps", str(STEPS), "--run-dir", str(run_dir),
-           "--summary-json", str(run_dir / "summary.json"), *sets, *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                            env={**os.environ, **(env or {})})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr, json.loads((run_dir / "summary.json").read_text())
+    cmd = train_command(run_dir, SETS, *extra, steps=STEPS, framework="torch", nprocs=nprocs)
+    out = run_cli_ok(cmd, env={**os.environ, **(env or {})})
+    return out, read_summary(run_dir)
 
 
 def _losses(run_dir) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r["loss"] for r in read_records(run_dir)}
 
 
 @pytest.fixture(scope="module")

@@ -10,22 +10,18 @@
 - a checkpoint mid-round (step 4 of rounds of 3) resumes bit for bit; a resume on another
   number of groups is refused in one line.
 """
-import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cli_runs import read_records, read_summary, run_cli, run_cli_ok, train_command
 from tiny import TINY
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.torch.model import Transformer
 
 pytestmark = pytest.mark.slow  # two JAX runs and nine torch runs: over a minute on 2 cores
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, RANKS = 8, 4
 LAYOUTS = {"data4": ["semi_sync.inner_steps=2"],
            "data2_fsdp2": ["semi_sync.inner_steps=2", "mesh.axes.data.size=2",
@@ -39,26 +35,23 @@ def test_the_groups_follow_the_jax_implementation(tmp_path):
     side, agree within rtol 1e-4."""
     for name, sets in LAYOUTS.items():
         jax_dir, torch_dir = tmp_path / f"jax_{name}", tmp_path / f"torch_{name}"
-        want = _train(jax_dir, ["checkpoint.interval=0", *sets], framework=["--host-devices", "4"])
+        want = _train(jax_dir, ["checkpoint.interval=0", *sets], "--host-devices", "4",
+                      framework=None)
         got = _train(torch_dir, ["checkpoint.interval=0", *sets], "--init-from", str(jax_dir))
         for quantity in ("loss", "grad_norm"):
             np.testing.assert_allclose([r[quantity] for r in got], [r[quantity] for r in want],
                                        rtol=1e-4, err_msg=f"{name} {quantity}")
 
 
-def _cmd(run_dir, sets, *extra, steps=STEPS, nprocs=RANKS, framework=None):
-    framework = framework or ["--framework", "torch", "--nprocs", str(nprocs)]
-    return [sys.executable, "-m", "trainspec.cli.main", "train", *framework, "--quiet",
-            "--steps", str(steps), "--run-dir", str(run_dir),
-            "--summary-json", str(run_dir / "summary.json"),
-            *(a for s in [*TINY, "metrics.interval=1", *sets] for a in ("--set", s)), *extra]
+def _cmd(run_dir, sets, *extra, steps=STEPS, nprocs=RANKS, framework="torch"):
+    """A torch job of `nprocs` ranks, or with framework=None the JAX one."""
+    return train_command(run_dir, [*TINY, "metrics.interval=1", *sets], *extra, steps=steps,
+                         framework=framework, nprocs=nprocs if framework else None)
 
 
 def _train(run_dir, sets, *extra, **kwargs):
-    result = subprocess.run(_cmd(run_dir, sets, *extra, **kwargs), capture_output=True,
-                            text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_cli_ok(_cmd(run_dir, sets, *extra, **kwargs))
+    return read_records(run_dir)
 
 
 def test_one_inner_step_with_a_plain_outer_step_is_synchronous(tmp_path):
@@ -81,7 +74,7 @@ def test_one_inner_step_with_a_plain_outer_step_is_synchronous(tmp_path):
 def test_the_inner_steps_carry_nothing_over_the_data_axes(tmp_path):
     """Amortised over the round: 1/H of the outer step's all-reduce is all of `data`'s."""
     _train(tmp_path, ["checkpoint.interval=0", "semi_sync.inner_steps=4"], steps=2)
-    semi = json.loads((tmp_path / "summary.json").read_text())["semi_sync"]
+    semi = read_summary(tmp_path)["semi_sync"]
     p = 4 * sum(x.numel() for x in Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model)
                 .parameters())
     assert semi["inner_comm_bytes_per_step"] == 0 and semi["outer_comm_bytes"] == p
@@ -95,10 +88,9 @@ def test_a_checkpoint_mid_round_resumes_bitwise(tmp_path):
     shutil.copytree(tmp_path / "whole", run_dir)
     shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # from step 4: the round began at 3
     got = {r["step"]: r["loss"] for r in _train(run_dir, sets)}
-    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == 4
+    assert read_summary(run_dir)["resumed_from"] == 4
     assert got == want
-    other = subprocess.run(_cmd(run_dir, sets, steps=STEPS + 2, nprocs=2), capture_output=True,
-                           text=True, cwd=ROOT, timeout=600)
+    other = run_cli(_cmd(run_dir, sets, steps=STEPS + 2, nprocs=2))
     assert other.returncode == 2, other.stdout[-3000:] + other.stderr[-3000:]
     said = {line.split("] ", 1)[1] for line in other.stdout.splitlines() if "error" in line}
     assert said == {f"trainspec: error: semi_sync: the checkpoint in {run_dir}/checkpoints/8 "

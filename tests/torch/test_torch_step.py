@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_runs import read_records
 from trainspec.core.bad_steps import batch_index
 from trainspec.core.data import ByteBatches
 from trainspec.core.faults import Faults
@@ -72,7 +73,7 @@ def test_nonfinite_steps_are_skipped_then_halt(tmp_path, adapter):
     assert f"the state after step 2 is checkpoint 2 in {tmp_path}" in str(halt.value)
     meta = json.loads((tmp_path / "checkpoints" / "2" / "manifest.json").read_text())["meta"]
     assert (meta["updates"], meta["skipped_steps"]) == (0, 2)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(tmp_path)
     assert [(r["step"], r["skipped_steps"], r["loss"]) for r in records] == [
         (1, 1, None), (2, 2, None)]
 

@@ -1,12 +1,10 @@
 """`trainspec train --framework torch`: learns, writes records that validate against
 trainspec/core/metrics.schema.json, resumes after kill -9 bit for bit, resumes on another world
 size, and refuses what it cannot do with one line and exit 2."""
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 from run_dirs import recorded_losses, signal_when, snapshot
 from trainspec.core.records import json_schema
 from tiny import TINY, tiny_spec
+from cli_runs import read_records, read_summary, run_cli, start_cli, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +25,7 @@ SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=2
 
 
 def _cmd(run_dir, *extra, nprocs=2, steps=STEPS):
-    sets = [a for s in SETS for a in ("--set", s)]
-    return [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
-            "--nprocs", str(nprocs), "--quiet", "--steps", str(steps), "--run-dir", str(run_dir),
-            "--summary-json", str(run_dir / "summary.json"), *sets, *extra]
-
-
-def _run(cmd):
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-
-
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_command(run_dir, SETS, *extra, steps=steps, framework="torch", nprocs=nprocs)
 
 
 def _has_record_past(run_dir, step) -> bool:
@@ -47,19 +35,19 @@ def _has_record_past(run_dir, step) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("torch_ref")
-    result = _run(_cmd(run_dir))
+    result = run_cli(_cmd(run_dir))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return run_dir
 
 
 def test_learns_and_summarises(reference):
-    summary = json.loads((reference / "summary.json").read_text())
+    summary = read_summary(reference)
     assert summary["framework"] == "torch" and summary["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
     assert summary["final_loss"] < summary["initial_loss"] - 0.3, summary
     assert summary["last_checkpoint"] == STEPS
     assert sorted(recorded_losses(reference)) == list(range(1, STEPS + 1))
     # the noise scale over the 2 data replicas, smoothed as the JAX loop smooths it
-    records = _records(reference)
+    records = read_records(reference)
     assert {r["gns_source"] for r in records} == {"replicas"}
     assert all(r["gns_trace"] > 0 and r["gns_grad_sq"] is not None for r in records)
     assert summary["gns"] == records[-1]["gns"] > 0 and summary["gns_not_measured"] is None
@@ -71,7 +59,7 @@ def test_records_count_the_gradient_all_reduce(reference):
     from trainspec.torch.model import Transformer
 
     p = 4 * sum(x.numel() for x in Transformer(tiny_spec().model).parameters())
-    for record in _records(reference):
+    for record in read_records(reference):
         assert list(record["comm_bytes_by_kind"]) == ["all-reduce"]
         assert p <= record["comm_bytes_by_axis"]["data"] <= p + 64
         assert record["comm_bus_bytes_per_step"] == record["comm_bytes_per_step"]  # 2(n-1)/n = 1
@@ -79,7 +67,7 @@ def test_records_count_the_gradient_all_reduce(reference):
 
 def test_records_validate_against_the_schema(reference):
     schema = json_schema()
-    for record in _records(reference):
+    for record in read_records(reference):
         jsonschema.validate(record, schema)
 
 
@@ -88,7 +76,7 @@ def test_records_carry_the_learning_rate_and_mark_the_checkpoints(reference):
     from trainspec.core.spec import load_spec
 
     optimizer = load_spec(reference / "spec.toml").optimizer  # the spec the run saved
-    records = _records(reference)
+    records = read_records(reference)
     assert [r["learning_rate"] for r in records] == [
         learning_rate(optimizer, STEPS, r["step"] - 1) for r in records]  # no step was skipped
     assert len({r["learning_rate"] for r in records}) > STEPS // 2  # warm-up, then decay
@@ -97,8 +85,8 @@ def test_records_carry_the_learning_rate_and_mark_the_checkpoints(reference):
 
 
 def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference):
-    proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=ROOT, start_new_session=True)
+    proc = start_cli(_cmd(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
     # Killed once step 5's record is written and checkpoint 4 is complete (written in the
     # background), somewhere in the following steps or the next save; the run must still be
     # going, or nothing is tested.
@@ -109,9 +97,9 @@ def test_kill_9_then_resume_matches_uninterrupted(tmp_path, reference):
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank at once
     proc.wait()
-    result = _run(_cmd(tmp_path))
+    result = run_cli(_cmd(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["resumed_from"] >= 4 and "resumed from step" in result.stderr + result.stdout
     assert recorded_losses(tmp_path) == recorded_losses(reference)  # bit for bit, every step
 
@@ -120,8 +108,8 @@ def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp
     """SIGTERM to the job: the launcher forwards it to every rank, the ranks agree on the step
     to stop after, checkpoint it and exit 143 with one line saying where; the rerun loses no
     step and matches the uninterrupted run bit for bit."""
-    proc = subprocess.Popen(_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT, start_new_session=True)
+    proc = start_cli(_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     start_new_session=True)
     out, _ = signal_when(proc, lambda: _has_record_past(tmp_path, 5))
     assert proc.returncode == 143, out
     stopped_at = max(recorded_losses(tmp_path))
@@ -129,18 +117,18 @@ def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp
     assert (f"trainspec: stopped: SIGTERM after step {stopped_at}; checkpoint {stopped_at} is "
             "in ") in out, out
     assert (tmp_path / "checkpoints" / str(stopped_at) / "manifest.json").is_file()
-    result = _run(_cmd(tmp_path))
+    result = run_cli(_cmd(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"] == stopped_at
+    assert read_summary(tmp_path)["resumed_from"] == stopped_at
     assert recorded_losses(tmp_path) == recorded_losses(reference)
 
 
 def test_restart_sets_the_checkpoints_aside_and_trains_from_step_0(tmp_path, reference):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    result = _run(_cmd(run_dir, "--restart", steps=4))
+    result = run_cli(_cmd(run_dir, "--restart", steps=4))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["resumed_from"] == 0 and "resumed from" not in result.stdout + result.stderr
     assert sorted(int(p.name) for p in (run_dir / "checkpoints-quarantine").iterdir()) == [8, 12]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]
@@ -156,20 +144,20 @@ def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
     another layout (data=2 -> fsdp=2), its records follow the schema."""
     model = ["--model", f"{ROOT / 'examples' / 'own_torch_model.py'}:make",
              "--set", "batch.micro_batch=8"]
-    result = _run(_cmd(tmp_path, *model, steps=4))
+    result = run_cli(_cmd(tmp_path, *model, steps=4))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "trained 4 steps on mesh data=2 x fsdp=1 x tensor=1 (2 micro-batches" in result.stdout
     fsdp = ["--set", "mesh.axes.data.size=1", "--set", "mesh.axes.fsdp.size=2"]
-    result = _run(_cmd(tmp_path, *model, *fsdp, steps=8))
+    result = run_cli(_cmd(tmp_path, *model, *fsdp, steps=8))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert ("resumed from step 4 (mesh data=2 x fsdp=1 x tensor=1 → data=1 x fsdp=2 x tensor=1)"
             in result.stdout + result.stderr)
-    records = _records(tmp_path)
+    records = read_records(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 9))
     schema = json_schema()
     for record in records:
         jsonschema.validate(record, schema)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["final_loss"] < summary["initial_loss"] and summary["framework"] == "torch"
     assert records[-1]["model_flops_per_step"] == 6 * (8 * 32 + 32) * 16  # the model's own
     assert {r["learning_rate"] for r in records} == {3e-2}  # its optimizer's own, as on JAX
@@ -182,13 +170,13 @@ def test_resumes_on_another_world_size(tmp_path, reference):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / str(STEPS))
-    result = _run(_cmd(run_dir, nprocs=4))
+    result = run_cli(_cmd(run_dir, nprocs=4))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["resumed_from"] == 8 and summary["mesh"]["data"] == 4
     assert "resumed from step 8 (mesh data=2 x fsdp=1 x tensor=1 → data=4 x fsdp=1 x tensor=1)" \
         in result.stderr + result.stdout
-    first = next(r for r in _records(run_dir) if r["step"] == 9)
+    first = next(r for r in read_records(run_dir) if r["step"] == 9)
     assert (first["resumed_from_step"], first["resumed_from_mesh"]) == (8, "data=2 x fsdp=1 x tensor=1")
     want, got = recorded_losses(reference), recorded_losses(run_dir)
     resumed = range(9, STEPS + 1)
@@ -199,7 +187,7 @@ def test_a_rerun_to_an_earlier_step_trains_nothing_and_changes_nothing(tmp_path,
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     before = snapshot(run_dir)
-    result = _run(_cmd(run_dir, steps=6))
+    result = run_cli(_cmd(run_dir, steps=6))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (f"trainspec: {run_dir} is already at step {STEPS} (its newest good checkpoint); "
             "asked to train to step 6: nothing trained, nothing changed") in result.stdout
@@ -213,8 +201,7 @@ def test_a_corrupted_replica_is_found_and_halts(tmp_path):
     env = {**os.environ, "TRAINSPEC_FAULTS": '{"bitflip": [2, 1]}'}
     sets = ["--set", "batch.global_batch=12", "--set", "batch.micro_batch=12",
             "--set", "health.fingerprints.interval=1", "--set", "health.fingerprints.policy=halt"]
-    result = subprocess.run(_cmd(tmp_path, *sets, nprocs=3, steps=4), capture_output=True,
-                            text=True, cwd=ROOT, timeout=600, env=env)
+    result = run_cli(_cmd(tmp_path, *sets, nprocs=3, steps=4), env=env)
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stdout.count("halted: replica fingerprints differ after step 2: embedding on "
                                "ranks [1]") == 1, result.stdout
@@ -245,7 +232,7 @@ def test_a_run_dir_of_the_other_framework_is_refused_by_name(tmp_path, reference
     run(tiny_spec("checkpoint.interval=2", "checkpoint.async_save=false"), jax_dir, steps=2,
         progress=False)
     before = snapshot(jax_dir)
-    result = _run(_cmd(jax_dir))
+    result = run_cli(_cmd(jax_dir))
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].endswith(
         "checkpoints/2 is a checkpoint of the jax implementation; resume it with --framework "
@@ -265,7 +252,7 @@ def test_a_run_dir_of_the_other_framework_is_refused_by_name(tmp_path, reference
       "metrics.gns=true"], "metrics.gns"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, extra, field):
-    result = _run(_cmd(tmp_path, *extra))
+    result = run_cli(_cmd(tmp_path, *extra))
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in result.stderr, result.stderr
