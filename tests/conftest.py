@@ -1,9 +1,9 @@
 """Test setup: 8 simulated CPU devices, set before anything imports jax."""
 import os
 import shutil
-import tempfile
-
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +12,11 @@ import pytest
 # sys.path). Explicit, so that they import under any --import-mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from checkout_guard import checkout_entries, left_behind  # noqa: E402
 from xla_env import speed_flags  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+_CHECKOUT_BEFORE = pytest.StashKey()
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), *speed_flags(), "--xla_force_host_platform_device_count=8"]
@@ -53,9 +57,30 @@ import jax  # noqa: E402  (must come after XLA_FLAGS)
 assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
 
 
+def _controller(config) -> bool:
+    """pytest's own process, not one of its xdist workers."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    if _controller(session.config):
+        session.config.stash[_CHECKOUT_BEFORE] = checkout_entries(REPO)
+
+
 def pytest_sessionfinish(session):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if not _controller(session.config):
+        return
+    new = left_behind(session.config.stash.get(_CHECKOUT_BEFORE, None), checkout_entries(REPO))
+    if new:  # a test wrote into the checkout rather than its tmp_path: the session fails
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        line = f"the tests left new files in the checkout {REPO}: {', '.join(new)}"
+        if reporter:
+            reporter.write_line(line, red=True)
+        else:
+            print(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(items):
