@@ -22,8 +22,7 @@ The state check reads each element once over the mesh, not once per device: a de
 leaves' blocks replicated over the mesh axes that do not split them (with data parallelism, all
 of it on every device), so each device checks 1/r of each block (r: the devices holding that
 block), and one all-reduce of one integer counts the non-finite slices. On 8 simulated devices
-checking every copy cost more (docs/wrapping.md, "Keep-the-old-state designs measured and not
-kept").
+checking every copy cost more (docs/results.md, "What wrap() costs").
 """
 from __future__ import annotations
 

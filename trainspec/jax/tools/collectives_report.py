@@ -34,7 +34,7 @@ def machine_load_line(load_1min: float | None = None, cores: int | None = None) 
 
 def allocator_line(environ=None, huge_pages: str | None = None) -> str:
     """glibc's malloc settings taken from the environment and the kernel's huge page mode: with
-    large outputs they move both backends' times by up to 3x (docs/collectives.md, "Quiet and
+    large outputs they move both backends' times by up to 3x (docs/results.md, "Quiet and
     loaded side by side")."""
     settings = allocator_settings(os.environ if environ is None else environ)
     huge_pages = transparent_huge_pages() if huge_pages is None else huge_pages
