@@ -24,10 +24,11 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compile without most of XLA's backend optimisation (jax's switch: LLVM at -O0, no expensive
 # passes); every subprocess and notebook kernel inherits it. On 2 cores the suite's time is mostly
-# XLA compiling small programs, not running them: tests/jax/test_step.py took 99 s of CPU at the
-# default and 62 s with this. The generated code runs slower and may round differently in the
-# last bit (LLVM's default level can fuse a multiply and an add into one FMA), so every process
-# of a test run compiles the same way and bitwise comparisons still compare like with like.
+# XLA compiling small programs, not running them, and this cuts that by about a third
+# (docs/results.md, "The test suite's time"). The generated code runs slower and may round
+# differently in the last bit (LLVM's default level can fuse a multiply and an add into one
+# FMA), so every process of a test run compiles the same way and bitwise comparisons still
+# compare like with like.
 # Outside the suite nothing sets it: the README's commands and the benchmarks, as a user runs
 # them, compile at XLA's default. Files marked `optimised` (below) compile at the default too.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
@@ -93,7 +94,7 @@ def pytest_collection_modifyitems(items):
 def _optimised_compiles(request):
     # A file marked `optimised` runs its programs long enough (the default model, hundreds of
     # steps in all) that XLA's default optimisation repays its compile time: it compiles at the
-    # default (tests/jax/test_diloco_convergence.py alone: 106 s, against 167 s without).
+    # default (docs/results.md, "The test suite's time").
     if request.node.get_closest_marker("optimised") is None:
         yield
         return

@@ -1,6 +1,6 @@
 """`trainspec train` as 2 processes x 4 CPU devices (jax.distributed over gloo, `trainspec launch`).
 
-Each launched job pays process start-up and compilation (~10-30 s on the shared 2-core VM), so
+Each launched job pays process start-up and compilation (tens of seconds on 2 cores), so
 the jobs are few, tiny (one layer, d_model 32) and short (8 steps).
 """
 import json

@@ -48,7 +48,7 @@ def test_ext_backend_refuses_axes_split_inside_a_replica():
 @pytest.mark.parametrize("backend", ["xla", "ext"])
 def test_wrapped_step_bounds_steps_in_flight_on_more_than_one_device(monkeypatch, backend):
     """The CPU runtime deadlocks with ~100 collective executions in flight, ext's or XLA's own
-    (XLA's once with 40, notebook 01's loop on the loaded CI machine): the wrapped step itself
+    (XLA's own with 40 on a loaded machine): the wrapped step itself
     (not only the CLI loop) waits for the oldest step beyond the bound."""
     spec = load_spec(None, SMALL + [f"collectives.backend={backend}", "mesh.axes.data.size=8"])
     job = build_job(spec)

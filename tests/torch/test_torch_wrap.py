@@ -129,7 +129,7 @@ def test_kill_9_then_resume_on_fsdp2(tmp_path, wrapped_losses):
                    start_new_session=True)
     deadline = time.time() + 300
     # Not at step 6's loss line: checkpoint 4 is saved in the background and may still be
-    # `4.partial` then (it was, on the loaded CI machine).
+    # `4.partial` then, on a loaded machine.
     while "stalled" not in _lines(out) and time.time() < deadline:
         assert proc.poll() is None, "the job ended before it could be killed"
         time.sleep(0.05)
