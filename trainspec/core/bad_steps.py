@@ -62,10 +62,10 @@ class LossSpikes:
 
 # When the run loop reads verdicts (docs/wrapping.md, "Why the default guard adds nothing to
 # the step"). The host waits for none of the newest VERDICT_LAG steps, whose loss may still be
-# in the making, and reads the older ones VERDICT_BATCH at a time: on 8 simulated devices of 2
-# Xeon cores a wait for the step 3 back cost the bench's step 1.6% when made every step, 0.8%
-# when made every tenth (40 rounds each, same run). A record, a checkpoint and the last step
-# sync on their step anyway: every step still pending is judged there.
+# in the making, and reads the older ones VERDICT_BATCH at a time: a wait made every tenth step
+# costs half of one made every step (docs/results.md, "What wrap() costs"). A record, a
+# checkpoint and the last step sync on their step anyway: every step still pending is judged
+# there.
 VERDICT_LAG, VERDICT_BATCH = 3, 10
 
 

@@ -75,8 +75,8 @@ def allocator_settings(environ: Mapping[str, str]) -> str:
     """glibc's malloc settings in `environ` (`MALLOC_*`, `GLIBC_TUNABLES`), or "defaults".
 
     With glibc's per-thread arenas (the default) freed heaps go back to the kernel and large
-    outputs land on fresh pages, which the kernel must zero: on a 2-core VM that moved the
-    all_reduce times of both backends by up to 3x (docs/collectives.md).
+    outputs land on fresh pages, which the kernel must zero, which moves the all_reduce times
+    of both backends by up to 3x (docs/results.md, "Quiet and loaded side by side").
     """
     settings = sorted(f"{k}={v}" for k, v in environ.items()
                       if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")

@@ -230,8 +230,8 @@ def measure(op: str, dtype: str, redop: str, size_bytes: int, backends,
             return out, time.perf_counter() - start
 
         # Out of place, then in place, each placement's backends alternating: alternated with
-        # in-place calls (a fresh copy each), out-of-place calls of 64 MiB took up to 9x longer
-        # on the AMD VM, faulting their outputs in 4 KiB pages (docs/collectives.md).
+        # in-place calls (a fresh copy each), out-of-place calls of 64 MiB fault their outputs
+        # in 4 KiB pages and take several times longer (docs/results.md, set M9).
         outs, times = {}, {form: [] for form in forms}
         for placed in dict.fromkeys(p for _, p in forms):
             alike = [form for form in forms if form[1] == placed]
