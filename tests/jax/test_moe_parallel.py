@@ -85,3 +85,14 @@ def test_the_layer_equals_the_float64_reference_routing_and_combine():
         top_k=2, capacity_factor=1.0)
     assert routing.dropped == int(sown["moe"]["dropped"][0]) > 0
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 8), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tokens_combined_in_the_wrong_order_fail_the_comparison(monkeypatch, unsharded):
+    """Each device's expert outputs given back to its rows in reverse order: the first step's
+    loss already differs from the one-device run's."""
+    import trainspec.jax.models.moe as moe
+
+    right = moe._expert_parallel
+    monkeypatch.setattr(moe, "_expert_parallel", lambda *a, **k: right(*a, **k)[::-1])
+    wrong, _, _ = _run({**ONE, "data": 4, "expert": 2}, 8, steps=1)
+    assert abs(wrong[0] - unsharded[0][0]) > 1e-3
