@@ -1,13 +1,11 @@
-"""Implementations that do not run pipeline stages say so in one line, before anything starts,
-and leave a one-stage spec alone (the capability table: trainspec/core/capabilities.py)."""
+"""The torch implementation, which does not run pipeline stages, says so in one line before
+anything starts, and leaves a one-stage spec alone (the capability table:
+trainspec/core/capabilities.py). The JAX implementation's pipeline: tests/jax/test_pipeline.py."""
 from __future__ import annotations
-
-import pytest
 
 from trainspec.core.capabilities import Request
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import load_spec
-from trainspec.jax.capabilities import JAX
 from trainspec.torch.capabilities import TORCH
 
 
@@ -16,8 +14,8 @@ def spec(stages: int):
                      "[model]\nn_layers = 2\n" % stages)
 
 
-@pytest.mark.parametrize("table", [JAX, TORCH], ids=lambda t: t.implementation)
-def test_implementations_without_pipeline_execution_refuse_a_split_pipeline_axis(table):
+def test_torch_refuses_a_split_pipeline_axis():
+    table = TORCH
     s = spec(2)
     lines = table.refusals(Request(s, resolve_mesh(s, 4)))
     assert any(line.startswith("mesh.axes.*.size: the ") and "pipeline axes, got stage=2" in line

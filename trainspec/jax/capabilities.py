@@ -6,8 +6,7 @@ like every table."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, pipeline_fields_unused, refused,
-    roles_not_split)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 from trainspec.jax.backends import backend
 
 EXT_BESIDE_XLA = Refusal(
@@ -38,14 +37,23 @@ MOE_ROUTES_PER_REPLICA = Refusal(
     "expert or fsdp axis instead")
 
 
+def _pipelined(when: str, test, reason: str) -> Refusal:
+    """A refusal that applies where the pipeline axis is split."""
+    return Refusal(f"{when}, with a split pipeline axis",
+                   lambda value, r: bool(r.split("pipeline")) and test(value, r), reason)
+
+
 def _reference(*fields: str) -> list:
     return [(f, honoured()) for f in fields]
 
 
 JAX = Capabilities("jax", dict([
     *_reference("spec_version", "seed", "mesh.axes.*.role"),
-    ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major",
-                                  roles_not_split("JAX", "pipeline"))),
+    ("mesh.axes.*.size", honoured("jax.sharding.Mesh over the devices, row-major", _pipelined(
+        "with a split context axis or experts",
+        lambda value, r: bool(r.split("context")) or r.spec.model.moe is not None,
+        "the JAX pipeline runs dense blocks attending over whole sequences: a split pipeline "
+        "axis with a split context axis or [model.moe] is not run"))),
     ("mesh.axes.*.dcn", honoured("process blocks of the hybrid mesh (trainspec.core.mesh); "
                                  "with the hierarchical backend a data axis lies all within or "
                                  "all across processes")),
@@ -56,7 +64,16 @@ JAX = Capabilities("jax", dict([
     ("batch.micro_batch", honoured("with loss_step: token-weighted accumulation")),
     *_reference("batch.seq_len"),
     ("remat.policy", honoured("jax.checkpoint policies per block")),
-    *pipeline_fields_unused().items(),
+    ("pipeline.microbatches", honoured("the reference model's blocks as a pipeline over the "
+                                       "pipeline axis inside the step (trainspec.jax.pipeline)")),
+    ("pipeline.schedule", honoured("gpipe", _pipelined(
+        "unless gpipe", lambda schedule, r: schedule != "gpipe",
+        "the JAX implementation runs gpipe (a circular forward and its backward by autodiff: "
+        "trainspec.jax.pipeline), not {value!r}"))),
+    ("pipeline.virtual_stages", honoured("1 (gpipe)")),
+    ("pipeline.layers_per_stage", honoured("equal stages", _pipelined(
+        "when the stages differ", lambda counts, r: len(set(counts)) > 1,
+        "the JAX implementation stacks each stage's blocks and needs equal stages, got {value}"))),
     ("collectives.backend", honoured("xla, ext (the xla_ext custom calls) or hierarchical",
                                      EXT_BESIDE_XLA)),
     ("collectives.timeout_s", honoured(
@@ -106,7 +123,11 @@ JAX = Capabilities("jax", dict([
     # the flags of `trainspec train`
     *_reference("--spec", "--steps", "--run-dir", "--set", "--summary-json", "--host-devices",
                 "--exclude-devices", "--restart", "--quiet", "--framework"),
-    ("--model", honoured("a user's model, loss and data through wrap(loss_step(...))")),
+    ("--model", honoured("a user's model, loss and data through wrap(loss_step(...))",
+                         Refusal("with a split pipeline axis",
+                                 lambda value, r: bool(value) and bool(r.split("pipeline")),
+                                 "the JAX implementation pipelines the reference model only; "
+                                 "set the pipeline axis to 1"))),
     ("--init-from", honoured("the file's parameters placed straight into the step's shardings "
                              "(each process its own shards); a resume wins",
                              INIT_FROM_WITH_MODEL)),

@@ -21,6 +21,7 @@ from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
 from trainspec.core.faults import Faults
 from trainspec.core.loop import train
+from trainspec.core.mesh import resolve_mesh, usable_ids
 from trainspec.core.run import Run
 from trainspec.core.run_files import refuse_foreign_checkpoints, write_json_atomically
 from trainspec.core.spec import Spec
@@ -38,6 +39,7 @@ from trainspec.jax.health.memory import check_host_batch
 from trainspec.jax.health.preflight import preflight
 from trainspec.jax.models.moe import moe_losses_and_stats
 from trainspec.jax.models.transformer import Transformer, next_token_loss
+from trainspec.jax.pipeline import pipelined_loss
 from trainspec.jax.params_file import placed, save_initial, with_values
 from trainspec.jax.run import JaxStep, abstract_state
 from trainspec.jax.step import WrappedStep
@@ -94,6 +96,16 @@ class Job:
         return self.state
 
 
+def _pipeline_stages(spec: Spec) -> int:
+    """The pipeline axis's size, an inferred one resolved for this process's devices."""
+    axes = spec.mesh.axes_with_role("pipeline")
+    if not axes:
+        return 1
+    size = spec.mesh.axes[axes[0]].size
+    return size if size != -1 else resolve_mesh(spec, len(usable_ids(
+        spec, [d.id for d in jax.devices()]))).stages
+
+
 def _components(spec: Spec, total_steps: int):
     model = Transformer(
         spec.model,
@@ -112,6 +124,10 @@ def _components(spec: Spec, total_steps: int):
         loss_sum, tokens = next_token_loss(logits, batch["targets"], batch["mask"])
         aux_per_token, stats = moe_losses_and_stats(sown["moe"], spec.model.moe)
         return loss_sum + aux_per_token * tokens, tokens, stats
+
+    stages = _pipeline_stages(spec)
+    if stages > 1:  # the blocks as a pipeline over the pipeline axis (trainspec.jax.pipeline)
+        loss_fn = pipelined_loss(model, spec, stages, spec.mesh.axes_with_role("pipeline")[0])
 
     tx = make_optimizer(spec, total_steps)
 

@@ -90,6 +90,36 @@ class Block(nn.Module):
         return nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
 
 
+def block_class(remat: str) -> type[nn.Module]:
+    """The block, rematerialised under the spec's policy."""
+    return Block if remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[remat])
+
+
+def embed(tokens, table, vocab_size: int, dtype):
+    """Token ids (batch, length) -> (batch, length, embed) through the embedding `table`.
+
+    A one-hot matmul rather than a gather: with the table split over vocab and embed, XLA's
+    partitioner turns a gather into a full rematerialisation; a matmul it splits cleanly."""
+    one_hot = jax.nn.one_hot(tokens, vocab_size, dtype=dtype)
+    table = gathered_for_use(table, ("vocab", "embed"))
+    x = jnp.einsum("blv,ve->ble", one_hot, table.astype(dtype))
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+def final_norm(dtype, param_dtype, name: str | None = None) -> nn.Module:
+    return nn.RMSNorm(dtype=dtype, param_dtype=param_dtype, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)))
+
+
+def head(config: ModelSpec, dtype, param_dtype, name: str | None = None) -> nn.Module:
+    return Projection((config.d_model, config.vocab_size), ("embed", "vocab"), dtype=dtype,
+                      param_dtype=param_dtype, name=name)
+
+
+def as_logits(x):
+    return nn.with_logical_constraint(x.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
 class Transformer(nn.Module):
     """Token ids (batch, length) -> logits (batch, length, vocab)."""
 
@@ -108,28 +138,12 @@ class Transformer(nn.Module):
             (c.vocab_size, c.d_model),
             self.param_dtype,
         )
-        # A one-hot matmul rather than a gather: with the table split over vocab and embed, XLA's
-        # partitioner turns a gather into a full rematerialisation; a matmul it splits cleanly.
-        one_hot = jax.nn.one_hot(tokens, c.vocab_size, dtype=self.dtype)
-        table = gathered_for_use(table, ("vocab", "embed"))
-        x = jnp.einsum("blv,ve->ble", one_hot, table.astype(self.dtype))
-        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        block = Block
-        if self.remat != "none":
-            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])
+        x = embed(tokens, table, c.vocab_size, self.dtype)
+        block = block_class(self.remat)
         for i in range(c.n_layers):
             x = block(c, self.dtype, self.param_dtype, self.attention, name=f"block_{i}")(x)
-        x = nn.RMSNorm(
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            name="final_norm",
-        )(x)
-        logits = Projection(
-            (c.d_model, c.vocab_size), ("embed", "vocab"), dtype=self.dtype,
-            param_dtype=self.param_dtype, name="head",
-        )(x)
-        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        x = final_norm(self.dtype, self.param_dtype, name="final_norm")(x)
+        return as_logits(head(c, self.dtype, self.param_dtype, name="head")(x))
 
 
 def next_token_loss(logits, targets, mask):

@@ -1,0 +1,98 @@
+"""The reference model with a pipeline axis (trainspec.jax.pipeline): the same losses as without
+one from the same initial parameters, the same loss sums and gradients under a ragged mask (the
+token-weighted rule), and the schedules and layouts the JAX implementation refuses by name."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from trainspec.core.capabilities import Request
+from trainspec.core.data import ByteBatches
+from trainspec.core.mesh import resolve_mesh
+from trainspec.core.spec import load_spec
+from trainspec.jax.capabilities import JAX
+from trainspec.jax.models.transformer import next_token_loss
+from trainspec.jax.pipeline import pipelined_loss
+from trainspec.jax.train import build_job
+
+SMALL = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+         "batch.seq_len=16", "batch.global_batch=16", "batch.micro_batch=8",
+         'pipeline.schedule="gpipe"']
+STEPS = 10
+pytestmark = pytest.mark.slow  # three layouts compiled and ten steps each: about a minute
+
+
+def spec_of(axes: str, *extra: str):
+    return load_spec(None, [*SMALL, f"mesh.axes={{{axes}}}", *extra])
+
+
+def losses(spec) -> list[float]:
+    job = build_job(spec)
+    data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
+    state, out = job.state, []
+    for i in range(STEPS):
+        state, metrics = job.step(state, data.batch(i))
+        out.append(float(metrics["loss"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def unpipelined() -> list[float]:
+    return losses(spec_of("data={size=2},fsdp={size=2},tensor={size=2}"))
+
+
+@pytest.mark.parametrize("axes, microbatches", [
+    ('data={size=2},stage={role="pipeline",size=2},tensor={size=2}', 2),
+    ('stage={role="pipeline",size=4},data={size=2}', 4),
+], ids=["data2-pipeline2-tensor2", "pipeline4-data2"])
+def test_ten_steps_equal_the_unpipelined_run(unpipelined, axes, microbatches):
+    # two accumulation micro-batches of 8 sequences, each split into `microbatches`
+    # pipeline micro-batches per data shard; the same seed: the same initial parameters
+    pipelined = losses(spec_of(axes, f"pipeline.microbatches={microbatches}"))
+    np.testing.assert_allclose(pipelined, unpipelined, rtol=0, atol=1e-5)
+
+
+def test_a_ragged_mask_gives_the_same_loss_sums_and_gradients():
+    spec = spec_of('stage={role="pipeline",size=2},data={size=2},tensor={size=2}',
+                   "pipeline.microbatches=4")
+    job = build_job(spec)
+    batch = ByteBatches(16, 8, 0).batch(0)
+    # row r keeps its first r + 3 tokens
+    mask = (np.arange(16)[None, :] < np.arange(8)[:, None] + 3).astype(batch["mask"].dtype)
+    batch = {**batch, "mask": mask}
+    params = job.state.params
+
+    def plain(p, b):
+        logits = job.model.apply({"params": p}, b["inputs"])
+        return (*next_token_loss(logits, b["targets"], b["mask"]), {})
+
+    piped = pipelined_loss(job.model, spec, 2, "stage")
+
+    def sums_and_grads(loss_fn):
+        def mean(p):
+            loss_sum, tokens, _ = loss_fn(p, batch)
+            return loss_sum / tokens, (loss_sum, tokens)
+        return jax.jit(jax.value_and_grad(mean, has_aux=True))(params)
+
+    with jax.set_mesh(job.step.mesh), nn.logical_axis_rules(job.step.rules):
+        ((_, (plain_sum, plain_tokens)), plain_grads), ((_, (sum_, tokens)), grads) = (
+            sums_and_grads(plain), sums_and_grads(piped))
+    assert float(tokens) == float(plain_tokens) == float(mask.sum())
+    np.testing.assert_allclose(sum_, plain_sum, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra, field, words", [
+    (['pipeline.schedule="1f1b"'], "pipeline.schedule", "runs gpipe"),
+    (['pipeline.schedule="zero_bubble_v"'], "pipeline.schedule", "'zero_bubble_v'"),
+    (["pipeline.layers_per_stage=[1, 3]"], "pipeline.layers_per_stage", "equal stages"),
+])
+def test_what_the_jax_pipeline_does_not_run_is_refused_by_name(extra, field, words):
+    spec = spec_of('stage={role="pipeline",size=2},data={size=4}', *extra)
+    lines = JAX.refusals(Request(spec, resolve_mesh(spec, 8)))
+    assert any(line.startswith(f"{field}: ") and words in line for line in lines), lines
+    model = JAX.refusals(Request(spec, resolve_mesh(spec, 8), {"--model": "m.py:make"}))
+    assert any(line.startswith("--model: ") for line in model)
