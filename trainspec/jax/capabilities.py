@@ -74,11 +74,14 @@ JAX = Capabilities("jax", dict([
     ("pipeline.layers_per_stage", honoured("equal stages", _pipelined(
         "when the stages differ", lambda counts, r: len(set(counts)) > 1,
         "the JAX implementation stacks each stage's blocks and needs equal stages, got {value}"))),
-    ("collectives.backend", honoured("xla, ext (the xla_ext custom calls) or hierarchical",
+    ("collectives.backend", honoured("xla, ext (the xla_ext custom calls; on GPUs through "
+                                     "NCCL, compiled and not yet run on a GPU) or hierarchical",
                                      EXT_BESIDE_XLA)),
     ("collectives.timeout_s", honoured(
         "the ext custom calls' wait, and XLA:CPU's collectives across processes (gloo) in a "
-        "job trainspec joins (trainspec.jax.distributed); on GPU NCCL's own")),
+        "job trainspec joins (trainspec.jax.distributed); on GPU the ext CUDA handlers' wait "
+        "(the NCCL communicator aborted; not yet run on a GPU) and, for XLA's collectives, "
+        "NCCL's own")),
     ("collectives.compression", honoured("bf16 or int8 on the data axes, with loss_step",
                                          COMPRESSION_ON_HIERARCHICAL)),
     *_reference("collectives.error_feedback", "collectives.compression_block", "metrics.sink",
