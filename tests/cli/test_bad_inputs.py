@@ -35,8 +35,8 @@ VALIDATE_CASES = [
     ("set without =", None, ["--set", "batch.global_batch"], "--set expects"),
     ("set a rule to an unknown axis", None, ["--set", 'layout.rules.batch=["nope"]'],
      "field 'layout.rules.batch': names mesh axis 'nope'"),
-    ("host devices -1", None, ["--host-devices", "-1"], "--host-devices must be at least 1"),
-    ("host devices 0", None, ["--host-devices", "0"], "--host-devices must be at least 1"),
+    ("host devices -1", None, ["--host-devices", "-1"], "--host-devices: expected 1 to 1024"),
+    ("host devices 0", None, ["--host-devices", "0"], "--host-devices: expected 1 to 1024"),
     ("missing spec", "absent", [], "spec file not found"),
 ]
 

@@ -15,6 +15,9 @@ from trainspec.core.errors import UserInputError
 
 HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_HOST_DEVICES = 8
+# XLA starts 1024 CPU devices in seconds; 100,000 kept `trainspec train` busy for minutes
+# before it could say anything.
+MAX_HOST_DEVICES = 1024
 
 
 def _backends_initialized() -> bool:
@@ -30,8 +33,9 @@ def _backends_initialized() -> bool:
 def ensure_host_devices(n: int | None = None) -> None:
     """Set XLA_FLAGS for `n` host devices (default 8). A count already in XLA_FLAGS wins unless
     `n` is given explicitly. Must run before jax's first device query."""
-    if n is not None and n < 1:
-        raise UserInputError(f"--host-devices must be at least 1, got {n}")
+    if n is not None and not 1 <= n <= MAX_HOST_DEVICES:
+        raise UserInputError(f"--host-devices: expected 1 to {MAX_HOST_DEVICES} simulated "
+                             f"devices, got {n}")
     flags = os.environ.get("XLA_FLAGS", "")
     if HOST_DEVICE_FLAG in flags and n is None:
         return

@@ -85,8 +85,32 @@ def _profile(args):
     if args.devices_per_host:
         profile = dataclasses.replace(profile, devices_per_host=args.devices_per_host,
                                       ici_domain_devices=None)
-    rows = json.loads(args.calibrate.read_text()) if args.calibrate else None
+    rows = bench_rows(args.calibrate) if args.calibrate else None
     return calibrate(profile, rows, args.peak_flops)
+
+
+BENCH_ROW_NUMBERS = ("size_bytes", "time_us", "algbw_gbps", "busbw_gbps")
+
+
+def bench_rows(path: Path) -> list[dict]:
+    """The rows of a `trainspec bench collectives --json` file; UserInputError naming
+    --calibrate for anything else."""
+    expected = "expected the JSON list that `trainspec bench collectives --json` writes"
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise UserInputError(f"--calibrate {path}: cannot read it ({err.strerror})") from None
+    except (UnicodeDecodeError, ValueError):
+        raise UserInputError(f"--calibrate {path}: not JSON; {expected}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UserInputError(f"--calibrate {path}: not a list of rows; {expected}")
+    for i, row in enumerate(rows):
+        for key in BENCH_ROW_NUMBERS:
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise UserInputError(f"--calibrate {path}: row {i} has no positive number "
+                                     f"{key!r}; {expected}")
+    return rows
 
 
 def predictor(profile):

@@ -14,13 +14,15 @@ from trainspec.cli.train_spec import (
     announce, given_flags, initial_params, leave_now, silent, spec_to_use, unwritable)
 from trainspec.core import arrivals, run_lock
 from trainspec.core.errors import UserInputError
+from trainspec.core.host_memory import check_reference_model
+from trainspec.core.spec_bounds import MAX_DEVICES, MAX_STEPS
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train the reference model (or yours) under a spec")
     p.add_argument("--spec", type=Path, help="spec file (TOML); default: the spec the run dir was "
                    "last trained under (RUN_DIR/spec.toml), else the built-in spec")
-    p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: train.steps)")
+    p.add_argument("--steps", type=_steps, help="optimizer steps (default: train.steps)")
     p.add_argument("--run-dir", type=Path, default=Path("runs/default"),
                    help="output directory; a run directory with checkpoints is resumed from the "
                    "newest good one (on the current devices' mesh)")
@@ -64,11 +66,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _steps(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_STEPS} (train.steps' bound), "
+                                         f"got {value}")
+    return value
+
+
 def _device_ids(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:  # an empty item too: "1,,2"
         raise argparse.ArgumentTypeError(f"expected device ids like 3,5, got {text!r}") from None
+    if any(not 0 <= i < MAX_DEVICES for i in ids):
+        raise argparse.ArgumentTypeError(f"expected device ids from 0 to {MAX_DEVICES - 1}, "
+                                         f"got {text!r}")
+    return ids
 
 
 def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
@@ -155,12 +169,19 @@ def run(args) -> int:
     from trainspec.jax.checkpoint import CheckpointSaveError
     from trainspec.core.loop import Preempted
 
-    check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
+    if args.model is None:  # before the reference model takes any memory
+        check_reference_model(spec, state_on_host=jax.default_backend() == "cpu")
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)
     model = user_model.load(args.model, spec) if args.model else None
+    if model is not None:
+        from trainspec.jax.user_model_check import check_init
+
+        check_init(model, spec.seed)
+    check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     init_from = initial_params(args, spec, say)
     run_lock.hold(args.run_dir, is_writer())  # before anything is written there
+
     def peer_lost(err: Exception) -> str:
         return arrivals.peer_lost_line(args.run_dir, jax.process_count(), jax.process_index(),
                                        arrivals.collective_of(str(err)),

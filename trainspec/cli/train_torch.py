@@ -34,7 +34,16 @@ def run(args) -> int:
         from trainspec.core.exclusion import exclude
 
         spec = exclude(spec, args.exclude_devices)  # ranks of the job as launched
+    if args.model is None:  # before the reference model takes any memory
+        import torch
+        from trainspec.core.host_memory import check_reference_model
+
+        check_reference_model(spec, state_on_host=not torch.cuda.is_available())
     model = user_model.load(args.model, spec) if args.model else None  # checked before ranks
+    if model is not None and not launched():
+        from trainspec.torch.user_model_check import check_init
+
+        check_init(model)
     # checked (and its resume note said) once, before the ranks start; each rank reads it
     init_from = initial_params(args, spec, silent if launched() else announce)
     # held by the process that starts the job: this one, or the job's rank 0 when launched

@@ -51,6 +51,9 @@ def _jax(args, spec, model) -> int:
     from trainspec.jax.train import build_abstract_job, user_job
 
     if model is not None:
+        from trainspec.jax.user_model_check import check_init
+
+        check_init(model, spec.seed)
         run_step, abstract_state, _, _ = user_job(spec, model)
         step = run_step.wrapped
     else:
@@ -79,6 +82,10 @@ def _torch(args, spec, model) -> int:
 
     world = args.nprocs or default_ranks()
     check_run(spec, world, own_model=model is not None)
+    if model is not None:
+        from trainspec.torch.user_model_check import check_init
+
+        check_init(model)
     dims = check_layout(spec, world)
     with torch.device("meta"):
         if model is None:

@@ -137,10 +137,37 @@ def read_jsonl(path: Path) -> list[dict]:
         if not isinstance(record, dict) or record.get("schema") != SCHEMA_ID:
             got = record.get("schema") if isinstance(record, dict) else type(record).__name__
             raise UserInputError(f"{path}: line {i} is not a {SCHEMA_ID} record (schema {got!r})")
+        if (wrong := _wrong_field(record)) is not None:
+            raise UserInputError(f"{path}: line {i}: {wrong}")
         records.append(record)
     if not records:
         raise UserInputError(f"{path}: no metric records")
     return records
+
+
+# JSON Schema's types as Python's (a bool is an int in Python, never a number in JSON).
+_JSON_TYPES = {"number": (int, float), "integer": (int,), "string": (str,), "boolean": (bool,),
+               "null": (type(None),), "object": (dict,), "array": (list,)}
+
+
+def _wrong_field(record: dict) -> str | None:
+    """What makes `record` not one of the schema's: a required field missing, or a field of
+    another type than the schema's; None when it is one."""
+    for name, field in {**FIELDS, **MARKS}.items():
+        if name not in record:
+            if name in FIELDS:
+                return f"field {name!r} is missing"
+            continue
+        types = field.get("type")
+        if types is None:  # a const or an enum: checked by value where it matters
+            continue
+        types = [types] if isinstance(types, str) else types
+        value = record[name]
+        if not any(isinstance(value, _JSON_TYPES[t]) and (t == "boolean" or not isinstance(
+                value, bool)) for t in types):
+            return (f"field {name!r} is {type(value).__name__} {json.dumps(value)[:40]}, "
+                    f"expected {' or '.join(types)}")
+    return None
 
 
 def interval_fields(facts: dict, steps: int, wall_s: float, valid_tokens: float,

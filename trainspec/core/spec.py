@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import Field, field_validator, model_validator
@@ -20,6 +20,9 @@ from pydantic import Field, field_validator, model_validator
 from trainspec.core.compression import BLOCK_ALIGN
 from trainspec.core.errors import UserInputError
 from trainspec.core.pipeline import stages as pipeline_stages
+from trainspec.core.spec_bounds import (
+    AXIS_NAME, MAX_DEVICES, MAX_KEPT, MAX_LAYERS, MAX_MODEL_WIDTH, MAX_PARAMETERS, MAX_SEQUENCES,
+    MAX_STEPS, MAX_TIMEOUT_S, MAX_WIDTH)
 from trainspec.core.spec_health import HealthSpec
 from trainspec.core.spec_messages import validation_message
 from trainspec.core.spec_section import Section
@@ -35,10 +38,6 @@ DTYPES = Literal["float32", "bfloat16", "float16"]
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # the spec's default, and a collective's outside a spec
 
 
-# Upper bounds that no run on today's machines reaches: a value above one is a typo or a unit
-# error, refused at validation rather than met as a process the kernel kills mid-run.
-MAX_SEQUENCES = 2**24
-MAX_WIDTH = 2**20
 
 
 class MeshAxis(Section):
@@ -48,11 +47,13 @@ class MeshAxis(Section):
         None, description="What the axis does. Defaults to the axis name when that names a role."
     )
     size: int = Field(
-        -1, description="Devices along the axis, cross-host factor included; -1 = infer "
+        -1, le=MAX_DEVICES,
+        description="Devices along the axis, cross-host factor included; -1 = infer "
         "(at most one axis)."
     )
     dcn: int = Field(
-        1, ge=1, description="Cross-host (DCN) factor of `size`: how many processes the axis "
+        1, ge=1, le=MAX_DEVICES,
+        description="Cross-host (DCN) factor of `size`: how many processes the axis "
         "spans. `size` must be a multiple of it."
     )
 
@@ -76,7 +77,7 @@ class MeshSpec(Section):
         default_factory=_default_axes,
         description="Mesh axes in order (major to minor), keyed by axis name.",
     )
-    exclude_devices: list[int] = Field(
+    exclude_devices: list[Annotated[int, Field(ge=0, lt=MAX_DEVICES)]] = Field(
         default_factory=list, description="Device ids the mesh must not use."
     )
 
@@ -88,6 +89,9 @@ class MeshSpec(Section):
         if len(inferred) > 1:
             raise ValueError(f"at most one axis may have size -1, got {inferred}")
         for name, axis in self.axes.items():
+            if not AXIS_NAME.match(name):
+                raise ValueError(f"axis name {name!r} is not an ASCII identifier (letters, "
+                                 "digits and _, not starting with a digit)")
             if axis.role is None and name not in ROLES:
                 raise ValueError(
                     f"axis '{name}' needs a role (one of {', '.join(ROLES)}): its name is not one"
@@ -175,7 +179,7 @@ class CollectivesSpec(Section):
         "`hierarchical` (ext within a process, native across processes; docs/scale-out.md)."
     )
     timeout_s: float = Field(
-        DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0,
+        DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S,
         description="A collective whose peers do not all arrive fails after this."
     )
     compression: Literal["none", "bf16", "int8"] = Field(
@@ -242,8 +246,10 @@ class MetricsSpec(Section):
     """What is measured, how often, and where the records go (docs/metrics.md)."""
 
     sink: Literal["jsonl"] = Field("jsonl", description="Where metric records go.")
-    path: str = Field("metrics.jsonl", description="Sink file, relative to the run directory.")
-    interval: int = Field(10, ge=1, description="Steps between metric records (host syncs).")
+    path: str = Field("metrics.jsonl", min_length=1,
+                      description="Sink file, relative to the run directory.")
+    interval: int = Field(10, ge=1, le=MAX_STEPS,
+                          description="Steps between metric records (host syncs).")
     flops_convention: Literal["no_causal_discount", "causal_discount"] = Field(
         "no_causal_discount",
         description="Attention FLOPs in `model_flops_per_step`: all T^2 score entries "
@@ -267,10 +273,10 @@ class ModelSpec(Section):
     """The reference decoder-only transformer that `trainspec train` builds."""
 
     vocab_size: int = Field(256, ge=2, le=MAX_WIDTH, description="Byte-level by default.")
-    d_model: int = Field(128, ge=1, le=MAX_WIDTH, description="Width of the residual stream.")
-    n_layers: int = Field(2, ge=1, le=2**12, description="Transformer blocks.")
+    d_model: int = Field(128, ge=1, le=MAX_MODEL_WIDTH, description="Width of the residual stream.")
+    n_layers: int = Field(2, ge=1, le=MAX_LAYERS, description="Transformer blocks.")
     n_heads: int = Field(4, ge=1, le=2**12, description="Attention heads; must divide d_model.")
-    d_ff: int = Field(512, ge=1, le=MAX_WIDTH, description="Hidden width of the MLP (of "
+    d_ff: int = Field(512, ge=1, le=MAX_MODEL_WIDTH, description="Hidden width of the MLP (of "
                       "each expert's, with `moe`).")
     moe: MoESpec | None = Field(
         None, description="Every block's MLP a mixture of experts; absent = dense.")
@@ -279,7 +285,20 @@ class ModelSpec(Section):
     def _heads(self):
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        if (count := reference_parameters(self)) > MAX_PARAMETERS:
+            raise ValueError(f"d_model, d_ff, n_layers and vocab_size make {count:.3g} "
+                             f"parameters, more than {MAX_PARAMETERS:.0e}")
         return self
+
+
+def reference_parameters(m: ModelSpec) -> int:
+    """The reference transformer's parameter count (trainspec.core.reference_model): embedding
+    and head, and per block four attention projections, the MLP (each expert's, and the
+    router, with `moe`) and two norms."""
+    experts = m.moe.experts if m.moe else 1
+    mlp = 2 * m.d_model * m.d_ff * experts + (m.d_model * experts if m.moe else 0)
+    block = 4 * m.d_model**2 + mlp + 2 * m.d_model
+    return 2 * m.vocab_size * m.d_model + m.d_model + m.n_layers * block
 
 
 class OptimizerSpec(Section):
@@ -288,7 +307,8 @@ class OptimizerSpec(Section):
     name: Literal["adamw", "sgd"] = Field("adamw", description="The optax optimizer.")
     learning_rate: float = Field(3e-3, gt=0, le=10.0,
                                  description="Peak learning rate (above 10 is a typo).")
-    warmup_steps: int = Field(10, ge=0, description="Steps of linear warm-up from 0 to "
+    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS,
+                              description="Steps of linear warm-up from 0 to "
                               "learning_rate; cosine decay to a tenth of it follows.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (adamw only).")
     grad_clip_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient "
@@ -298,21 +318,32 @@ class OptimizerSpec(Section):
 class TrainSpec(Section):
     """How long the reference job trains."""
 
-    steps: int = Field(60, ge=1, description="Optimizer steps of `trainspec train`.")
+    steps: int = Field(60, ge=1, le=MAX_STEPS, description="Optimizer steps of `trainspec train`.")
 
 
 class CheckpointSpec(Section):
     """When and where the train state is saved (docs/reliability.md)."""
 
     interval: int = Field(
-        20, ge=0, description="Steps between checkpoints (0 = none). The last step and a halt "
+        20, ge=0, le=MAX_STEPS,
+        description="Steps between checkpoints (0 = none). The last step and a halt "
         "are always checkpointed when this is > 0."
     )
-    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    keep: int = Field(3, ge=1, le=MAX_KEPT,
+                      description="Newest checkpoints kept; older ones are deleted.")
     async_save: bool = Field(
         True, description="Write in the background while training continues."
     )
-    dir: str = Field("checkpoints", description="Checkpoint directory, relative to the run directory.")
+    dir: str = Field("checkpoints", min_length=1,
+                     description="Checkpoint directory, relative to the run directory.")
+
+    @field_validator("dir")
+    @classmethod
+    def _inside_the_run(cls, directory: str) -> str:
+        if Path(directory).is_absolute() or Path(directory).parts in ((), (".",)) \
+                or ".." in Path(directory).parts:
+            raise ValueError(f"expected a directory inside the run directory, got {directory!r}")
+        return directory
 
 
 class FieldError(ValueError):

@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from trainspec.core.spec_bounds import MAX_STEPS
 from trainspec.core.spec_section import Section
 
 
@@ -20,14 +21,17 @@ class NanSpec(Section):
         "good state checkpointed."
     )
     max_consecutive_skips: int = Field(
-        5, ge=1, description="Under `skip`, one more consecutive non-finite step halts."
+        5, ge=1, le=MAX_STEPS,
+        description="Under `skip`, one more consecutive non-finite step halts."
     )
     max_rollbacks: int = Field(
-        3, ge=0, description="Under `rollback`, one more bad step halts the invocation (a "
+        3, ge=0, le=MAX_STEPS,
+        description="Under `rollback`, one more bad step halts the invocation (a "
         "lasting loss rise makes every step a spike)."
     )
     skip_batches: int = Field(
-        1, ge=1, description="Under `rollback`, batches skipped per rollback: the bad step's "
+        1, ge=1, le=MAX_STEPS,
+        description="Under `rollback`, batches skipped per rollback: the bad step's "
         "and the ones just before it, none at or before the restored checkpoint."
     )
 
@@ -35,13 +39,15 @@ class NanSpec(Section):
 class SpikeSpec(Section):
     """Under `health.nan.policy = rollback`: the rule that calls a finite loss a spike."""
 
-    window: int = Field(50, ge=3, description="Recent good steps' losses the rule looks at.")
+    window: int = Field(
+        50, ge=3, le=MAX_STEPS, description="Recent good steps' losses the rule looks at.")
     k: float = Field(6.0, gt=0, description="Spike: loss > median + k * MAD of the window.")
     min_excess: float = Field(
         0.1, ge=0, description="...and more than this fraction above the median (MAD can be ~0)."
     )
     min_steps: int = Field(
-        20, ge=3, description="Good steps in the window before any loss is called a spike."
+        20, ge=3, le=MAX_STEPS,
+        description="Good steps in the window before any loss is called a spike."
     )
 
 
@@ -49,7 +55,8 @@ class FingerprintSpec(Section):
     """Replica fingerprints: copies that should be identical, checked for silent corruption."""
 
     interval: int = Field(
-        100, ge=0, description="Steps between replica fingerprint checks (0 = off); state is "
+        100, ge=0, le=MAX_STEPS,
+        description="Steps between replica fingerprint checks (0 = off); state is "
         "also checked before every checkpoint."
     )
     policy: Literal["halt", "rollback"] = Field(
@@ -61,7 +68,8 @@ class FingerprintSpec(Section):
 class StragglerSpec(Section):
     """The rule that names a participant whose steps are outliers."""
 
-    window: int = Field(20, ge=3, description="Steps of timings the outlier rule looks at.")
+    window: int = Field(
+        20, ge=3, le=MAX_STEPS, description="Steps of timings the outlier rule looks at.")
     k: float = Field(5.0, gt=0, description="Outlier: time > median + k * MAD.")
     min_excess: float = Field(
         0.1, ge=0, description="...and more than this fraction above the median (MAD can be ~0)."

@@ -10,13 +10,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.flops import tokens_per_step
+
+TRAINSPEC_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +81,10 @@ class PerToken:
 
 
 def load(reference: str, spec) -> UserModel:
-    """`fn(spec)` for `reference` = "module:fn"; UserInputError in one line naming --model."""
+    """`fn(spec)` for `reference` = "module:fn"; UserInputError in one line naming --model,
+    whatever the user's code does wrong: a file that does not import (a syntax error, an
+    import of its own that fails), a function that takes other arguments, raises, or returns
+    something else."""
     module_name, sep, fn_name = reference.rpartition(":")
     if not sep or not module_name or not fn_name:
         raise UserInputError(f"--model: expected MODULE:FUNCTION (a .py file or a module), "
@@ -86,25 +93,61 @@ def load(reference: str, spec) -> UserModel:
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise UserInputError(f"--model: {module_name} has no function {fn_name!r}")
-    made = fn(spec)
+    try:
+        inspect.signature(fn).bind(spec)
+    except TypeError:
+        raise UserInputError(f"--model: {reference} takes {inspect.signature(fn)}; expected "
+                             "one argument, the spec") from None
+    except ValueError:  # no signature to read (a builtin): calling it tells
+        pass
+    try:
+        made = fn(spec)
+    except Exception as err:  # noqa: BLE001  the user's code: any error, said in one line
+        raise UserInputError(f"--model: {reference} raised {user_error(err)}") from None
     if not isinstance(made, UserModel):
         raise UserInputError(f"--model: {reference} returned {type(made).__name__}, expected a "
                              "trainspec.core.user_model.UserModel")
     return made
 
 
+def user_error(err: BaseException) -> str:
+    """An error of the user's code in one line: its type, its message's first line, and where
+    in the user's code it was raised (the innermost frame outside trainspec)."""
+    text = str(err.msg if isinstance(err, SyntaxError) else err).strip().splitlines()
+    where = [frame for frame in traceback.extract_tb(err.__traceback__)
+             if TRAINSPEC_ROOT not in Path(frame.filename).parents]
+    if isinstance(err, SyntaxError) and err.filename:
+        at = f" ({err.filename}:{err.lineno})"
+    else:
+        at = f" ({where[-1].filename}:{where[-1].lineno})" if where else ""
+    return f"{type(err).__name__}{': ' + text[0][:200] if text else ''}{at}"
+
+
 def _module(name: str):
-    """The module a file path or a dotted name names."""
-    if name.endswith(".py"):
-        path = Path(name)
-        if not path.is_file():
-            raise UserInputError(f"--model: no such file {path}")
-        spec = importlib.util.spec_from_file_location(f"trainspec_user_model_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
-        spec.loader.exec_module(module)
-        return module
+    """The module a file path or a dotted name names. A file's directory goes on sys.path
+    first, as `python file.py` puts it, so that the file imports the modules beside it."""
     try:
+        if name.endswith(".py"):
+            return _module_from_file(Path(name))
         return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        raise UserInputError(f"--model: cannot import {name} ({err})") from None
+    except UserInputError:
+        raise
+    except Exception as err:  # noqa: BLE001  importing runs the user's code
+        raise UserInputError(f"--model: importing {name} failed: {user_error(err)}") from None
+
+
+def _module_from_file(path: Path):
+    if not path.is_file():
+        raise UserInputError(f"--model: no such file {path}")
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    spec = importlib.util.spec_from_file_location(f"trainspec_user_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return module

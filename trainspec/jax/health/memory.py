@@ -10,35 +10,13 @@ with no message. Two checks, each before the memory is taken:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 
 from trainspec.core.errors import UserInputError
+from trainspec.core.host_memory import GIB, host_available_bytes  # noqa: F401 (re-exported)
 
 # The fields that size the step's memory, named in every refusal.
 SIZE_FIELDS = "batch.global_batch, batch.micro_batch, batch.seq_len and the [model] sizes"
-GIB = 2**30
-
-
-def host_available_bytes() -> int | None:
-    """Memory this process can still take: MemAvailable, capped by a cgroup limit; None where
-    neither is known (not Linux)."""
-    limits = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                limits.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    try:
-        cgroup = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if cgroup != "max":
-            limits.append(int(cgroup) - used)
-    except (OSError, ValueError):
-        pass
-    return min(limits) if limits else None
 
 
 def _refuse(need: int, have: int, what: str) -> None:
