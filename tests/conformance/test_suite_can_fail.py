@@ -26,7 +26,7 @@ def test_the_numpy_implementation_passes_what_it_declares(numpy_rows):
     for family in ("reference trajectory", "accumulation", "metric records", "capability table"):
         assert numpy_rows[family].passed > 0, family
     layouts = numpy_rows["layout invariance"]
-    assert layouts.passed == 0 and len(layouts.refused) == 4
+    assert layouts.passed == 0 and len(layouts.refused) == 5
     assert layouts.refused[0] == ("fsdp: mesh.axes.*.size: the numpy implementation splits data "
                                   "axes only")
 
@@ -52,7 +52,7 @@ def test_a_wrong_clip_norm_fails_the_trajectories(numpy_rows):
 
 def test_a_layout_claimed_and_not_run_fails_naming_the_case():
     layouts = _rows(broken_impls.Overclaiming())["layout invariance"]
-    assert layouts.failed == 4 and not layouts.refused
+    assert layouts.failed == 5 and not layouts.refused
     assert layouts.first_failure.startswith("fsdp: raised NotImplementedError: the numpy "
                                             "implementation splits data axes only")
 

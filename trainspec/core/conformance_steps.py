@@ -8,7 +8,7 @@ the first at the full learning rate:
   SGD, whose update shows the clipping); every step's loss, gradient norm and parameter
   digest against the reference's. Every implementation must run these.
 - `accumulation`: 2 and 4 micro-batches; `layout invariance`: fsdp, data x fsdp,
-  data x tensor, fsdp x tensor. Each against the reference, and its UPDATED PARAMETERS against
+  data x tensor, fsdp x tensor, data x context. Each against the reference, and its UPDATED PARAMETERS against
   the implementation's own data-layout run. A case whose spec the implementation's capability
   table refuses is counted as refused, by its table's line, not run.
 - `metric records`: a 3-step `trainspec train` writes records that validate against the schema
@@ -46,6 +46,8 @@ LAYOUTS = {  # any device count divisible by 4
     "data x fsdp": ["mesh.axes.fsdp.size=2"],
     "data x tensor": ["mesh.axes.tensor.size=2"],
     "fsdp x tensor": ["mesh.axes.data.size=1", "mesh.axes.fsdp.size=-1", "mesh.axes.tensor.size=2"],
+    # the ring over a zig-zag split: a causal mask off by one block changes the loss
+    "data x context": ["mesh.axes.context.size=2"],
 }
 RECORD_STEPS = 3
 
