@@ -3,7 +3,6 @@ socket of the job's processes listens on every interface (0.0.0.0 or ::): not JA
 coordinator, not torch rank 0's TCPStore, not gloo's."""
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import pytest
 from tiny import TINY
 from xla_env import without_device_count
 
-ROOT = Path(__file__).resolve().parents[2]
 LISTEN = "0A"  # the TCP state LISTEN in /proc/net/tcp*
 WILDCARD = {"00000000", "00000000000000000000000000000000"}
 
@@ -58,11 +56,12 @@ def _listeners(pids):
     return found
 
 
-def _listeners_during(argv):
-    """Every listener the job's processes held, polled while it runs; and its result."""
+def _listeners_during(argv, cwd):
+    """Every listener the job's processes held, polled while it runs (in `cwd`); and its
+    result."""
     env = {**without_device_count(), "TRAINSPEC_FAULTS": '{"delay_s": 2.0, "delay_steps": [2]}'}
     job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=env, cwd=ROOT)
+                           env=env, cwd=cwd)
     seen = set()
     while job.poll() is None:
         seen |= _listeners(_descendants(job.pid))
@@ -80,7 +79,7 @@ def test_a_local_job_listens_on_loopback_only(tmp_path, framework, nprocs):
                 "--host-devices", "2", "--set", "mesh.axes.data.size=4"]
     else:
         argv = [*train, "--nprocs", str(nprocs)]
-    seen, status, output = _listeners_during(argv)
+    seen, status, output = _listeners_during(argv, tmp_path)
     assert status == 0, output
     assert seen, "the job's listeners were seen"
     wildcard = sorted(port for address, port in seen if address in WILDCARD)

@@ -8,12 +8,12 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cli_runs import read_summary, run_cli, train_command
 from run_dirs import recorded_losses, snapshot
 from tiny import TINY
 from trainspec.core.store import MANIFEST, file_digest
@@ -28,21 +28,14 @@ RANK_FILES = ("rank-00000.safetensors", "rank-00001.safetensors")
 
 
 def _cmd(run_dir, *extra, steps=STEPS):
-    sets = [a for s in SETS for a in ("--set", s)]
-    return [sys.executable, "-m", "trainspec.cli.main", "train", "--framework", "torch",
-            "--nprocs", "2", "--quiet", "--steps", str(steps), "--run-dir", str(run_dir),
-            "--summary-json", str(run_dir / "summary.json"), *sets, *extra]
-
-
-def _run(cmd):
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return train_command(run_dir, SETS, *extra, steps=steps, framework="torch", nprocs=2)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Checkpoints 2 and 4 of a finished run, and its 4 records."""
     run_dir = tmp_path_factory.mktemp("torch_trained")
-    result = _run(_cmd(run_dir))
+    result = run_cli(_cmd(run_dir))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
     assert sorted(os.listdir(run_dir / "checkpoints" / "4")) == [MANIFEST, *RANK_FILES]
@@ -97,12 +90,12 @@ RESUMABLE = {
 def test_a_damaged_newest_checkpoint_is_quarantined_and_the_run_resumes_bitwise(
         run_dir, trained, damage):
     RESUMABLE[damage](run_dir)
-    result = _run(_cmd(run_dir))
+    result = run_cli(_cmd(run_dir))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert "Traceback" not in out
     assert out.count("checkpoint 4 is bad (") == 1, out  # one line, from one process
-    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == 2
+    assert read_summary(run_dir)["resumed_from"] == 2
     assert recorded_losses(run_dir) == recorded_losses(trained)  # steps 3 and 4 again, bitwise
     assert (run_dir / "checkpoints-quarantine" / "4").is_dir()
     assert sorted(os.listdir(run_dir / "checkpoints" / "4")) == [MANIFEST, *RANK_FILES]
@@ -130,7 +123,7 @@ def test_no_resumable_checkpoint_is_one_line_exit_2_and_nothing_changes(run_dir,
     damage, message = REFUSED[case]
     damage(run_dir)
     before = _history(run_dir)
-    result = _run(_cmd(run_dir, *CHANGES.get(case, ()), steps=STEPS + 2))
+    result = run_cli(_cmd(run_dir, *CHANGES.get(case, ()), steps=STEPS + 2))
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     # one error line; before it at most the note that the run dir's saved spec is used
@@ -151,7 +144,7 @@ def _ranks_alone(run_dir, steps=STEPS):
 
 def test_ranks_on_their_own_fall_back_alike_and_say_it_once(run_dir, trained):
     RESUMABLE["bit_flip"](run_dir)
-    result = _run(_ranks_alone(run_dir))
+    result = run_cli(_ranks_alone(run_dir))
     out = result.stdout + result.stderr
     assert result.returncode == 0 and "Traceback" not in out, out[-3000:]
     assert out.count("checkpoint 4 is bad (the SHA-256 of rank-00001.safetensors") == 1, out
@@ -161,7 +154,7 @@ def test_ranks_on_their_own_fall_back_alike_and_say_it_once(run_dir, trained):
 def test_ranks_on_their_own_refuse_alike_and_say_it_once(run_dir):
     _garble_all(run_dir)
     before = _history(run_dir)
-    result = _run(_ranks_alone(run_dir, steps=STEPS + 2))
+    result = run_cli(_ranks_alone(run_dir, steps=STEPS + 2))
     out = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in out, out[-3000:]
     assert out.count("all 2 checkpoints in") == 1, out
@@ -188,9 +181,9 @@ def test_a_planted_pickle_is_never_run(run_dir, tmp_path):
     manifest = json.loads(_newest(run_dir, MANIFEST).read_text())
     manifest["files"][".metadata"] = file_digest(planted)
     _newest(run_dir, MANIFEST).write_text(json.dumps(manifest))
-    result = _run(_cmd(run_dir, steps=STEPS + 1))
+    result = run_cli(_cmd(run_dir, steps=STEPS + 1))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == STEPS
+    assert read_summary(run_dir)["resumed_from"] == STEPS
     assert not proof.exists()
     pickle.loads(planted.read_bytes())  # the payload is live: here, it runs
     assert proof.read_text() == "ran"

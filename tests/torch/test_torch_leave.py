@@ -34,8 +34,8 @@ print(len(watched), sum(ref() is not None for ref in watched))
 
 
 def test_no_process_group_outlives_run(tmp_path):
-    result = subprocess.run([sys.executable, "-c", RANK, str(tmp_path / "run"), str(ROOT / "tests")],
-                            cwd=ROOT,
+    result = subprocess.run([sys.executable, "-c", RANK, str(tmp_path / "run"),
+                             str(ROOT / "tests")], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     groups, alive = map(int, result.stdout.split()[-2:])
