@@ -377,6 +377,13 @@ class Spec(Section):
         None, description="Semi-synchronous (DiLoCo) training; absent = synchronous.")
     context: ContextSpec = ContextSpec()
 
+    @field_validator("spec_version", mode="before")
+    @classmethod
+    def _not_a_bool(cls, version):
+        if isinstance(version, bool):  # True == 1 passes Literal[1]
+            raise ValueError(f"expected the integer {SPEC_VERSION}, not a boolean")
+        return version
+
     @model_validator(mode="after")
     def _sequence_and_experts(self):
         sizes = {name: axis.size for name, axis in self.mesh.axes.items()}
