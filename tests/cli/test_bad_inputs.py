@@ -1,4 +1,4 @@
-"""The fuzz corpus of issue 10 §5: every bad input gets one line naming it, exit 2, no traceback.
+"""A fuzz corpus of bad inputs: every bad input gets one line naming it, exit 2, no traceback.
 
 Every case runs `trainspec` (or the function that reads the environment) in-process: the input
 is refused before any compile, so the corpus takes seconds.

@@ -1,4 +1,4 @@
-"""The README's short tour runs top to bottom in a fresh directory (issue 10 §6).
+"""The README's short tour runs top to bottom in a fresh directory.
 
 The commands are read from README.md's `## A short tour` block, so a README change that breaks
 the tour breaks this test. Each runs as written, in order, in one fresh directory (with the

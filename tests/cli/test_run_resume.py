@@ -1,4 +1,4 @@
-"""A run directory across invocations (issue 10 §5-6): every record's learning rate, the marks
+"""A run directory across invocations: every record's learning rate, the marks
 of resumes and checkpoints, the line a resume prints, the spec the run dir keeps and reuses,
 and a rerun asking for a step the run is already past (nothing trained, nothing changed)."""
 import json

@@ -1,5 +1,5 @@
-"""Both frameworks train in the one run loop of the core (issue 34 §2), and their numbers
-compare (§7): a JAX run and a torch run of the same tiny job go through trainspec.core.run.Run
+"""Both frameworks train in the one run loop of the core, and their numbers
+compare: a JAX run and a torch run of the same tiny job go through trainspec.core.run.Run
 step by step, and on one machine divide by the same measured CPU peak (the machine's cache
 entry, whichever framework measured it), so in `trainspec report` their MFU ratio equals their
 tokens/s ratio. The peak planted here (3e10 FLOP/s) is far from the table's 1.46e11, so a

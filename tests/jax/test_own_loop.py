@@ -1,4 +1,4 @@
-"""A user's own model and loop get the run services of `trainspec train` (issue 34 §5):
+"""A user's own model and loop get the run services of `trainspec train`:
 `trainspec train --model examples/own_model.py:make` trains a model that is not the reference
 job; an own JAX loop through `trainspec.jax.Run` writes schema-valid metrics.jsonl and
 checkpoints and resumes them (the CLI's as well as its own) to the uninterrupted losses, bit for

@@ -18,7 +18,7 @@ from trainspec.jax.train import run
 from cli_runs import cli_env, run_cli, start_cli, train_command
 from tiny import TINY, tiny_spec
 
-BOUND_S = 30  # issue 10: a failed save ends the run within 30 s
+BOUND_S = 30  # a failed save ends the run within 30 s
 
 
 def _train(run_dir, *sets, steps=4):
