@@ -80,6 +80,10 @@ def check(spec: Spec, layout: ParallelDims) -> list[str]:
     if spec.batch.micro % shards:
         reasons.append(f"batch.micro_batch {spec.batch.micro} is not divisible by the {shards} "
                        "batch shards (data x fsdp)")
+    if spec.model.moe is not None or layout.split("context") or layout.split("expert"):
+        reasons.append("model.moe and context or expert axes: this planner models the dense "
+                       "reference model without them; plan them with "
+                       "trainspec.core.plan.sharded_decoder (docs/plan.md)")
     return reasons + pipeline_reasons(spec, layout, shards)
 
 
