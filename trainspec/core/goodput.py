@@ -5,7 +5,9 @@ time of every step at the run's ideal pace (the mean of the interval step times 
 most median + 3 MAD, per step); the rest of the loop's time is badput: data loading (host time
 waiting for input), slow steps (time above the ideal pace), and the categories that happen
 outside the loop (initialisation, compilation, checkpoint save/restore, lost progress) which
-the loop and other subsystems report with `add`.
+the loop and other subsystems report with `add`. With a pipeline, the executed schedule's idle
+fraction of the productive time is the pipeline bubble (an upper bound: the embedding, the head
+and the update run outside the pipeline).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 from trainspec.core.health import outlier_threshold
 
 BADPUT = ("initialization", "compilation", "data_loading", "checkpoint_save",
-          "checkpoint_restore", "lost_progress", "slow_steps", "other")
+          "checkpoint_restore", "lost_progress", "slow_steps", "pipeline_bubble", "other")
 
 
 def ideal_step_time(step_times: list[float]) -> float | None:
@@ -28,8 +30,9 @@ def ideal_step_time(step_times: list[float]) -> float | None:
 
 
 class Goodput:
-    def __init__(self, start: float | None = None):
+    def __init__(self, start: float | None = None, bubble: float = 0.0):
         self.start = time.perf_counter() if start is None else start
+        self.bubble = bubble  # the pipeline schedule's idle fraction (0 without a pipeline)
         self.badput = dict.fromkeys(BADPUT, 0.0)
         self.steps = 0
         self.loop_s = 0.0          # wall time of recorded intervals
@@ -63,6 +66,8 @@ class Goodput:
         badput["lost_progress"] += ideal_s * self.lost_steps
         badput["data_loading"] += self.data_wait_s
         badput["slow_steps"] += max(self.loop_s - self.data_wait_s - ideal_s * self.steps, 0.0)
+        badput["pipeline_bubble"] += productive * self.bubble
+        productive -= productive * self.bubble
         accounted = productive + sum(badput.values())
         badput["other"] += max(total - accounted, 0.0)
         return {

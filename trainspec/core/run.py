@@ -35,6 +35,7 @@ from trainspec.core import bad_steps
 from trainspec.core.arrivals import StepMarks
 from trainspec.core.faults import Faults
 from trainspec.core.goodput import Goodput
+from trainspec.core.pipeline.schedule import run_record
 from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector
 from trainspec.core.loop import Checkpointer, Preempted, Step, StopSignals, progress_bar
 from trainspec.core.recorder import Recorder
@@ -67,6 +68,7 @@ class Run:
         self.spec_label, self.rebuild = spec_label, rebuild
         self.restart = restart
         self.goodput = Goodput()  # from here: initialisation and restore count as badput
+        self.pipeline: dict | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = steps
         self.rollbacks: list[dict] = []
@@ -136,6 +138,8 @@ class Run:
         self.skipped = counts.get("skipped_steps", 0)
         step.reset_guard(self.at, self.skipped, counts.get("consecutive_nonfinite", 0))
         self.step, self.state = step, state
+        self.pipeline = run_record(self.spec, step.mesh_shape)  # its bubble is badput
+        self.goodput.bubble = self.pipeline["idle_fraction"] if self.pipeline else 0.0
         if self.resume_mark and self.announce and step.is_writer:
             self.announce(resume_line(self.resume_mark, step.mesh_shape))
         return state
@@ -434,6 +438,7 @@ class Run:
             **self.stragglers.report(),
             "mesh": self.step.mesh_shape,
             "accumulation_steps": spec.batch.accumulation_steps,
+            "pipeline": self.pipeline,  # the executed schedule's slots; None without one
             "gns_not_measured": self.step.gns_note,  # None when measured
             **self.step.summary_fields(),
             **self.summary_fields,

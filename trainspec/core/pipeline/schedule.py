@@ -71,8 +71,8 @@ def orders(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> l
     for s in range(p):
         forwards = [_interleaved_op(k, p, v, False) for k in range(m * v)]
         backwards = [_interleaved_op(k, p, v, True) for k in range(m * v)]
-        if schedule == "gpipe":
-            out.append(forwards + backwards)
+        if schedule == "gpipe":  # the backward of the whole forward: last micro-batch first
+            out.append(forwards + backwards[::-1])
             continue
         if schedule == "1f1b":
             warmup = min(p - s - 1, m)
@@ -210,6 +210,27 @@ def run(schedule: str, stages: int, microbatches: int, virtual: int = 1, forward
         backward: int = 1) -> Timeline:
     v = virtual if schedule == INTERLEAVED else 1
     return execute(orders(schedule, stages, microbatches, v), v, forward, backward)
+
+
+def summary(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
+    """What a run records of its pipeline: the schedule, its executed slots (one string per
+    stage, F = B = one unit) and their idle fraction."""
+    timeline = run(schedule, stages, microbatches, virtual)
+    return {"schedule": schedule, "stages": stages, "microbatches": microbatches,
+            "virtual_stages": virtual, "idle_fraction": timeline.idle_fraction(),
+            "slots": [" ".join(map(str, row)) for row in timeline.slots]}
+
+
+def run_record(spec, mesh_shape: dict[str, int]) -> dict | None:
+    """`summary` of the pipeline a run of `spec` on a mesh of `mesh_shape` executes; None
+    without a split pipeline axis."""
+    axes = spec.mesh.axes_with_role("pipeline")
+    stages = mesh_shape.get(axes[0], 1) if axes else 1
+    section = spec.pipeline
+    if stages == 1 or section.schedule not in GENERATED:
+        return None
+    return summary(section.schedule, stages, section.microbatches or stages,
+                   section.virtual_stages if section.schedule == INTERLEAVED else 1)
 
 
 def bubble_formula(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
