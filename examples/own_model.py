@@ -36,12 +36,15 @@ def make(spec) -> UserModel:
         # aux: summed over micro-batches like the loss, recorded as metrics.jsonl's `aux`
         return jnp.sum(error**2), jnp.float32(error.size), {"abs_error_sum": jnp.sum(abs(error))}
 
-    def batches(index):
-        x = np.random.default_rng([spec.seed, index]).normal(
+    def batches(index, stream=0):
+        x = np.random.default_rng([spec.seed, index, stream]).normal(
             size=(spec.batch.global_batch, FEATURES)).astype(np.float32)
         return {"x": x, "y": np.sin(x @ target)}
+
+    def eval_batches(index):  # [eval]: inputs no training batch draws
+        return batches(index, stream=1)
 
     # 2 FLOPs per multiply-add of the two kernels, forward + backward = 3 x forward, per row
     flops = 6 * (FEATURES * HIDDEN + HIDDEN) * spec.batch.global_batch
     return UserModel(init, loss, batches, flops_per_step=flops,
-                     schedule=lambda updates: LEARNING_RATE)
+                     schedule=lambda updates: LEARNING_RATE, eval_batches=eval_batches)

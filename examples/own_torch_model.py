@@ -22,10 +22,13 @@ def make(spec) -> UserModel:
         error = model(batch["x"])[:, 0] - batch["y"]
         return (error**2).sum(), error.numel()
 
-    def batches(index):
-        x = np.random.default_rng([spec.seed, index]).normal(
+    def batches(index, stream=0):
+        x = np.random.default_rng([spec.seed, index, stream]).normal(
             size=(spec.batch.global_batch, FEATURES)).astype(np.float32)
         return {"x": x, "y": np.sin(x @ target)}
+
+    def eval_batches(index):  # [eval]: inputs no training batch draws
+        return batches(index, stream=1)
 
     def optimizer(params):
         # the model's own optimizer governs, its learning rate included (docs/wrapping.md)
@@ -33,4 +36,5 @@ def make(spec) -> UserModel:
 
     # 2 FLOPs per multiply-add of the two weights, forward + backward = 3 x forward, per row
     flops = 6 * (FEATURES * HIDDEN + HIDDEN) * spec.batch.global_batch
-    return UserModel(model, loss, batches, flops_per_step=flops, optimizer=optimizer)
+    return UserModel(model, loss, batches, flops_per_step=flops, optimizer=optimizer,
+                     eval_batches=eval_batches)

@@ -68,6 +68,9 @@ NUMPY = Capabilities("numpy", {
     "metrics.gns": honoured("absent: not measured, the summary says so", Refusal(
         "when true", lambda gns, r: bool(gns), "the numpy implementation does not measure it")),
     "checkpoint.interval": _unless(0, "no checkpoints"),
+    "eval.interval": _unless(0, "no held-out evaluation"),
+    **{f"eval.{name}": honoured("no effect without evaluation (refused)")
+       for name in ("batches", "source")},
     **{f"checkpoint.{name}": honoured("no effect without checkpoints (refused)")
        for name in ("keep", "async_save", "dir")},
     "health.preflight": _unless(False, "its devices are simulated"),

@@ -143,7 +143,7 @@ def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
     through trainspec.torch.wrap in the same loop; a rerun to a later step resumes it on
     another layout (data=2 -> fsdp=2), its records follow the schema."""
     model = ["--model", f"{ROOT / 'examples' / 'own_torch_model.py'}:make",
-             "--set", "batch.micro_batch=8"]
+             "--set", "batch.micro_batch=8", "--set", "eval.interval=4"]
     result = run_cli(_cmd(tmp_path, *model, steps=4))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "trained 4 steps on mesh data=2 x fsdp=1 x tensor=1 (2 micro-batches" in result.stdout
@@ -161,6 +161,10 @@ def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
     assert summary["final_loss"] < summary["initial_loss"] and summary["framework"] == "torch"
     assert records[-1]["model_flops_per_step"] == 6 * (8 * 32 + 32) * 16  # the model's own
     assert {r["learning_rate"] for r in records} == {3e-2}  # its optimizer's own, as on JAX
+    # [eval]: the model's eval_batches after steps 4 and 8, in both invocations
+    evaluated = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert sorted(evaluated) == [4, 8] and 0 < evaluated[8] < evaluated[4], evaluated
+    assert summary["eval_loss"] == evaluated[8]
 
 
 def test_resumes_on_another_world_size(tmp_path, reference):

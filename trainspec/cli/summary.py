@@ -24,6 +24,8 @@ def print_summary(summary: dict) -> None:
     for rollback in summary.get("rollbacks") or []:  # the run went back to a checkpoint
         print(f"  rolled back    to step {rollback['restored_step']}: "
               f"{rollback['reason']}")
+    if summary.get("eval_loss") is not None:  # [eval]: the newest evaluation
+        print(f"  eval loss      {summary['eval_loss']:.4f} (the newest evaluation, [eval])")
     if summary.get("skipped_batches"):
         print(f"  skipped        batches {', '.join(map(str, summary['skipped_batches']))} "
               "(health.nan.policy = rollback)")

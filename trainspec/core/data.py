@@ -16,18 +16,24 @@ import numpy as np
 CORPUS_BYTES = 4 * 1024 * 1024
 
 
-@functools.lru_cache(maxsize=1)
-def stdlib_corpus(max_bytes: int = CORPUS_BYTES) -> np.ndarray:
-    """uint8 array of concatenated stdlib `.py` files in sorted path order (deterministic)."""
+@functools.lru_cache(maxsize=2)
+def stdlib_corpus(max_bytes: int = CORPUS_BYTES, skip: int = 0) -> np.ndarray:
+    """uint8 array of concatenated stdlib `.py` files in sorted path order (deterministic),
+    from byte `skip` on."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.glob("*.py")):
         data = path.read_bytes()
         chunks.append(data)
         total += len(data)
-        if total >= max_bytes:
+        if total >= skip + max_bytes:
             break
-    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    return np.frombuffer(b"".join(chunks)[skip:skip + max_bytes], dtype=np.uint8)
+
+
+def held_out_corpus() -> np.ndarray:
+    """The stdlib's source past the training corpus: text no step of the default job reads."""
+    return stdlib_corpus(CORPUS_BYTES, skip=CORPUS_BYTES)
 
 
 class ByteBatches:

@@ -32,6 +32,7 @@ STEPS = 3
 SPEC = ["model.d_model=32", "model.d_ff=64", "model.n_layers=1", "model.n_heads=4",
         "batch.seq_len=16", "batch.global_batch=32", "metrics.interval=1",
         "optimizer.warmup_steps=0", f"train.steps={STEPS}", "checkpoint.interval=0",
+        "eval.interval=0",
         "health.fingerprints.interval=0"]
 # SGD's update is proportional to the clipped gradient, so it shows a wrong clip where Adam,
 # invariant to a constant gradient scale, would not. The third job decays every parameter and

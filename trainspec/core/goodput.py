@@ -17,7 +17,8 @@ import time
 from trainspec.core.health import outlier_threshold
 
 BADPUT = ("initialization", "compilation", "data_loading", "checkpoint_save",
-          "checkpoint_restore", "lost_progress", "slow_steps", "pipeline_bubble", "other")
+          "checkpoint_restore", "lost_progress", "slow_steps", "pipeline_bubble", "evaluation",
+          "other")
 
 
 def ideal_step_time(step_times: list[float]) -> float | None:

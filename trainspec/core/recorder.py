@@ -104,6 +104,10 @@ class Recorder:
         """Call right before the first step: intervals are timed from here."""
         self._t_last = time.perf_counter()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (an evaluation between steps) out of the interval's step time."""
+        self._t_last += seconds
+
     def due(self, step: int) -> bool:
         return step == self.first_step or step % self.interval == 0 or step == self.total_steps
 

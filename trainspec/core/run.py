@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from trainspec.core import bad_steps
+from trainspec.core import bad_steps, evaluation
 from trainspec.core.arrivals import StepMarks
 from trainspec.core.faults import Faults
 from trainspec.core.goodput import Goodput
@@ -88,6 +88,7 @@ class Run:
         self.recorder = self.bar = None
         self.signals = StopSignals()
         self._times: list[tuple[int, float]] = []
+        self.eval_loss: float | None = None  # the newest evaluation's ([eval])
 
     def __enter__(self) -> Run:
         """Opens the checkpoints: sets them aside under `restart`; `total_steps` becomes the
@@ -127,6 +128,7 @@ class Run:
             if self.start >= self.steps:  # before anything is compiled or written
                 raise AlreadyTrained(self.run_dir, self.start, self.steps)
             self.stragglers = StragglerDetector(self.spec.health.stragglers, step.participants)
+            self.evaluates = evaluation.evaluates(self.spec, step, step.is_writer)
             if step.is_writer:
                 save_spec(self.spec, self.run_dir)
         self.resume_mark = resume_mark(meta) if meta else None  # on the first record after it
@@ -219,16 +221,30 @@ class Run:
 
     def _record(self, metrics: dict, checkpointing: bool) -> None:
         """Host sync only when a record is due (metrics.interval, first and last step, a
-        checkpoint after this step)."""
+        checkpoint after this step, an evaluation)."""
+        evaluating = self.evaluates and evaluation.due(self.spec, self.at)
+        evaluated = self._evaluate() if evaluating else {}
         record = self.recorder.after_step(
-            self.at, metrics, self._data_wait, due=checkpointing,
-            extra=lambda host: self._record_fields(host, checkpointing))
+            self.at, metrics, self._data_wait, due=checkpointing or evaluating,
+            extra=lambda host: {**self._record_fields(host, checkpointing), **evaluated})
         if record is None:
             return
         self.bar.update(self.at - self.bar.n)
         self.bar.set_postfix(loss=f"{self.recorder.losses[self.at]:.3f}",
                              tok_s=f"{record['tokens_per_s']:.0f}",
                              mfu=f"{100 * (record['mfu'] or 0):.1f}%")
+
+    def _evaluate(self) -> dict:
+        """`eval_loss` on the step's eval batches (trainspec.core.evaluation); its time is
+        neither step time nor productive (goodput's `evaluation`)."""
+        t0 = time.perf_counter()
+        sums = [self.step.evaluate(self.state, self.step.eval_data(i))
+                for i in range(self.spec.eval.batches)]
+        seconds = time.perf_counter() - t0
+        self.recorder.exclude(seconds)
+        self.goodput.add("evaluation", seconds)
+        self.eval_loss = evaluation.eval_loss(sums)
+        return {"eval_loss": self.eval_loss}
 
     def _record_fields(self, host_metrics: dict, checkpointing: bool) -> dict:
         """The fields the run adds to a record: health, the step's learning rate, and the
@@ -429,6 +445,7 @@ class Run:
         return {
             **self.recorder.summary(),  # losses, tokens_per_s, step_time_s, mfu, memory, ...
             "steps": self.steps,
+            "eval_loss": self.eval_loss,
             "resumed_from": self.start,
             "last_checkpoint": self.ckpt.last_saved,
             "rollbacks": self.rollbacks,

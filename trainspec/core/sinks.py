@@ -26,7 +26,7 @@ def _summary_writer_class():
 
 # Record fields -> TensorBoard (docs/metrics.md, section 1). Scalars at every record:
 PER_RECORD = {
-    "loss": "loss/loss", "grad_norm": "loss/grad_norm", "learning_rate": "loss/learning_rate",
+    "loss": "loss/loss", "eval_loss": "loss/eval_loss", "grad_norm": "loss/grad_norm", "learning_rate": "loss/learning_rate",
     "gns": "loss/gns", "gns_grad_sq": "loss/gns_grad_sq", "gns_trace": "loss/gns_trace",
     "gns_low": "loss/gns_low", "gns_high": "loss/gns_high",
     "gns_window_steps": "loss/gns_window_steps", "gns_trend_limited": "loss/gns_trend_limited",

@@ -321,6 +321,19 @@ class TrainSpec(Section):
     steps: int = Field(60, ge=1, le=MAX_STEPS, description="Optimizer steps of `trainspec train`.")
 
 
+class EvalSpec(Section):
+    """Held-out loss during training: the records' `eval_loss` (docs/spec.md)."""
+
+    interval: int = Field(0, ge=0, description="Steps between evaluations (0 = none); a run "
+                          "evaluates after every step that is a multiple of it.")
+    batches: int = Field(2, ge=1, description="Global batches per evaluation, the same ones "
+                         "every time.")
+    source: Literal["held_out", "training"] = Field(
+        "held_out", description="The reference job's eval data: held_out, the standard "
+        "library's source past the training corpus (never trained on); training, other "
+        "windows of the training corpus. A user's model evaluates its own eval_batches.")
+
+
 class CheckpointSpec(Section):
     """When and where the train state is saved (docs/reliability.md)."""
 
@@ -372,6 +385,7 @@ class Spec(Section):
     optimizer: OptimizerSpec = OptimizerSpec()
     train: TrainSpec = TrainSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    eval: EvalSpec = EvalSpec()
     health: HealthSpec = HealthSpec()
     semi_sync: SemiSyncSpec | None = Field(
         None, description="Semi-synchronous (DiLoCo) training; absent = synchronous.")

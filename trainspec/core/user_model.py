@@ -45,6 +45,9 @@ class UserModel:
       (forward + backward), for MFU; None: MFU is null (XLA's count still gives HFU on JAX).
     - `schedule(updates) -> learning rate` for the records on JAX; None: null (torch records
       its optimizer's learning rate, or the spec's schedule where it builds the optimizer).
+    - `eval_batches(index) -> {name: NumPy array}`: optional, the eval hook of `[eval]`:
+      held-out global batch `index` (0-based, as `batches`), whose loss `loss` gives the
+      records' `eval_loss`; `eval.interval > 0` without it is refused in one line.
     - `tensor_plan`, `fsdp_units`: torch only, `trainspec.torch.wrap`'s arguments of those
       names ({module name: ParallelStyle}; module-name rules for FSDP2 units); None: the
       defaults. On JAX the spec's `layout.rules` split a model by its logical axis names.
@@ -58,12 +61,25 @@ class UserModel:
     optimizer: Callable | None = None
     tensor_plan: dict | None = None
     fsdp_units: Sequence[str] | None = None
+    eval_batches: Callable[[int], dict] | None = None
+
+    def train_rows(self, rows: slice) -> Callable[[int], dict]:
+        """Batch `index`, this process's `rows` of it."""
+        return _rows_of(self.batches, rows)
+
+    def eval_rows(self, rows: slice) -> Callable[[int], dict] | None:
+        """Eval batch `index`, this process's `rows` of it; None without `eval_batches`."""
+        return self.eval_batches and _rows_of(self.eval_batches, rows)
 
     def model_flops(self, spec):
         """The records' FLOPs formula (trainspec.core.flops.ModelFlops), or None."""
         if self.flops_per_step is None:
             return None
         return PerToken(self.flops_per_step / tokens_per_step(spec))
+
+
+def _rows_of(batches: Callable[[int], dict], rows: slice) -> Callable[[int], dict]:
+    return lambda index: {name: x[rows] for name, x in batches(index).items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,9 @@ JAX = Capabilities("jax", dict([
                 "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip_norm",
                 "train.steps", "checkpoint.interval", "checkpoint.keep"),
     ("checkpoint.async_save", honoured("orbax writes in the background")),
+    ("eval.interval", honoured("loss_fn's forward pass, jitted, on the step's batch sharding "
+                               "(a loss_step; a semi_sync step refuses it by name)")),
+    *_reference("eval.batches", "eval.source"),
     *_reference("checkpoint.dir"),
     ("health.preflight", honoured("trainspec doctor's checks; failing devices excluded")),
     ("health.nan.policy", honoured(

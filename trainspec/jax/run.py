@@ -26,6 +26,7 @@ from trainspec.core.flops import ModelFlops
 from trainspec.core.health import ReplicaMismatch
 from trainspec.core.run_files import refuse_foreign_checkpoints
 from trainspec.jax.checkpoint import Checkpointer
+from trainspec.jax.evaluate import eval_sums
 from trainspec.jax.health.faults import flip_first_param
 from trainspec.jax.health.memory import check_step
 from trainspec.jax.health.replicas import ReplicaFingerprints
@@ -42,8 +43,9 @@ class JaxStep:
     framework = "jax"
 
     def __init__(self, wrapped: WrappedStep, model_flops: ModelFlops | None = None,
-                 schedule=None):
+                 schedule=None, eval_data=None):
         self.wrapped, self.model_flops, self.schedule = wrapped, model_flops, schedule
+        self.eval_data = eval_data  # eval batch i (this process's rows): [eval]
         self.spec, self.gns_note = wrapped.spec, wrapped.gns_note
         self.mesh_shape = wrapped.dims.shape
         self.replicas = ReplicaFingerprints(wrapped.mesh, wrapped.dims.axes_with_role("data"))
@@ -56,6 +58,9 @@ class JaxStep:
 
     def __call__(self, state, batch):
         return self.wrapped(state, batch)
+
+    def evaluate(self, state, batch) -> tuple[float, float]:
+        return eval_sums(self.wrapped, state, batch)
 
     # -- records ---------------------------------------------------------------------------
     def facts(self, state, batch) -> dict:
@@ -142,16 +147,18 @@ class Run(core_run.Run):
     """The run services (trainspec.core.run.Run) for a user's own loop around `step`, a
     WrappedStep: orbax checkpoints in `run_dir`, the spec's metrics sinks, progress, summary.
     `steps` defaults to `train.steps`; `schedule(updates)` and `model_flops` fill the records'
-    learning rate and MFU. Other options as trainspec.core.run.Run."""
+    learning rate and MFU; `eval_data(i)`, eval batch i (this process's rows) under `[eval]`.
+    Other options as trainspec.core.run.Run."""
 
     def __init__(self, spec, run_dir, step: WrappedStep, steps: int | None = None, *,
-                 schedule=None, model_flops: ModelFlops | None = None, **options):
+                 schedule=None, model_flops: ModelFlops | None = None, eval_data=None,
+                 **options):
         run_dir = Path(run_dir)
         if not options.get("restart"):  # before orbax lists them (and warns they are not its own)
             refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")
         super().__init__(spec, run_dir, Checkpointer(spec, run_dir), steps or spec.train.steps,
                          **options)
-        self.jax_step = JaxStep(step, model_flops, schedule)
+        self.jax_step = JaxStep(step, model_flops, schedule, eval_data)
 
     def resume(self, init_fn, *args):
         """The state to train from: the newest good checkpoint, restored straight into the

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax.training.train_state import TrainState
 
+from trainspec.core import evaluation
 from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
 from trainspec.core.faults import Faults
@@ -170,7 +171,9 @@ def reference_job(spec: Spec, total_steps: int, run_dir: Path,
     job = build_job(spec, largest_mesh(spec), total_steps=total_steps, init=False)
     rows = local_rows(job.step)
     check_host_batch(job.data.host_bytes(rows.stop - rows.start))  # before it takes the memory
-    step = JaxStep(job.step, model_flops(spec), make_schedule(spec, total_steps))
+    held_out = evaluation.reference_batches(spec) if spec.eval.interval else None
+    step = JaxStep(job.step, model_flops(spec), make_schedule(spec, total_steps),
+                   held_out and (lambda index: held_out.batch(index, rows)))
 
     def init():
         state = job.init_state(initial)
@@ -186,9 +189,9 @@ def user_job(spec: Spec, model: UserModel):
     step = wrap(loss_step(model.loss), spec, largest_mesh(spec))
     rng = jax.random.key(spec.seed)
     rows = local_rows(step)
-    return (JaxStep(step, model.model_flops(spec), model.schedule),
+    return (JaxStep(step, model.model_flops(spec), model.schedule, model.eval_rows(rows)),
             abstract_state(step, model.init, rng), lambda: step.init(model.init, rng),
-            lambda index: {name: x[rows] for name, x in model.batches(index).items()})
+            model.train_rows(rows))
 
 
 def run(

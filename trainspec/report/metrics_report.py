@@ -19,6 +19,7 @@ def summarize(records: list[dict]) -> dict:
     return {
         "steps": last["step"],
         "final_loss": last["loss"],
+        "eval_loss": next((r["eval_loss"] for r in reversed(records) if "eval_loss" in r), None),
         "step_time_s": _median(r["step_time_s"] for r in records),
         "n_devices": last["n_devices"],
         "tokens_per_s": _median(r["tokens_per_s"] for r in records),
@@ -45,6 +46,7 @@ def summarize(records: list[dict]) -> dict:
 # (robust to a slow first one); the train summary prints means over the run instead.
 COLUMNS = [
     ("steps", "steps", "{:d}"), ("final_loss", "loss (last)", "{:.4f}"),
+    ("eval_loss", "eval loss (last)", "{:.4f}"),
     ("step_time_s", "step ms (median)", "{:.1f}", 1e3),
     ("n_devices", "devices", "{:d}"), ("tokens_per_s", "tokens/s (median)", "{:.0f}"),
     ("tokens_per_s_per_device", "tokens/s per device (median)", "{:.0f}"),

@@ -18,6 +18,7 @@ from trainspec.report import plots, spec_diff
 
 CURVES = [  # (title, y label, value of a record or None[, its (low, high) band or None])
     ("Loss", "loss", lambda r: r["loss"]),
+    ("Eval loss", "held-out loss ([eval])", lambda r: r.get("eval_loss")),
     ("Gradient norm", "global norm, before clipping", lambda r: r.get("grad_norm")),
     ("Gradient noise scale", "B_simple (tokens), 90% interval",
      lambda r: r.get("gns"), lambda r: (r.get("gns_low"), r.get("gns_high"))),

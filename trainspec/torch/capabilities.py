@@ -121,6 +121,10 @@ TORCH = Capabilities("torch", dict([
     *((f"optimizer.{name}", honoured("torch.optim.AdamW or SGD, stepped as optax's"))
       for name in ("name", "learning_rate", "warmup_steps", "weight_decay", "grad_clip_norm")),
     ("train.steps", honoured()),
+    ("eval.interval", honoured("loss_fn under torch.no_grad, the model in eval mode, summed "
+                               "over the batch's ranks (under semi_sync: rank 0's group's)")),
+    ("eval.batches", honoured()),
+    ("eval.source", honoured()),
     ("checkpoint.interval", honoured("safetensors blocks under the trunk's manifest, resharded on load")),
     ("checkpoint.keep", honoured()),
     ("checkpoint.dir", honoured()),

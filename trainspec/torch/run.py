@@ -53,8 +53,9 @@ class TorchRunStep:
     local_signals = True  # every rank catches them; `stop_signal` agrees on one
 
     def __init__(self, step: WrappedStep, adapter: TorchAdapter,
-                 model_flops: flops.ModelFlops | None = None):
+                 model_flops: flops.ModelFlops | None = None, eval_data=None):
         self.job, self.adapter, self.model_flops = step, adapter, model_flops
+        self.eval_data = eval_data  # eval batch i (this rank's rows): [eval]
         self.spec, self.mesh_shape = step.spec, step.mesh_shape
         self.gns_note = step.gns_note  # None when the step measures the noise scale
         self.process_index, self.is_writer = adapter.process_index, adapter.is_writer()
@@ -63,6 +64,9 @@ class TorchRunStep:
         self._stop_vote = None  # the all-reduce of the last step's stop signals, in flight
         self._facts: dict | None = None  # the records' facts, until the first step counted
         self.semi_sync: dict | None = None  # the summary's semi_sync entry, once counted
+
+    def evaluate(self, state, batch) -> tuple[float, float]:
+        return state.evaluate(batch)
 
     def __call__(self, state, batch):
         """The step; the first one after `facts` runs with its collectives counted, and the

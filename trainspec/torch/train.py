@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from trainspec.core import evaluation
 from trainspec.core.data import ByteBatches
 from trainspec.core.faults import Faults
 from trainspec.core.health import HealthHalt
@@ -50,7 +51,9 @@ def reference_job(spec: Spec, adapter: TorchAdapter, total_steps: int, run_dir: 
         save_initial(job.model, run_dir, spec.model)
         return job
 
-    return (TorchRunStep(job, adapter, for_spec(spec)), job, init,
+    held_out = evaluation.reference_batches(spec) if spec.eval.interval else None
+    return (TorchRunStep(job, adapter, for_spec(spec),
+                         held_out and (lambda index: held_out.batch(index, rows))), job, init,
             lambda index: data.batch(index, rows))
 
 
@@ -62,8 +65,9 @@ def user_job(spec: Spec, model: UserModel, adapter: TorchAdapter, total_steps: i
                       total_steps=total_steps, spec_schedule=model.optimizer is None,
                       tensor_plan=model.tensor_plan, fsdp_units=model.fsdp_units)
     rows = job.rows()
-    return (TorchRunStep(job, adapter, model.model_flops(spec)), job, lambda: job,
-            lambda index: {name: x[rows] for name, x in model.batches(index).items()})
+    return (TorchRunStep(job, adapter, model.model_flops(spec), model.eval_rows(rows)), job,
+            lambda: job,
+            model.train_rows(rows))
 
 
 def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "default",

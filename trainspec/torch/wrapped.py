@@ -270,6 +270,27 @@ class WrappedStep:
                     [q.grad for q in self.params if q.grad is not None], tokens)
         return sums
 
+    def evaluate(self, batch: Mapping) -> tuple[float, float]:
+        """(loss sum, valid tokens) of `loss_fn` over the global batch (this rank's rows, or the
+        whole batch), the model in eval mode, no gradient: `[eval]`'s held-out loss."""
+        k, local = self.spec.batch.accumulation_steps, self._local_rows(batch)
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for j in range(k):
+                    with self._compute():
+                        loss_sum, tokens = self.loss_fn(self.model,
+                                                        {key: v[j::k] for key, v in local.items()})
+                    tokens = torch.as_tensor(tokens, device=self.device).float()
+                    sums += torch.stack([loss_sum.float(), tokens])
+        finally:
+            self.model.train()
+        if self.batch_group is not None:
+            dist.all_reduce(sums, group=self.batch_group)
+        loss_sum, tokens = sums.tolist()
+        return loss_sum, tokens
+
     def _compute(self):
         if not self.autocast:
             return contextlib.nullcontext()
