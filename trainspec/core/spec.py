@@ -324,10 +324,10 @@ class TrainSpec(Section):
 class EvalSpec(Section):
     """Held-out loss during training: the records' `eval_loss` (docs/spec.md)."""
 
-    interval: int = Field(0, ge=0, description="Steps between evaluations (0 = none); a run "
-                          "evaluates after every step that is a multiple of it.")
-    batches: int = Field(2, ge=1, description="Global batches per evaluation, the same ones "
-                         "every time.")
+    interval: int = Field(0, ge=0, le=MAX_STEPS, description="Steps between evaluations "
+                          "(0 = none); a run evaluates after every step that is a multiple of it.")
+    batches: int = Field(2, ge=1, le=MAX_STEPS, description="Global batches per evaluation, "
+                         "the same ones every time.")
     source: Literal["held_out", "training"] = Field(
         "held_out", description="The reference job's eval data: held_out, the standard "
         "library's source past the training corpus (never trained on); training, other "
