@@ -62,6 +62,16 @@ def _sources() -> list[Path]:
     return sources
 
 
+def _nccl_include() -> str | None:
+    """The nvidia-nccl wheel's include directory, where it is installed and ships nccl.h."""
+    try:
+        found = importlib.metadata.distribution("nvidia-nccl-cu13").locate_file(
+            "nvidia/nccl/include")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return str(found) if (Path(str(found)) / "nccl.h").exists() else None
+
+
 def _flags(source: Path) -> list[str]:
     import jax
     import nanobind
@@ -70,6 +80,8 @@ def _flags(source: Path) -> list[str]:
     if source.suffix == ".cu":
         return [*includes, f"-arch={ARCH}", "--fmad=false", "-Werror=all-warnings",
                 "-Xcompiler", "-Wall,-Wextra,-Werror"]
+    if source.name == "nccl_api.cc" and _nccl_include():  # as cuda.cmake: checked against it
+        includes += ["-DTRAINSPEC_HAVE_NCCL_H", "-isystem", _nccl_include()]
     return [*includes, "-isystem", jax.ffi.include_dir(), "-isystem", nanobind.include_dir(),
             "-isystem", sysconfig.get_paths()["include"], '-DTRAINSPEC_JAXLIB_VERSION="test"',
             "-Xcompiler", "-Wall,-Wextra,-Werror"]
