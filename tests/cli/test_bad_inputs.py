@@ -86,11 +86,11 @@ def test_bad_faults_env_is_one_line(monkeypatch, raw):
 
 
 def test_bad_init_timeout_env_is_one_line(monkeypatch):
-    from trainspec.jax import distributed
+    from trainspec.jax import runtime as distributed
 
-    monkeypatch.setenv(distributed.INIT_TIMEOUT, "abc")
+    monkeypatch.setenv(runtime.INIT_TIMEOUT, "abc")
     with pytest.raises(UserInputError, match="TRAINSPEC_INIT_TIMEOUT_S"):
-        distributed.initialize_from_env()
+        runtime.initialize_from_env()
 
 
 class _ClosedPipe:

@@ -40,7 +40,7 @@ os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import jax  # noqa: E402
 
-from trainspec.jax.distributed import initialize_from_env  # noqa: E402
+from trainspec.jax.runtime import initialize_from_env  # noqa: E402
 
 HANG_STATUS = 3  # the exit status of a process whose watchdog fired (a failed check: 1)
 

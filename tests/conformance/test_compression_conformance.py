@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trainspec.core import conformance_runner as runner
-from trainspec.jax.adapter import JaxAdapter
+from trainspec.jax.conformance import JaxConformance
 from trainspec.core import conformance as cases
 from trainspec.core import packed
 
@@ -15,7 +15,7 @@ CASES = len(cases.COMPRESSION_FORMATS) * len(cases.COMPRESSION_SIZES)
 
 @pytest.mark.parametrize("backend", ["xla", "ext"])
 def test_backends_pass_the_compression_families(backend):
-    rows = runner._compression_rows(JaxAdapter(backend))
+    rows = runner._compression_rows(JaxConformance(backend))
     assert [(r.family, r.passed, r.failed) for r in rows] == [
         ("compression bounds", CASES, 0), ("error feedback", CASES, 0)], rows
 
@@ -23,13 +23,13 @@ def test_backends_pass_the_compression_families(backend):
 def test_int8_bound_is_nearly_reached():
     """The half step dominates the bound: the worst element errs by more than 0.45 scale."""
     x = cases.compression_inputs(1027, "tightness")[0]
-    sent = JaxAdapter("xla").error_feedback(x, np.zeros_like(x), "int8", 32)[0]
+    sent = JaxConformance("xla").error_feedback(x, np.zeros_like(x), "int8", 32)[0]
     scales = np.repeat(packed.quantize_int8(x, 32)[0], 32)[: x.size].astype(np.float64)
     assert np.max(np.abs(sent - x.astype(np.float64)) / scales) > 0.45
 
 
 def test_without_compression_the_families_are_skipped_saying_why():
-    rows = runner._compression_rows(JaxAdapter("hierarchical"))
+    rows = runner._compression_rows(JaxConformance("hierarchical"))
     assert all(r.skipped == "hierarchical reports collectives.compression unsupported"
                and r.passed == r.failed == 0 for r in rows)
     line = runner.table("hierarchical", rows).splitlines()[2]
@@ -37,7 +37,7 @@ def test_without_compression_the_families_are_skipped_saying_why():
                             "reports", "collectives.compression", "unsupported"]
 
 
-class _SixBitInt8(JaxAdapter):
+class _SixBitInt8(JaxConformance):
     """int8 sent on a grid twice as coarse, and the residual one ulp off."""
 
     def error_feedback(self, x, residual, compression, block):

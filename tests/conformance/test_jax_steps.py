@@ -5,13 +5,13 @@ which runs `trainspec conformance --impl torch`."""
 import pytest
 
 from trainspec.core.conformance_steps import records_row, step_rows
-from trainspec.jax.adapter import JaxAdapter
+from trainspec.jax.conformance import JaxConformance
 
 pytestmark = pytest.mark.slow
 
 
 def test_jax_steps_match_the_shipped_references():
-    adapter = JaxAdapter("xla")
+    adapter = JaxConformance("xla")
     rows = {r.family: r for r in [*step_rows(adapter), records_row(adapter)]}
     assert {f: (r.passed, r.failed, r.refused) for f, r in rows.items()} == {
         "reference trajectory": (3, 0, []), "accumulation": (2, 0, []),

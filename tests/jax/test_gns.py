@@ -17,7 +17,7 @@ from trainspec.core import gns
 from trainspec.core.gns import unbiased_parts
 from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
-from trainspec.jax.metrics.advice import advise
+from trainspec.core.advice import advise
 from trainspec.jax.metrics.logger import MetricsLogger
 from trainspec.jax.models.transformer import Transformer, next_token_loss
 from trainspec.core.spec import ModelSpec, load_spec

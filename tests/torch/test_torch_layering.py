@@ -25,7 +25,7 @@ def test_torch_training_imports_no_jax(tmp_path):
 
 
 def test_jax_adapter_imports_no_torch(tmp_path):
-    code = ("import trainspec.jax.adapter, trainspec.core.conformance_runner, trainspec.jax.train, sys; "
+    code = ("import trainspec.jax.conformance, trainspec.core.conformance_runner, trainspec.jax.train, sys; "
             "assert 'torch' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=tmp_path, env=_blocking(tmp_path, "torch"), timeout=300)

@@ -155,10 +155,10 @@ def test_arrays_cross_frameworks_through_dlpack(adapter):
     """The interface's conversions: a jax array viewed by torch and back, bytes unchanged, and
     the same fingerprint from each implementation (the xla_ext custom call for JAX)."""
     import jax.numpy as jnp
-    from trainspec.jax.adapter import JaxAdapter
+    from trainspec.jax.conformance import JaxConformance
     from trainspec.core.fingerprint import fingerprint_reference
 
-    jax_adapter = JaxAdapter("xla")
+    jax_adapter = JaxConformance("xla")
     x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7
     as_torch = adapter.from_dlpack(jax_adapter.to_dlpack(x))
     back = jax_adapter.from_dlpack(adapter.to_dlpack(as_torch))

@@ -28,12 +28,13 @@ def run_spec(run: Path, spec_path: Path | None):
 
 
 def run(args) -> int:
-    from trainspec.jax.metrics import advice
+    from trainspec.core import advice
+    from trainspec.report.advice_plots import plot_advice
 
     result = advice.advise(args.run, run_spec(args.run, args.spec))
     print(advice.text(result))
     if args.plot:
-        print(f"plot: {advice.plot(result, args.plot)}")
+        print(f"plot: {plot_advice(result, args.plot)}")
     if args.json:
         advice.write_json(result, args.json)
         print(f"json: {args.json}")

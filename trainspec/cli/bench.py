@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainspec.cli.devices import ensure_host_devices
+from trainspec.jax.devices import ensure_host_devices
 from trainspec.cli.options import add_host_devices, add_outputs, add_overrides, at_least, comma_list
 from trainspec.core.errors import UserInputError
 
@@ -65,7 +65,7 @@ def run_collectives(args) -> int:
     factors) and #wrong, then each backend's time over xla's. Under `trainspec launch` every
     process measures and process 0 reports."""
     ensure_host_devices(args.host_devices)  # before anything asks jax for devices
-    from trainspec.jax.distributed import initialize_from_env, is_writer
+    from trainspec.jax.runtime import initialize_from_env, is_writer
 
     initialize_from_env()  # under `trainspec launch`: one process of the job
     from trainspec.jax.backends import BACKENDS

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from trainspec.cli.devices import ensure_host_devices
+from trainspec.jax.devices import ensure_host_devices
 from trainspec.cli.options import add_host_devices, add_outputs
 from trainspec.core.errors import UserInputError
 

@@ -12,12 +12,9 @@ import importlib.metadata
 import logging
 import sys
 
+from trainspec.cli.outcomes import OUTCOMES, end, outcome_of
 from trainspec.core import run_lock
-from trainspec.core.errors import FfiVersionError, UserInputError
 
-# The frameworks are extras of the package (pyproject.toml): module -> the extra that has it.
-FRAMEWORK_EXTRAS = {**dict.fromkeys(("jax", "jaxlib", "flax", "optax", "orbax"), "jax"),
-                    "torch": "torch"}
 SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling",
                       "conformance", "plan", "doctor")
 
@@ -52,17 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse's --help and usage errors: return, don't raise
         return int(exit_.code or 0)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to start ranks of the same command
+    args.speaks_for_job = lambda: True  # a command that joins a job asks its runtime
     try:
         with _library_warnings_as_lines(), run_lock.released_at_exit():
             return args.func(args) or 0
-    except UserInputError as err:
-        print(f"trainspec: error: {err}", file=sys.stderr)
-        return 2
-    except FfiVersionError as err:
-        print(f"trainspec: error: {err}", file=sys.stderr)
-        return 1
+    except tuple(outcome.kind for outcome in OUTCOMES) as err:
+        return end(outcome_of(err), err, args.speaks_for_job())
     except ModuleNotFoundError as err:  # a framework this command needs, not installed
-        extra = FRAMEWORK_EXTRAS.get((err.name or "").split(".")[0])
+        extra = framework_extras().get((err.name or "").split(".")[0])
         if extra is None:
             raise
         print(f"trainspec: error: this command needs {err.name}, which is not installed: "
@@ -92,6 +86,15 @@ def _library_warnings_as_lines():
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
+
+
+def framework_extras() -> dict[str, str]:
+    """The frameworks are extras of the package (pyproject.toml): module -> the extra that
+    brings it, as each registered backend declares."""
+    from trainspec.core import registry
+
+    return {module: backend.extra for name in registry.backend_names()
+            for backend in [registry.backend(name)] for module in backend.framework_modules}
 
 
 def _silence_stdout() -> None:

@@ -40,3 +40,13 @@ def add_outputs(p: argparse.ArgumentParser, *, json: str | None = None,
     for flag, help in (("--json", json), ("--plot", plot)):
         if help:
             p.add_argument(flag, type=Path, help=help)
+
+
+def add_framework(p: argparse.ArgumentParser, what: str) -> None:
+    """--framework NAME: one of the registered backends (trainspec.core.registry), the first
+    (the package's reference backend) by default."""
+    from trainspec.core.registry import backend_names
+
+    names = backend_names()
+    p.add_argument("--framework", choices=names, default=names[0],
+                   help=f"{what} (default {names[0]}; docs/adapters.md)")

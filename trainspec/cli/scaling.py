@@ -23,7 +23,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from trainspec.core.errors import UserInputError
-    from trainspec.jax.metrics import scaling
+    from trainspec.core import scaling
+    from trainspec.report.advice_plots import plot_scaling
 
     if (args.predict_params is None) != (args.predict_tokens is None):
         raise UserInputError("--predict-params and --predict-tokens go together")
@@ -47,7 +48,7 @@ def run(args) -> int:
     for key, p in prediction.items():
         print(f"predicted loss ({key}): {p['loss']:.4f}, 95% interval [{p['low']:.4f}, {p['high']:.4f}]")
     if args.plot:
-        print(f"plot: {scaling.plot(points, fits, prediction, {'compute': compute}, args.plot)}")
+        print(f"plot: {plot_scaling(points, fits, prediction, {'compute': compute}, args.plot)}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"json: {args.json}")

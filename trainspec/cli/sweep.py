@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainspec.cli.devices import ensure_host_devices
+from trainspec.jax.devices import ensure_host_devices
 from trainspec.cli.options import add_host_devices, add_overrides
 
 

@@ -2,20 +2,23 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import sys
 from pathlib import Path
 
-from trainspec.cli.devices import ensure_host_devices
+from trainspec.cli.options import add_framework
 from trainspec.cli.summary import print_summary
 from trainspec.cli.train_spec import (
-    announce, given_flags, initial_params, leave_now, silent, spec_to_use, unwritable)
-from trainspec.core import arrivals, run_lock
-from trainspec.core.errors import UserInputError
-from trainspec.core.host_memory import check_reference_model
+    announce, given_flags, initial_params, silent, spec_to_use, unwritable)
+from trainspec.core import registry, run_lock, user_model
+from trainspec.core.errors import LeaveNow, UserInputError
+from trainspec.core.exclusion import exclude
+from trainspec.core.faults import Faults
+from trainspec.core.launch import run as launch
+from trainspec.core.run_files import refuse_foreign_checkpoints
+from trainspec.core.spec import load_spec
 from trainspec.core.spec_bounds import MAX_DEVICES, MAX_STEPS
+from trainspec.core.store import check_resumable
 
 
 def register(subparsers) -> None:
@@ -48,11 +51,11 @@ def register(subparsers) -> None:
                    "initial_params.safetensors (either framework's run writes one) or such a "
                    "file; a run dir with checkpoints resumes instead (docs/adapters.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--framework", choices=("jax", "torch"), default="jax",
-                   help="implementation that trains (default jax; torch: docs/adapters.md)")
+    add_framework(p, "the backend that trains")
     p.add_argument("--nprocs", type=_positive_int,
-                   help="torch: ranks to start when not already one rank of a job (default 4 "
-                   "on CPU, one per GPU)")
+                   help="ranks to start, for a backend that starts its own (torch) when this "
+                   "process is not already one rank of a job (default: the backend's; torch: "
+                   "4 on CPU, one per GPU)")
     p.set_defaults(func=run)
 
 
@@ -102,125 +105,64 @@ def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
         raise UserInputError(f"--run-dir {run_dir}: no space left on its file system")
 
 
-@contextlib.contextmanager
-def _failed_save_threads_quiet():
-    """A failed checkpoint save is reported as one line (CheckpointSaveError), but it leaves
-    writes of that save still running on orbax's and tensorstore's threads, and each of them
-    fails in turn: orbax logs them (absl), asyncio logs their futures that nobody awaits any
-    more, and tensorstore's completion callbacks find orbax's event loop closed, each a
-    traceback (sys.unraisablehook) printed before the run has said why it stops."""
-    def orbax_error(record):
-        return record.levelno >= logging.ERROR and "/orbax/" in record.pathname
-
-    def unawaited_write(record):
-        return (record.levelno >= logging.ERROR and record.exc_info is not None
-                and isinstance(record.exc_info[1], OSError))
-
-    def late_callback(unraisable):
-        return (isinstance(unraisable.exc_value, RuntimeError)
-                and str(unraisable.exc_value) == "Event loop is closed")
-
-    filters = [(logging.getLogger("absl"), lambda record: not orbax_error(record)),
-               (logging.getLogger("asyncio"), lambda record: not unawaited_write(record))]
-    hook = sys.unraisablehook
-    for logger, keep in filters:
-        logger.addFilter(keep)
-    sys.unraisablehook = lambda unraisable: None if late_callback(unraisable) else hook(unraisable)
-    try:
-        yield
-    finally:
-        sys.unraisablehook = hook
-        for logger, keep in filters:
-            logger.removeFilter(keep)
-
-
 def run(args) -> int:
-    if args.framework == "torch":
-        from trainspec.cli.train_torch import run as run_torch
-
-        return run_torch(args)
-    from trainspec.jax.capabilities import JAX
-
-    JAX.check_flags(given_flags(args))
+    """The job on the backend `--framework` names: started here as ranks when the backend
+    asks for them (each runs this command again and joins the job), else run in this process."""
+    backend = registry.backend(args.framework)
+    backend.capabilities.check_flags(given_flags(args))
     if args.summary_json is not None and args.summary_json.is_dir():  # found before training,
         raise UserInputError(f"--summary-json {args.summary_json} is a directory; name a file")
-    ensure_host_devices(args.host_devices)
-    from trainspec.core.spec import load_spec
-
-    notes: list[str] = []  # said once the job is joined, by its writer
+    ranks = backend.ranks_to_start(args.nprocs)
+    backend.present_devices(args.host_devices)
+    # said once: by the command that starts the ranks, else by the job's writer once joined
+    notes: list[str] = []
     spec_path = spec_to_use(args, notes.append)
-    spec = load_spec(Path(spec_path), args.overrides)  # before the job: it sets XLA's timeout
-    import jax
-    from jax.errors import JaxRuntimeError
-    from trainspec.jax.distributed import initialize_from_env, is_writer
-
-    # a no-op unless launched as one process of several
-    initialize_from_env(spec.collectives.timeout_s)
-    from trainspec.core.run_files import AlreadyTrained
-    from trainspec.jax.train import run as train
-
-    say = announce if is_writer() else silent  # once per job, not once per process
+    spec = load_spec(Path(spec_path), args.overrides)  # before the job: it sets the timeout
+    if args.exclude_devices:
+        spec = exclude(spec, args.exclude_devices)  # devices (ranks) of the job as launched
+    model = user_model.load(args.model, spec) if args.model else None  # checked before ranks
+    if ranks is not None:
+        backend.check_model(spec, model)  # before the ranks take any memory
+        for note in notes:
+            announce(note)
+        initial_params(args, spec, announce)  # checked once, before the ranks start
+        return _start_ranks(args, backend, spec, model, ranks)
+    runtime = backend.runtime(spec.collectives.timeout_s)
+    runtime.join()  # a no-op unless this process is one of several
+    args.speaks_for_job = runtime.speaks_for_job
+    # a backend whose command starts its ranks said the notes there
+    say = announce if runtime.is_writer() and not backend.starts_ranks else silent
     for note in notes:
         say(note)
-    from trainspec.core import user_model
-    from trainspec.core.health import HealthHalt
-    from trainspec.core.exclusion import exclude
-    from trainspec.jax.health.faults import Faults
-    from trainspec.jax.checkpoint import CheckpointSaveError
-    from trainspec.core.loop import Preempted
-
-    if args.model is None:  # before the reference model takes any memory
-        check_reference_model(spec, state_on_host=jax.default_backend() == "cpu")
-    if args.exclude_devices:
-        spec = exclude(spec, args.exclude_devices)
-    model = user_model.load(args.model, spec) if args.model else None
-    if model is not None:
-        from trainspec.jax.user_model_check import check_init
-
-        check_init(model, spec.seed)
+    backend.check_model(spec, model)  # before the model takes any memory
     check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     init_from = initial_params(args, spec, say)
-    run_lock.hold(args.run_dir, is_writer())  # before anything is written there
-
-    def peer_lost(err: Exception) -> str:
-        return arrivals.peer_lost_line(args.run_dir, jax.process_count(), jax.process_index(),
-                                       arrivals.collective_of(str(err)),
-                                       spec.collectives.timeout_s)
-
-    with _failed_save_threads_quiet():  # until the process leaves on a failed save
-        try:
-            summary = train(
-                spec,
-                args.run_dir,
-                steps=args.steps,
-                spec_label=str(spec_path),
-                progress=not args.quiet,
-                summary_json=args.summary_json,
-                faults=Faults.from_env(),  # nothing unless TRAINSPEC_FAULTS is set (tests)
-                restart=args.restart,
-                announce=say,
-                model=model,
-                init_from=init_from,
-            )
-        except AlreadyTrained as done:  # the run dir is where it was asked to be: not an error
-            say(str(done))
-            return 0
-        except HealthHalt as halt:  # one clear line, saying where the last good state is
-            print(f"trainspec: halted: {halt}", file=sys.stderr)
-            return 3
-        except Preempted as stop:  # the checkpoint is written: say where, exit 128 + signal
-            print(f"trainspec: stopped: {stop}", file=sys.stderr)
-            return stop.exit_status
-        except CheckpointSaveError as err:  # a peer gone mid-save fails the save's gloo too
-            leave_now(peer_lost(err) if arrivals.peer_lost(str(err)) else str(err))
-        except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
-            leave_now(unwritable(args.run_dir, err))
-        except JaxRuntimeError as err:
-            if not arrivals.peer_lost(str(err)):
-                raise
-            # A peer process stopped arriving; the job's other processes fail or wait in their
-            # own collectives (`trainspec launch` stops them). The newest checkpoint stands.
-            leave_now(peer_lost(err))
-    if is_writer():  # once per job, not once per process
+    run_lock.hold(args.run_dir, runtime.speaks_for_job())  # before anything is written there
+    try:
+        summary = backend.train(
+            spec, args.run_dir, runtime, steps=args.steps, spec_label=str(spec_path),
+            progress=not args.quiet, summary_json=args.summary_json, restart=args.restart,
+            announce=announce, model=model, init_from=init_from,
+            faults=Faults.from_env())  # nothing unless TRAINSPEC_FAULTS is set (tests)
+    except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
+        raise LeaveNow(unwritable(args.run_dir, err)) from None  # a save may still be writing
+    if runtime.speaks_for_job():  # once per job, not once per process
         print_summary(summary)
     return 0
+
+
+def _start_ranks(args, backend, spec, model, ranks: int) -> int:
+    """Start `ranks` processes of this command, each one rank of the job."""
+    backend.check_job(spec, ranks, own_model=model is not None)
+    run_lock.hold(args.run_dir, True)  # held by the command that starts the job's ranks
+    # The ranks would refuse these too, each in its own line: another framework's checkpoints,
+    # no good one, or a spec they cannot resume under. Said once here, before any rank starts.
+    refuse_foreign_checkpoints(args.run_dir / spec.checkpoint.dir, backend.name)
+    if not args.restart:
+        check_resumable(args.run_dir / spec.checkpoint.dir, spec)
+    argv = list(args.argv)
+    if "--nprocs" in argv:  # the ranks join; they do not start ranks of their own
+        i = argv.index("--nprocs")
+        del argv[i: i + 2]
+    argv = [a for a in argv if not a.startswith("--nprocs=")]
+    return launch([sys.executable, "-m", "trainspec.cli.main", *argv], ranks)

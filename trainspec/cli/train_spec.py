@@ -2,7 +2,6 @@
 (framework-free: the JAX and the torch commands share it)."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -50,17 +49,6 @@ def initial_params(args, spec, say):
     if note:
         say(note)
     return params
-
-
-def leave_now(message: str | None) -> None:
-    """One line (unless `message` is None: said already, or by another process), exit 2.
-    After a failed write the checkpointers' background threads may wait forever for signals
-    that will not come (or print tracebacks as the interpreter tears them down), and the
-    interpreter would wait for them at exit: leave without them."""
-    if message is not None:
-        print(f"trainspec: error: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(2)
 
 
 def unwritable(run_dir: Path, err: OSError) -> str:

@@ -36,6 +36,9 @@ from trainspec.core.mesh import resolve_mesh
 from trainspec.core.records import FIELDS, SCHEMA_ID
 from trainspec.core.simulated import SimulatedDevices
 
+# the devices the suite's collective layouts span
+SUITE_DEVICES = 8
+
 # `--quick`: a group of all 8 and groups of 3 of 6 devices; a 32-bit float, a 16-bit float
 # (accumulated in float32) and an integer.
 QUICK_LAYOUTS, QUICK_DTYPES = ("grid", "rows3"), ("float32", "bfloat16", "int32")

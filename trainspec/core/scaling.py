@@ -12,15 +12,21 @@ Each x is divided by its geometric mean x̄ before fitting (the grid and the opt
 O(1) numbers); the reported coefficients are for the raw x. Uncertainty is a bootstrap over
 points; a prediction interval adds a resampled residual of the fit to each bootstrap
 prediction, so it covers a new run's own scatter, not only the curve's.
+
+`trainspec scaling RUN...` fits them over a sweep's runs (`read_points`, `fit_points`).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 from scipy.optimize import minimize
 from scipy.special import logsumexp
+
+from trainspec.core.errors import UserInputError
 
 HUBER_DELTA = 1e-3  # Hoffmann et al.: nearly L1 on log-loss, robust to outlying runs
 CONFIDENCE = 0.95
@@ -183,3 +189,85 @@ def underdetermined(names: tuple[str, ...], x: np.ndarray) -> str | None:
                        f"resample holds {distinct_in_resample(len(x)):.1f} distinct points on "
                        f"average, so the 95% intervals need ≥ {need} points")
     return "; ".join(reasons) or None
+
+
+# -- over sweep runs (`trainspec scaling`) ----------------------------------------------------
+
+RESULT = "scaling.json"  # written by `trainspec sweep` into each run directory
+
+
+def read_points(paths: list[Path]) -> list[dict]:
+    """Each path: a run directory with scaling.json, or a sweep directory holding such runs."""
+    points = []
+    for path in map(Path, paths):
+        if (path / RESULT).is_file():
+            files = [path / RESULT]
+        elif path.is_dir():
+            files = sorted(path.glob(f"*/{RESULT}"))
+        else:
+            raise UserInputError(f"run: {path} is not a directory")
+        if not files:
+            raise UserInputError(f"run: {path} has no {RESULT} (runs of `trainspec sweep` have one)")
+        for f in files:
+            try:
+                point = json.loads(f.read_text())
+                points.append({k: float(point[k]) for k in ("params", "tokens", "compute", "loss")}
+                              | {"run": str(f.parent)})
+            except (ValueError, KeyError, TypeError) as err:
+                raise UserInputError(f"{f}: not a scaling result ({err})") from None
+    return points
+
+
+def fit_points(points: list[dict], n_boot: int = 100) -> dict[str, Fit]:
+    """L(C) always; L(N, D) when both N and D take at least two values."""
+    need = min_points(1)
+    if len(points) < need:
+        raise UserInputError(f"runs: {len(points)} points are too few to fit L(C) = a C^-b + "
+                             f"L_inf (needs {need})")
+    loss = np.array([p["loss"] for p in points])
+    fits = {"compute": fit(("compute",), np.array([[p["compute"]] for p in points]),
+                                   loss, n_boot)}
+    n_values = {p["params"] for p in points}
+    d_values = {p["tokens"] for p in points}
+    if len(n_values) > 1 and len(d_values) > 1 and len(points) >= min_points(2):
+        x = np.array([[p["params"], p["tokens"]] for p in points])
+        fits["params_tokens"] = fit(("params", "tokens"), x, loss, n_boot)
+    return fits
+
+
+LAWS = {"compute": "L(C)", "params_tokens": "L(N, D)"}  # fit_points' keys, as printed
+
+
+def caveats(points: list[dict], fits: dict[str, Fit]) -> list[str]:
+    """One line per fit the points do not pin down (underdetermined says why)."""
+    lines = []
+    for key, f in fits.items():
+        why = underdetermined(f.names, np.array([[p[n] for n in f.names] for p in points]))
+        if why:
+            lines.append(f"{LAWS[key]} is under-determined: {why}; its coefficients, intervals "
+                         "and predictions are not to be relied on")
+    return lines
+
+
+def describe(fits: dict[str, Fit]) -> dict:
+    out = {}
+    for key, f in fits.items():
+        ci = f.intervals()
+        out[key] = {name: {"value": value, "ci95": ci[name]}
+                    for name, value in f.coefficients().items()}
+        out[key]["rms_log_residual"] = float(np.sqrt(np.mean(f.residuals**2)))
+    return out
+
+
+def predict(fits: dict[str, Fit], params=None, tokens=None, compute=None) -> dict:
+    """The loss of a larger run with a 95% prediction interval, from each applicable fit."""
+    out = {}
+    if params is not None and tokens is not None:
+        if "params_tokens" not in fits:
+            raise UserInputError("--predict-params/--predict-tokens: the runs do not vary both "
+                                 "N and D (or are too few), so L(N, D) was not fitted")
+        out["params_tokens"] = dict(zip(("loss", "low", "high"),
+                                        fits["params_tokens"].predict_interval(params, tokens)))
+    if compute is not None:
+        out["compute"] = dict(zip(("loss", "low", "high"), fits["compute"].predict_interval(compute)))
+    return out

@@ -79,7 +79,7 @@ JAX = Capabilities("jax", dict([
                                      EXT_BESIDE_XLA)),
     ("collectives.timeout_s", honoured(
         "the ext custom calls' wait, and XLA:CPU's collectives across processes (gloo) in a "
-        "job trainspec joins (trainspec.jax.distributed); on GPU the ext CUDA handlers' wait "
+        "job trainspec joins (trainspec.jax.runtime); on GPU the ext CUDA handlers' wait "
         "(the NCCL communicator aborted; not yet run on a GPU) and, for XLA's collectives, "
         "NCCL's own")),
     ("collectives.compression", honoured("bf16 or int8 on the data axes, with loss_step",

@@ -43,7 +43,7 @@ from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 from trainspec.core.store import (  # noqa: F401 (CheckpointSaveError re-exported)
     BadCheckpoint, Checkpoints, CheckpointSaveError, check_compatible, due, first_line)
-from trainspec.jax.distributed import is_writer
+from trainspec.jax.runtime import is_writer
 
 FORMAT = 2  # 2: the meta holds per-array checksums
 

@@ -11,7 +11,7 @@ from jax.experimental import multihost_utils
 
 from trainspec.core import params_file
 from trainspec.core.spec import ModelSpec
-from trainspec.jax.distributed import is_writer
+from trainspec.jax.runtime import is_writer
 
 
 def _path_name(path) -> str:

@@ -31,7 +31,7 @@ from trainspec.core.user_model import UserModel
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.context import attention_for, split_sequence
-from trainspec.jax.distributed import is_writer
+from trainspec.jax.runtime import is_writer
 from trainspec.jax.feed import local_rows
 from trainspec.core.exclusion import exclude
 from trainspec.jax.health.exclusion import largest_mesh

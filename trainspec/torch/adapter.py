@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainspec.torch import collectives, rendezvous
-from trainspec.core.adapter import OPS, Adapter
+from trainspec.core.backend import OPS, Collectives, Runtime
 from trainspec.torch.collectives import Group
 from trainspec.torch.capabilities import TORCH
-from trainspec.torch.support import rank_grid
+from trainspec.torch.support import rank_from_env, rank_grid
 from trainspec.core.job_env import described_job, env_int
 from trainspec.core.collectives_reference import to_groups
 from trainspec.core.fingerprint import fingerprint_reference
@@ -30,8 +30,9 @@ from trainspec.core.launch import COORDINATOR
 from trainspec.core.spec import Spec
 
 
-class TorchAdapter(Adapter):
-    """Devices, processes, the spec's mesh and the collectives on torch.distributed."""
+class TorchAdapter(Runtime, Collectives):
+    """Devices, processes, the spec's mesh and the collectives on torch.distributed (the
+    reference job for the conformance suite: trainspec.torch.conformance)."""
 
     name = "torch"
     # gloo and NCCL choose their reduction algorithms (ring, tree, ...) themselves and document
@@ -119,6 +120,11 @@ class TorchAdapter(Adapter):
     def process_grid(self) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
 
+    def speaks_for_job(self) -> bool:
+        """The first of the ranks the job has now (it may have been re-formed without the
+        launched rank 0), answered from the launcher's environment, after the job is left too."""
+        return (self.launched_ids or [0])[0] == rank_from_env()
+
     @property
     def device(self) -> torch.device:
         if self.device_type == "cuda":
@@ -180,26 +186,6 @@ class TorchAdapter(Adapter):
         every: list = [None] * self.process_count
         dist.all_gather_object(every, obj)
         return every
-
-    # -- the reference job ----------------------------------------------------------------------
-    def train_steps(self, spec, params, batches):
-        from trainspec.torch.model import Transformer, from_flax, to_flax
-        from trainspec.torch.params_file import whole_params
-        from trainspec.torch.step import TorchStep
-
-        step = TorchStep(spec, self.build_mesh(spec), spec.train.steps, self.device,
-                         from_flax(Transformer(spec.model), params))
-        steps = []
-        for batch in batches:
-            metrics = step({key: v[step.rows()] for key, v in batch.items()})
-            steps.append((metrics["loss"], metrics["grad_norm"],
-                          to_flax(step.model, whole_params(step.model))))
-        return steps
-
-    def train_run(self, spec, run_dir, steps):
-        from trainspec.torch.train import run
-
-        return run(spec, run_dir, steps=steps, progress=False, adapter=self)
 
     # -- arrays -------------------------------------------------------------------------------
     def to_dlpack(self, x):

@@ -15,14 +15,10 @@ from collections.abc import Iterable
 
 from trainspec.core.exclusion import exclude
 from trainspec.core.spec import Spec
+from trainspec.core.errors import LeftOut
 from trainspec.torch.adapter import TorchAdapter
 from trainspec.core.mesh import usable_ids
 from trainspec.torch.support import excluding, ranks_kept
-
-
-class LeftOut(Exception):
-    """This process takes no further part in the job (excluded, or idle on the smaller mesh):
-    it leaves without an error."""
 
 
 def leave_out(adapter: TorchAdapter, spec: Spec, ids: Iterable[int], why: str) -> Spec:

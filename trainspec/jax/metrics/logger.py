@@ -15,7 +15,7 @@ from trainspec.core.recorder import Recorder, Sink
 from trainspec.jax.metrics import comm, memory
 from trainspec.jax.metrics.flops import peak_flops, xla_flops_per_step
 from trainspec.core.sinks import sinks_for
-from trainspec.jax.distributed import is_writer
+from trainspec.jax.runtime import is_writer
 
 
 @dataclasses.dataclass

@@ -19,10 +19,10 @@ from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
 from trainspec.core.transformer_flops import for_spec as model_flops
 from trainspec.jax.models.transformer import next_token_loss
+from trainspec.core.scaling import RESULT  # what `trainspec scaling` reads
 from trainspec.core.spec import Spec, load_spec
 from trainspec.jax.train import build_job, run as train
 
-RESULT = "scaling.json"
 HEAD_DIM = 16  # heads = d_model / 16 (at least one): width changes keep the head size
 HELD_OUT_SEED = 1_000_003  # eval windows: a seed training never uses
 

@@ -1,7 +1,8 @@
-"""The JAX implementation of the adapter interface: one adapter per collectives backend
-(`xla`, `ext`, `hierarchical`; trainspec/jax/collectives). The ops themselves are
-trainspec.jax.collectives' (called inside `jax.shard_map`); this adapter gives them the interface's
-shape: devices, the spec's mesh, a collective run on NumPy blocks, DLPack and fingerprints.
+"""The JAX backend under the conformance suite (`trainspec conformance --impl xla|ext|hierarchical`):
+one adapter per collectives variant (trainspec/jax/collectives). The ops themselves are
+trainspec.jax.collectives' (called inside `jax.shard_map`); this adapter gives them the suite's
+shape (trainspec.core.adapter): devices, a collective run on NumPy blocks, DLPack,
+fingerprints and the reference job.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from trainspec.jax import collectives
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.backends import backend
+from trainspec.jax.runtime import JaxRuntime
 from trainspec.core.errors import UserInputError
 
 
@@ -38,21 +40,16 @@ def _error_feedback(name: str, compression: str, block: int):
                                      compression=compression, block=block))
 
 
-class JaxAdapter(Adapter):
+class JaxConformance(JaxRuntime, Adapter):
     capabilities = JAX
 
     def __init__(self, name: str = "xla"):
+        super().__init__()
         declared = backend(name)
         self.name = self.backend = name
         self.guarantee_levels = dict.fromkeys(OPS, declared.guarantee)
         # the capability table refuses a compression where the backend has no kernels
         self.compressions = ("bf16", "int8") if declared.compression_kernels else ()
-
-    def process_grid(self) -> tuple[int, int]:
-        return jax.process_index(), jax.process_count()
-
-    def device_ids(self) -> list[int]:
-        return [d.id for d in jax.devices()]
 
     def build_mesh(self, spec) -> Mesh:
         from trainspec.jax.mesh import build_mesh

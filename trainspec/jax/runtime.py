@@ -14,11 +14,14 @@ that does not arrive: `collectives.timeout_s`, where they would otherwise wait f
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 
 import jax
+import numpy as np
 
+from trainspec.core.backend import Runtime
 from trainspec.core.job_env import described_job, env_int
 from trainspec.core.launch import (  # noqa: F401 (re-exported)
     COORDINATOR, NUM_PROCESSES, PROCESS_ID, coordinator_bind)
@@ -65,3 +68,32 @@ def _bound_cpu_collectives(timeout_s: float) -> None:
 def is_writer() -> bool:
     """Whether this process writes the job's shared files (metrics, summary): process 0 only."""
     return jax.process_index() == 0
+
+
+class JaxRuntime(Runtime):
+    """The job's processes on jax.distributed; every device of a process is one of the job's."""
+
+    def __init__(self, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
+        self.timeout_s = timeout_s
+
+    def join(self) -> None:
+        """Before jax's first device query (a no-op unless launched as one process of
+        several, or already joined)."""
+        if not jax.distributed.is_initialized():
+            initialize_from_env(self.timeout_s)
+
+    def process_grid(self) -> tuple[int, int]:
+        return jax.process_index(), jax.process_count()
+
+    def device_ids(self) -> list[int]:
+        return [d.id for d in jax.devices()]
+
+    def gather_objects(self, obj) -> list:
+        if jax.process_count() == 1:
+            return [obj]
+        from jax.experimental import multihost_utils
+
+        data = json.dumps(obj).encode()  # padded to the longest: the gather takes one shape
+        size = int(np.max(multihost_utils.process_allgather(np.int64(len(data)))))
+        every = multihost_utils.process_allgather(np.frombuffer(data.ljust(size), np.uint8))
+        return [json.loads(bytes(row)) for row in np.asarray(every)]

@@ -1,0 +1,170 @@
+"""The torch backend as the trunk finds it (the `trainspec.backends` entry point `torch`): one
+device per rank; a command run alone starts its ranks through the launcher (each runs the same
+command again and joins the job), a command run as one rank of a job (`trainspec launch`,
+torchrun) trains as that rank. Imports torch only when a method runs."""
+from __future__ import annotations
+
+import errno
+import os
+import traceback
+from pathlib import Path
+
+from trainspec.core import arrivals
+from trainspec.core.backend import Backend
+from trainspec.core.errors import JobLeavesNow, LeaveNow, UserInputError
+from trainspec.core.host_memory import check_reference_model
+from trainspec.torch.capabilities import TORCH
+
+DEFAULT_CPU_RANKS = 4
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    extra = "torch"
+    framework_modules = ("torch",)
+    starts_ranks = True
+    conformance_targets = ("torch",)
+
+    @property
+    def capabilities(self):
+        return TORCH
+
+    def ranks_to_start(self, nprocs: int | None) -> int | None:
+        from trainspec.torch.support import launched
+
+        if not launched():
+            return nprocs or default_ranks()
+        if nprocs is not None:
+            raise UserInputError("--nprocs: this process is already one rank of a job")
+        return None
+
+    def present_devices(self, host_devices: int | None) -> None:
+        """One device per rank: --host-devices is refused by the capability table."""
+
+    def runtime(self, timeout_s: float):
+        from trainspec.torch.adapter import TorchAdapter
+
+        return TorchAdapter(timeout_s)
+
+    def check_job(self, spec, processes: int, own_model: bool) -> None:
+        """Every field for the ranks that will train (those left once `mesh.exclude_devices`
+        are out): one line here, not one per rank."""
+        from trainspec.torch.support import check_run, ranks_kept
+
+        kept = ranks_kept(spec, processes, spec.mesh.exclude_devices)
+        check_run(spec, len(kept), own_model=own_model)
+
+    def check_model(self, spec, model) -> None:
+        """A user's model's init is tried by the command that starts the ranks, not by each."""
+        import torch
+
+        from trainspec.torch.support import launched
+
+        if model is None:
+            check_reference_model(spec, state_on_host=not torch.cuda.is_available())
+        elif not launched():
+            from trainspec.torch.user_model_check import check_init
+
+            check_init(model)
+
+    def train(self, spec, run_dir: Path, runtime, **options) -> dict:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from trainspec.torch.support import rank_from_env
+        from trainspec.torch.train import run
+
+        try:
+            return run(spec, run_dir, adapter=runtime, **options)
+        except RuntimeError as err:  # gloo: a peer that did not arrive or went away
+            if not arrivals.peer_lost(str(err)):
+                raise
+            raise LeaveNow(arrivals.peer_lost_line(
+                run_dir, len(runtime.launched_ids), rank_from_env(), _collective(err),
+                spec.collectives.timeout_s)) from None
+        except CheckpointException as err:  # every rank gets it (DCP gathers their errors)
+            raise JobLeavesNow(save_failed(spec, run_dir, err)) from None
+
+    def describe(self, spec, model, nprocs: int | None) -> list[str]:
+        """Worked out on this process, no ranks started: the parameters are built on torch's
+        meta device (shapes only, nothing allocated), as the ranks would build them."""
+        import torch
+
+        from trainspec.torch import describe
+        from trainspec.torch.support import batch_axes, check_layout, check_run
+
+        world = nprocs or default_ranks()
+        check_run(spec, world, own_model=model is not None)
+        if model is not None:
+            from trainspec.torch.user_model_check import check_init
+
+            check_init(model)
+        dims = check_layout(spec, world)
+        with torch.device("meta"):
+            if model is None:
+                from trainspec.torch.model import Transformer
+
+                built, units = Transformer(spec.model), ("blocks.*",)
+            else:
+                built, units = model.init(), model.fsdp_units
+        layout = describe.parameter_layout(dims, built, units, model and model.tensor_plan)
+        return [f"ranks: {world} (torch)",
+                "mesh: " + " x ".join(f"{k}={v}" for k, v in dims.shape.items()),
+                f"batch: global {spec.batch.global_batch}, micro {spec.batch.micro}, "
+                f"{spec.batch.accumulation_steps} accumulation steps, rows split over "
+                f"{' x '.join(batch_axes(dims)) or 'nothing (every rank the whole batch)'}",
+                "layout (parameter, shape, split, rank 0's block):",
+                *("  " + line for line in describe.describe(layout))]
+
+    def suite_ranks(self, devices: int) -> int | None:
+        from trainspec.torch.support import launched
+
+        return None if launched() else devices
+
+    def conformance(self, target: str, join: bool = True):
+        from trainspec.core.conformance_runner import SUITE_DEVICES
+        from trainspec.torch.conformance import TorchConformance
+
+        adapter = TorchConformance()
+        if join:
+            adapter.join()
+            if adapter.process_count != SUITE_DEVICES:
+                adapter.leave()
+                raise UserInputError(f"--impl torch: the suite needs {SUITE_DEVICES} ranks, "
+                                     f"the job has {adapter.process_count}")
+        return adapter
+
+
+def _collective(err: BaseException) -> str:
+    """The torch.distributed collective `err` was raised in ("all_reduce"), from its
+    traceback."""
+    names = [frame.name for frame in traceback.extract_tb(err.__traceback__)
+             if frame.filename.endswith("distributed_c10d.py") and not frame.name.startswith("_")]
+    return names[-1] if names else "collective"
+
+
+def save_failed(spec, run_dir: Path, err) -> str:
+    """The line for a checkpoint that could not be written (DCP's CheckpointException holds
+    each failing rank's exception; torch.save on a full disk says only "unexpected pos")."""
+    directory = run_dir / spec.checkpoint.dir
+    ranks = ", ".join(str(r) for r in sorted(err.failures))
+    first, _trace = next(iter(err.failures.values()))
+    why = (os.strerror(errno.ENOSPC) if disk_full(directory)
+           else f"{type(first).__name__}: {str(first).strip().splitlines()[0][:200]}")
+    return (f"checkpoint.dir: saving to {directory} failed on rank(s) {ranks}: {why}; the "
+            "newest good checkpoint there is kept")
+
+
+def disk_full(path: Path) -> bool:
+    try:
+        return os.statvfs(path).f_bavail == 0
+    except OSError:
+        return False
+
+
+def default_ranks() -> int:
+    import torch
+
+    return torch.cuda.device_count() or DEFAULT_CPU_RANKS
+
+
+BACKEND = TorchBackend()
