@@ -86,7 +86,7 @@ def test_bad_faults_env_is_one_line(monkeypatch, raw):
 
 
 def test_bad_init_timeout_env_is_one_line(monkeypatch):
-    from trainspec.jax import runtime as distributed
+    from trainspec.jax import runtime
 
     monkeypatch.setenv(runtime.INIT_TIMEOUT, "abc")
     with pytest.raises(UserInputError, match="TRAINSPEC_INIT_TIMEOUT_S"):

@@ -146,6 +146,8 @@ def run(args) -> int:
             faults=Faults.from_env())  # nothing unless TRAINSPEC_FAULTS is set (tests)
     except OSError as err:  # a full disk, a run dir gone read-only: the metrics, spec, summary
         raise LeaveNow(unwritable(args.run_dir, err)) from None  # a save may still be writing
+    finally:  # before the process goes: its peers see it leave, not a connection cut
+        runtime.leave()
     if runtime.speaks_for_job():  # once per job, not once per process
         print_summary(summary)
     return 0
