@@ -71,6 +71,9 @@ NUMPY = Capabilities("numpy", {
     "eval.interval": _unless(0, "no held-out evaluation"),
     **{f"eval.{name}": honoured("no effect without evaluation (refused)")
        for name in ("batches", "source")},
+    "profile.start_step": _unless(0, "no profiler"),
+    **{f"profile.{name}": honoured("no effect without a profiler (refused)")
+       for name in ("steps", "process")},
     **{f"checkpoint.{name}": honoured("no effect without checkpoints (refused)")
        for name in ("keep", "async_save", "dir")},
     "health.preflight": _unless(False, "its devices are simulated"),

@@ -367,3 +367,18 @@ def test_a_user_model_carries_its_tensor_plan(tmp_path, capsys, fn, fc, warns):
     out, err = capsys.readouterr()
     assert re.search(rf"blocks\.0\.c_fc\.weight +\(32, 8\) +{fc}", out), out
     assert ("the default plan leaves 2 nn.Linear layers unsplit" in err) == warns, err
+
+
+def test_a_profiled_step_writes_a_chrome_trace(tmp_path):
+    """[profile] on torch: the step's operators between start_trace and stop_trace, exported
+    as rank 0's Chrome trace (what the run loop does around profile.start_step)."""
+    import json
+
+    from trainspec.torch.run import TorchRunStep
+
+    run_step = TorchRunStep(wrap(), TorchAdapter())
+    run_step.start_trace(tmp_path)
+    run_step.job(batch())
+    run_step.stop_trace()
+    events = json.loads((tmp_path / "rank0.trace.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::addmm" for e in events)  # the model's matmuls

@@ -38,6 +38,7 @@ from trainspec.core.goodput import Goodput
 from trainspec.core.pipeline.schedule import run_record
 from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector
 from trainspec.core.loop import Checkpointer, Preempted, Step, StopSignals, progress_bar
+from trainspec.core.profile import TraceWindow
 from trainspec.core.recorder import Recorder
 from trainspec.core.run_files import AlreadyTrained, resume_line, resume_mark, save_spec
 from trainspec.core.sinks import sinks_for
@@ -158,6 +159,7 @@ class Run:
         self.bar.update(self.at)
         self.signals.install = self.step.local_signals
         marks = StepMarks(self.run_dir, self.step.process_index, len(self.step.participants))
+        self.traces = TraceWindow(self.spec, self.run_dir, self.step)
         with self.signals:
             self.recorder.start()
             while self.at < self.steps:
@@ -169,8 +171,10 @@ class Run:
                 batch = self._batch(self.at - 1) if batch is None else batch
                 self._data_wait = time.perf_counter() - t0
                 marks.entered(self.at)  # whoever waits for this process names its step
+                self.traces.before_step(self.at, self.step)
                 yield batch
         self.bar.close()
+        self.traces.after_step(None, self.step, self.state)
         self.step.finish(self.state)
         self._timed_checkpoint_io(self.ckpt.wait)  # complete before the summary says so
 
@@ -212,6 +216,7 @@ class Run:
         if self._rolled_back_after_bad_step(metrics, checkpointing or self.at == self.steps):
             return self.state
         self._record(metrics, checkpointing)
+        self.traces.after_step(self.at, self.step, self.state)
         if self._rolled_back_after_divergence(checkpointing=signum is not None):
             return self.state
         if signum is not None:

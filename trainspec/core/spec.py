@@ -334,6 +334,16 @@ class EvalSpec(Section):
         "windows of the training corpus. A user's model evaluates its own eval_batches.")
 
 
+class ProfileSpec(Section):
+    """Profiler traces of a few steps into the run directory (docs/spec.md)."""
+
+    start_step: int = Field(0, ge=0, le=MAX_STEPS, description="The first step traced (0 = "
+                            "none).")
+    steps: int = Field(3, ge=1, le=MAX_STEPS, description="Steps traced from start_step on.")
+    process: int = Field(0, ge=0, le=MAX_DEVICES, description="The process (JAX) or rank "
+                         "(torch) that traces.")
+
+
 class CheckpointSpec(Section):
     """When and where the train state is saved (docs/reliability.md)."""
 
@@ -386,6 +396,7 @@ class Spec(Section):
     train: TrainSpec = TrainSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
+    profile: ProfileSpec = ProfileSpec()
     health: HealthSpec = HealthSpec()
     semi_sync: SemiSyncSpec | None = Field(
         None, description="Semi-synchronous (DiLoCo) training; absent = synchronous.")

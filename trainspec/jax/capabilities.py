@@ -109,6 +109,9 @@ JAX = Capabilities("jax", dict([
     ("eval.interval", honoured("loss_fn's forward pass, jitted, on the step's batch sharding "
                                "(a loss_step; a semi_sync step refuses it by name)")),
     *_reference("eval.batches", "eval.source"),
+    ("profile.start_step", honoured("jax.profiler.start_trace/stop_trace around the steps: "
+                                    "TensorBoard's profile plugin and a Perfetto trace")),
+    *_reference("profile.steps", "profile.process"),
     *_reference("checkpoint.dir"),
     ("health.preflight", honoured("trainspec doctor's checks; failing devices excluded")),
     ("health.nan.policy", honoured(

@@ -62,6 +62,17 @@ class JaxStep:
     def evaluate(self, state, batch) -> tuple[float, float]:
         return eval_sums(self.wrapped, state, batch)
 
+    # -- [profile] ------------------------------------------------------------------------
+    @staticmethod
+    def start_trace(directory: Path) -> None:
+        """jax.profiler's trace: TensorBoard's profile plugin reads DIR/plugins/profile/*/
+        (*.xplane.pb); Perfetto opens its *.trace.json.gz."""
+        jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
+
+    @staticmethod
+    def stop_trace() -> None:
+        jax.profiler.stop_trace()
+
     # -- records ---------------------------------------------------------------------------
     def facts(self, state, batch) -> dict:
         """Compiles the step once and measures it (FLOPs, memory, comm); refuses a step that

@@ -123,6 +123,10 @@ TORCH = Capabilities("torch", dict([
     ("train.steps", honoured()),
     ("eval.interval", honoured("loss_fn under torch.no_grad, the model in eval mode, summed "
                                "over the batch's ranks (under semi_sync: rank 0's group's)")),
+    ("profile.start_step", honoured("torch.profiler around the steps, exported as a "
+                                    "Chrome trace per traced rank")),
+    ("profile.steps", honoured()),
+    ("profile.process", honoured("the rank that traces")),
     ("eval.batches", honoured()),
     ("eval.source", honoured()),
     ("checkpoint.interval", honoured("safetensors blocks under the trunk's manifest, resharded on load")),

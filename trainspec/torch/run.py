@@ -68,6 +68,21 @@ class TorchRunStep:
     def evaluate(self, state, batch) -> tuple[float, float]:
         return state.evaluate(batch)
 
+    # -- [profile] ------------------------------------------------------------------------
+    def start_trace(self, directory: Path) -> None:
+        """torch.profiler over CPU (and CUDA) activity, its Chrome trace written at the stop
+        as DIR/rank<r>.trace.json (Perfetto and chrome://tracing open it)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.adapter.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._trace = (torch.profiler.profile(activities=activities), directory)
+        self._trace[0].__enter__()
+
+    def stop_trace(self) -> None:
+        profiler, directory = self._trace
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(str(directory / f"rank{self.process_index}.trace.json"))
+
     def __call__(self, state, batch):
         """The step; the first one after `facts` runs with its collectives counted, and the
         facts (the records' and summary's) gain the communication volume."""
