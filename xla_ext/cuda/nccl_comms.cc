@@ -2,6 +2,7 @@
 #include "nccl_comms.h"
 
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -44,9 +45,10 @@ std::string Poll(const char* op, const std::vector<Comm_t>& comms, cudaStream_t 
     }
     if (!pending) return "";
     if (Clock::now() > deadline) {
-      return std::string(op) + ": not done after collectives.timeout_s = " +
-             std::to_string(timeout_ms / 1000.0) + " s (a member missing or hung); the NCCL " +
-             "communicator was aborted";
+      char seconds[32];
+      std::snprintf(seconds, sizeof seconds, "%g", timeout_ms / 1000.0);
+      return std::string(op) + ": not done after collectives.timeout_s = " + seconds +
+             " s (a member missing or hung); the NCCL communicator was aborted";
     }
     std::this_thread::sleep_for(pause);
     if (pause < std::chrono::milliseconds(1)) pause *= 2;

@@ -43,6 +43,7 @@ struct Call {
   ElemType elem;
   size_t elem_bytes;
   size_t count;  // input elements
+  size_t out_count;
   std::vector<int64_t> dims;
   int64_t timeout_ms;
   const char* in;
@@ -112,6 +113,7 @@ ffi::Error Decode(Op op, cudaStream_t stream, const ffi::AnyBuffer& x, const ffi
   }
   c->timeout_ms = values[2] > 0 ? values[2] : 1;
   c->count = x.element_count();
+  c->out_count = out.element_count();
   c->dims.assign(x.dimensions().begin(), x.dimensions().end());
   c->in = static_cast<const char*>(x.untyped_data());
   c->out = static_cast<char*>(out.untyped_data());
@@ -121,12 +123,28 @@ ffi::Error Decode(Op op, cudaStream_t stream, const ffi::AnyBuffer& x, const ffi
   return ffi::Error::Success();
 }
 
-// The leading dimension, which must split into `n` equal blocks (attribute `attr` named it).
-ffi::Error LeadingBlocks(const Call& c, int64_t axis, const char* attr) {
+// The output's element count: `times` x (or, with `divide`, 1 / `times` of) the input's.
+ffi::Error OutputCount(const Call& c, size_t times, bool divide) {
+  const size_t want = divide ? c.count / times : c.count * times;
+  if (c.out_count != want) {
+    return Invalid(c.name, "output has " + std::to_string(c.out_count) + " elements, expected " +
+                               std::to_string(want));
+  }
+  return ffi::Error::Success();
+}
+
+// The gathered, scattered or split dimension (attribute `attr`) must be the leading one.
+ffi::Error Leading(const Call& c, int64_t axis, const char* attr) {
   if (axis != 0) {
     return Invalid(c.name, std::string(attr) + " must be 0 on CUDA (NCCL moves contiguous "
                                                "blocks), got " + std::to_string(axis));
   }
+  return ffi::Error::Success();
+}
+
+// ... and split into `n` equal blocks.
+ffi::Error LeadingBlocks(const Call& c, int64_t axis, const char* attr) {
+  if (ffi::Error e = Leading(c, axis, attr); e.failure()) return e;
   if (c.dims.empty() || c.dims[0] % c.h.nranks != 0) {
     return Invalid(c.name, "the leading dimension must be divisible by the group size " +
                                std::to_string(c.h.nranks));
@@ -204,6 +222,11 @@ std::string Run(Op op, const Call& c, const ffi::Dictionary& attrs, ffi::Scratch
     if (v.has_error() && invalid->success()) *invalid = v.error();
     return v.has_error() ? 0 : *v;
   };
+  const bool scatters = op == Op::kReduceScatter;
+  if (*invalid = OutputCount(c, scatters || op == Op::kAllGather ? n : 1, scatters);
+      !invalid->success()) {
+    return "";
+  }
   std::string error;
   switch (op) {
     case Op::kAllReduce:
@@ -248,7 +271,7 @@ std::string Run(Op op, const Call& c, const ffi::Dictionary& attrs, ffi::Scratch
       break;
     }
     case Op::kAllGather:
-      if (*invalid = LeadingBlocks(c, attr("axis"), "axis"); !invalid->success()) return "";
+      if (*invalid = Leading(c, attr("axis"), "axis"); !invalid->success()) return "";
       error = nccl::Failed("ncclAllGather",
                            api->AllGather(c.in, c.out, c.count, c.type, c.h.comm, s));
       break;
