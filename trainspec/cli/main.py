@@ -16,7 +16,7 @@ from trainspec.cli.outcomes import OUTCOMES, end, outcome_of
 from trainspec.core import run_lock
 
 SUBCOMMAND_MODULES = ("train", "validate", "bench", "report", "launch", "advise", "sweep", "scaling",
-                      "conformance", "plan", "doctor")
+                      "conformance", "plan", "doctor", "export")
 
 
 class _Parser(argparse.ArgumentParser):

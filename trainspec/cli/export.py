@@ -1,0 +1,49 @@
+"""`trainspec export RUN --to safetensors [--out DIR]`: a reference-model run's trained weights
+as a Hugging Face style directory (trainspec/core/export.py), from its newest good checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainspec.core.errors import UserInputError
+
+FORMATS = ("safetensors",)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export", help="a run's trained weights as safetensors "
+                              "(Hugging Face style: model.safetensors + config.json)")
+    p.add_argument("run", type=Path, help="the run directory")
+    p.add_argument("--to", default="safetensors", metavar="FORMAT",
+                   help="the format: safetensors (the only one)")
+    p.add_argument("--out", type=Path, help="the directory to write (default: RUN/export)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from trainspec.core import export
+    from trainspec.core.run_files import refuse_foreign_checkpoints, saved_spec
+    from trainspec.core.spec import load_spec
+
+    if args.to not in FORMATS:
+        raise UserInputError(f"--to {args.to}: not a format; one of {', '.join(FORMATS)}")
+    spec_file = saved_spec(args.run)
+    if spec_file is None:
+        raise UserInputError(f"export: {args.run} is not a run directory (no spec.toml)")
+    spec = load_spec(spec_file)
+    if spec.model.moe is not None:
+        raise UserInputError("export: model.moe: the export layout holds the dense reference "
+                             "model only")
+    try:
+        refuse_foreign_checkpoints(args.run / spec.checkpoint.dir, "jax")
+    except UserInputError:
+        raise UserInputError(f"export: {args.run} holds torch checkpoints; export reads a JAX "
+                             "run's (orbax) checkpoints") from None
+    from trainspec.jax.devices import ensure_host_devices
+
+    ensure_host_devices()
+    from trainspec.jax.export import trained_params
+
+    params, step = trained_params(spec, args.run)
+    out = export.write(args.out or args.run / "export", params, spec.model, step)
+    print(f"exported step {step} of {args.run}: {out / export.WEIGHTS}, {out / export.CONFIG}")
+    return 0
