@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from trainspec.core.errors import UserInputError
 from trainspec.jax import xla_ext
 from trainspec.jax.collectives import nccl
 
@@ -41,8 +42,8 @@ def test_cuda_handlers_are_registered_only_where_jax_may_have_a_gpu():
 
 
 def test_a_gpu_request_on_cpu_is_one_line():
-    with pytest.raises(RuntimeError, match=r"^trainspec_all_reduce on a GPU needs a GPU; this "
-                                           r"process has none \(jax platforms: cpu\)$"):
+    with pytest.raises(UserInputError, match=r'^collectives.backend = "ext": trainspec_all_reduce '
+                       r"on a GPU needs a GPU; this process has none \(jax platforms: cpu\)$"):
         xla_ext.require_cuda("trainspec_all_reduce")
 
 

@@ -23,7 +23,7 @@ import jax
 import jaxlib.version
 
 from trainspec.jax import _xla_ext
-from trainspec.core.errors import FfiVersionError
+from trainspec.core.errors import FfiVersionError, UserInputError
 
 PLATFORM = "cpu"
 CUDA_PLATFORM = "CUDA"
@@ -104,12 +104,13 @@ def require_cuda(target: str) -> None:
     backend, or an install built without the CUDA handlers."""
     platforms = sorted({d.platform for d in jax.devices()})
     if "gpu" not in platforms:
-        raise RuntimeError(f"{target} on a GPU needs a GPU; this process has none (jax "
-                           f"platforms: {', '.join(platforms)})")
+        raise UserInputError(f"collectives.backend = \"ext\": {target} on a GPU needs a GPU; "
+                             f"this process has none (jax platforms: {', '.join(platforms)})")
     if target not in CUDA_TARGETS:
-        raise RuntimeError(
-            f"{target} on a GPU needs the xla_ext CUDA handlers, which this install of trainspec "
-            f"was built without (no nvcc at install time): reinstall with nvcc on PATH or with "
+        raise UserInputError(
+            f"collectives.backend = \"ext\": {target} on a GPU needs the xla_ext CUDA "
+            f"handlers, which this install of trainspec was built without (no nvcc at install "
+            f"time): reinstall with nvcc on PATH or with "
             f"`pip install -C cmake.define.TRAINSPEC_CUDA=ON --no-build-isolation .`")
 
 
