@@ -65,6 +65,7 @@ NUMPY = Capabilities("numpy", {
     "collectives.error_feedback": honoured("no effect without a compression (refused)"),
     "collectives.compression_block": honoured("no effect without a compression (refused)"),
     "metrics.tensorboard": _unless(False, "metrics.jsonl only"),
+    "metrics.sinks": _unless([], "metrics.jsonl only"),
     "metrics.gns": honoured("absent: not measured, the summary says so", Refusal(
         "when true", lambda gns, r: bool(gns), "the numpy implementation does not measure it")),
     "checkpoint.interval": _unless(0, "no checkpoints"),

@@ -119,7 +119,23 @@ def sinks_for(spec, run_dir: Path, writer: bool, append: bool = False) -> list[S
     process computes the records); none elsewhere. `append`: keep the records there (a resume)."""
     if not writer:
         return []
+    factories = [registered_sink(name) for name in spec.metrics.sinks]  # all found, or none
     sinks: list[Sink] = [JsonlWriter(run_dir / spec.metrics.path, append)]
     if spec.metrics.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard", spec))
-    return sinks
+    return sinks + [make(spec, Path(run_dir), append) for make in factories]
+
+
+ENTRY_POINTS = "trainspec.sinks"
+
+
+def registered_sink(name: str):
+    """The factory a package registers as `name` under the `trainspec.sinks` entry points:
+    `make(spec, run_dir, append) -> Sink` (write, rewind, close; trainspec.core.recorder.Sink)."""
+    import importlib.metadata
+
+    found = {e.name: e for e in importlib.metadata.entry_points(group=ENTRY_POINTS)}
+    if name not in found:
+        raise UserInputError(f"metrics.sinks: no sink {name!r} is installed (registered under "
+                             f"the {ENTRY_POINTS} entry points: {', '.join(sorted(found)) or 'none'})")
+    return found[name].load()

@@ -246,6 +246,10 @@ class MetricsSpec(Section):
     """What is measured, how often, and where the records go (docs/metrics.md)."""
 
     sink: Literal["jsonl"] = Field("jsonl", description="Where metric records go.")
+    sinks: list[str] = Field(
+        default_factory=list, max_length=16, description="More sinks, by the names packages "
+        "register under the `trainspec.sinks` entry points (docs/metrics.md); each gets every "
+        "record the JSONL file gets.")
     path: str = Field("metrics.jsonl", min_length=1,
                       description="Sink file, relative to the run directory.")
     interval: int = Field(10, ge=1, le=MAX_STEPS,

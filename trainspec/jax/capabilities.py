@@ -87,6 +87,7 @@ JAX = Capabilities("jax", dict([
     *_reference("collectives.error_feedback", "collectives.compression_block", "metrics.sink",
                 "metrics.path", "metrics.interval", "metrics.flops_convention",
                 "metrics.peak_flops_per_device"),
+    ("metrics.sinks", honoured("the core's sinks: the trainspec.sinks entry points, on process 0")),
     ("metrics.tensorboard", honoured("the core's sinks (tensorboardX), on process 0")),
     ("metrics.gns", honoured("from replicas or micro-batches; true where neither exists fails "
                              "naming the field")),

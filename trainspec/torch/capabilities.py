@@ -107,6 +107,7 @@ TORCH = Capabilities("torch", dict([
     ("metrics.interval", honoured()),
     ("metrics.flops_convention", honoured()),
     ("metrics.peak_flops_per_device", honoured()),
+    ("metrics.sinks", honoured("the core's sinks: the trainspec.sinks entry points, on rank 0")),
     ("metrics.tensorboard", honoured("the core's sinks (tensorboardX), on rank 0")),
     ("metrics.gns", honoured(
         "from replicas or micro-batches, as the JAX step", NOTHING_TO_MEASURE_GNS)),
