@@ -15,10 +15,17 @@ from pathlib import Path
 from trainspec.core.records import read_jsonl
 
 
+# Who runs in the run dir now, not what it holds: the lock's holder record (rewritten by every
+# run that takes it) and the processes' step marks (trainspec.core.run_lock, .arrivals).
+BOOKKEEPING = ("run.lock", "ranks")
+
+
 def snapshot(run_dir: Path) -> dict:
-    """Every path under `run_dir` with its modification time and, for files, content hash."""
+    """Every path under `run_dir` with its modification time and, for files, content hash;
+    the lock and the step marks left out (BOOKKEEPING)."""
     return {str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, hashlib.sha256(
-        p.read_bytes()).hexdigest() if p.is_file() else None) for p in run_dir.rglob("*")}
+        p.read_bytes()).hexdigest() if p.is_file() else None) for p in run_dir.rglob("*")
+        if p.relative_to(run_dir).parts[0] not in BOOKKEEPING}
 
 
 def recorded_losses(run_dir: Path) -> dict[int, float]:
