@@ -60,6 +60,9 @@ def _comm(summary: dict) -> str:
     if total is None:
         return "- (not measured)"
     both = f"{total:,.0f} B payload, {bus:,.0f} B bus" if bus is not None else f"{total:,.0f} B"
+    by_axis = summary.get("comm_bytes_by_axis") or {}
+    if by_axis:  # which axes carry it: the ring's permutes, the experts' all-to-alls, ...
+        both += " (by axis: " + ", ".join(f"{a} {b:,.0f}" for a, b in by_axis.items()) + ")"
     semi = summary.get("semi_sync")
     if not semi:
         return f"{both} per step and device (docs/metrics.md)"

@@ -233,6 +233,7 @@ def run_fields(facts: dict, seconds: float, timed_steps: int, valid_tokens: floa
         "memory_peak_bytes": facts["memory_peak_bytes"],
         "comm_bytes_per_step": facts["comm_bytes_per_step"],
         "comm_bus_bytes_per_step": facts["comm_bus_bytes_per_step"],
+        "comm_bytes_by_axis": facts.get("comm_bytes_by_axis"),
         "compile_time_s": facts["compile_time_s"],
         "goodput": goodput["goodput"],
         "badput_s": goodput["badput_s"],
