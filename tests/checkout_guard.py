@@ -7,8 +7,11 @@ import subprocess
 from pathlib import Path
 
 # An install's build tree, Python's and pytest's caches (pytest-benchmark's .benchmarks), CI's
-# virtual environments (created while the suite runs beside the other leg).
-TOOL_OUTPUTS = ("build/", ".pytest_cache/", ".benchmarks/", ".ci-venv/", ".ci-venv-newest/")
+# virtual environments (created while the suite runs beside the other leg), and the `bazel-out`
+# link Bazel 4.2.3 puts in the workspace whatever --symlink_prefix says (tests/jax/test_bazel_build.py
+# sends the rest of its links to a tmp path).
+TOOL_OUTPUTS = ("build/", ".pytest_cache/", ".benchmarks/", ".ci-venv/", ".ci-venv-newest/",
+                "bazel-")
 TOOL_OUTPUT_PARTS = ("__pycache__/", ".egg-info/")
 
 

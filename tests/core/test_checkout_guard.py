@@ -29,6 +29,7 @@ def test_new_files_in_the_checkout_are_named_and_tool_outputs_are_not(tmp_path):
     (tmp_path / "build" / "ext.so").write_text("")
     (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
     (tmp_path / "pkg" / "__pycache__" / "m.pyc").write_text("")
+    (tmp_path / "bazel-out").symlink_to(tmp_path / "build")  # Bazel's link in the workspace
     assert left_behind(before, checkout_entries(tmp_path)) == [
         "report/", "report/index.html", "runs/default/", "runs/default/spec.toml", "stray.txt"]
 
