@@ -15,4 +15,5 @@ def test_jax_steps_match_the_shipped_references():
     rows = {r.family: r for r in [*step_rows(adapter), records_row(adapter)]}
     assert {f: (r.passed, r.failed, r.refused) for f, r in rows.items()} == {
         "reference trajectory": (3, 0, []), "accumulation": (2, 0, []),
-        "layout invariance": (5, 0, []), "metric records": (4, 0, [])}, rows
+        "layout invariance": (5, 0, []), "pipeline": (1, 0, []),
+        "metric records": (4, 0, [])}, rows

@@ -11,6 +11,10 @@ the first at the full learning rate:
   data x tensor, fsdp x tensor, data x context. Each against the reference, and its UPDATED PARAMETERS against
   the implementation's own data-layout run. A case whose spec the implementation's capability
   table refuses is counted as refused, by its table's line, not run.
+- `pipeline`: the conformance job with 2 layers (the shipped trajectories are of 1 layer,
+  which no pipeline splits) over a pipeline axis of 2 stages beside the data axis (GPipe, 2
+  pipeline micro-batches), against the implementation's own run of that job without a
+  pipeline: its losses and UPDATED PARAMETERS. A pipeline moves layers, not the step's result.
 - `metric records`: a 3-step `trainspec train` writes records that validate against the schema
   and carry the core's numbers (steps, learning rate, tokens, model FLOPs).
 """
@@ -49,6 +53,10 @@ LAYOUTS = {  # any device count divisible by 4
     # the ring over a zig-zag split: a causal mask off by one block changes the loss
     "data x context": ["mesh.axes.context.size=2"],
 }
+PIPELINE_JOB = ["model.n_layers=2"]
+PIPELINES = {"pipeline x data": [
+    'mesh.axes={stage={role="pipeline",size=2},data={size=-1},fsdp={size=1},tensor={size=1}}',
+    'pipeline.schedule="gpipe"', "pipeline.microbatches=2"]}
 RECORD_STEPS = 3
 
 
@@ -160,7 +168,34 @@ def step_rows(adapter) -> list[Row]:
             problem = next((p for p in adapter.gather_objects(problem) if p), None)
             row.add(problem is None, f"{case}: {problem}")
         rows.append(row)
-    return rows
+    return [*rows, pipeline_row(adapter, shipped.batches)]
+
+
+def _losses_differ(steps: list, base: list) -> str | None:
+    for i, ((loss, _, _), (want, _, _)) in enumerate(zip(steps, base), 1):
+        if not _relative(loss, want) <= SELF_RTOL:
+            return f"step {i}: loss {loss:.7g}, {want:.7g} without the pipeline"
+    return None
+
+
+def pipeline_row(adapter, batches) -> Row:
+    row, base = Row("pipeline"), None
+    unpipelined = golden_file.spec("adamw", PIPELINE_JOB)
+    start = ref.initial_params(unpipelined.model, unpipelined.seed)
+    for case, sets in PIPELINES.items():
+        spec = golden_file.spec("adamw", [*PIPELINE_JOB, *sets])
+        refused = refusal(adapter, spec)
+        if refused:
+            row.refused.append(f"{case}: {refused}")
+            continue
+        if base is None:
+            base, base_problem = _train(adapter, unpipelined, start, batches)
+        steps, problem = _train(adapter, spec, start, batches)
+        problem = (problem or (base_problem and f"without the pipeline: {base_problem}")
+                   or _losses_differ(steps, base) or against_itself(steps, base, start))
+        problem = next((p for p in adapter.gather_objects(problem) if p), None)
+        row.add(problem is None, f"{case}: {problem}")
+    return row
 
 
 def _record_problem(record: dict, spec, step: int) -> str | None:
