@@ -65,6 +65,8 @@ TRAIN_CASES = [
     ("steps 2**70", ["--steps", str(BIG)], "--steps: expected at most 1000000000"),
     ("empty device id", ["--exclude-devices", "1,,2"], "--exclude-devices"),
     ("host devices 100000", ["--host-devices", "100000"], "--host-devices: expected 1 to 1024"),
+    ("a sink not installed", ["--set", 'metrics.sinks=["not-installed"]'],
+     "metrics.sinks: no sink 'not-installed' is installed"),
     ("a model larger than the host", ["--set", "model.d_model=131072", "--set",
                                       "model.d_ff=131072", "--set", "model.n_heads=1"],
      "model.d_model, model.d_ff, model.n_layers and model.vocab_size: the model's 2.06e+11 "

@@ -11,6 +11,7 @@ from trainspec.cli.summary import print_summary
 from trainspec.cli.train_spec import (
     announce, given_flags, initial_params, silent, spec_to_use, unwritable)
 from trainspec.core import registry, run_lock, user_model
+from trainspec.core.sinks import check_sinks
 from trainspec.core.errors import LeaveNow, UserInputError
 from trainspec.core.exclusion import exclude
 from trainspec.core.faults import Faults
@@ -118,6 +119,7 @@ def run(args) -> int:
     notes: list[str] = []
     spec_path = spec_to_use(args, notes.append)
     spec = load_spec(Path(spec_path), args.overrides)  # before the job: it sets the timeout
+    check_sinks(spec)  # found only when records are first written, after the run's files
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)  # devices (ranks) of the job as launched
     model = user_model.load(args.model, spec) if args.model else None  # checked before ranks

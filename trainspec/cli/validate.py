@@ -25,6 +25,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from trainspec.core import registry, user_model
+    from trainspec.core.sinks import check_sinks
     from trainspec.core.spec import load_spec
 
     backend = registry.backend(args.framework)
@@ -32,6 +33,7 @@ def run(args) -> int:
                                       "--host-devices": args.host_devices})
     backend.present_devices(args.host_devices)
     spec = load_spec(args.spec, args.overrides)
+    check_sinks(spec)  # what train would refuse
     model = user_model.load(args.model, spec) if args.model else None
     lines = backend.describe(spec, model, args.nprocs)  # refuses the spec before it is "valid"
     print(f"spec {args.spec}: valid (spec_version {spec.spec_version})")

@@ -129,6 +129,13 @@ def sinks_for(spec, run_dir: Path, writer: bool, append: bool = False) -> list[S
 ENTRY_POINTS = "trainspec.sinks"
 
 
+def check_sinks(spec) -> None:
+    """UserInputError naming metrics.sinks unless every sink it names is installed: said
+    before a run writes anything (validate refuses it too)."""
+    for name in spec.metrics.sinks:
+        registered_sink(name)
+
+
 def registered_sink(name: str):
     """The factory a package registers as `name` under the `trainspec.sinks` entry points:
     `make(spec, run_dir, append) -> Sink` (write, rewind, close; trainspec.core.recorder.Sink)."""
