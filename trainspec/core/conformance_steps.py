@@ -195,6 +195,8 @@ def pipeline_row(adapter, batches) -> Row:
                    or _losses_differ(steps, base) or against_itself(steps, base, start))
         problem = next((p for p in adapter.gather_objects(problem) if p), None)
         row.add(problem is None, f"{case}: {problem}")
+    if row.refused and not row.passed + row.failed:  # an implementation without a pipeline
+        row.skipped = f"its capability table refuses every case: {row.refused[0]}"
     return row
 
 
