@@ -133,10 +133,10 @@ def test_no_resumable_checkpoint_is_one_line_exit_2_and_nothing_changes(run_dir,
     assert _history(run_dir) == before and "metrics.jsonl" in before
 
 
-def _ranks_alone(run_dir, steps=STEPS):
+def _ranks_alone(run_dir, *extra, steps=STEPS):
     """The ranks started by a plain launcher (as torchrun starts them): nothing looked at the
     checkpoints before they did."""
-    train = _cmd(run_dir, steps=steps)
+    train = _cmd(run_dir, *extra, steps=steps)
     i = train.index("--nprocs")
     return [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "2", "--",
             *train[:i], *train[i + 2:]]
@@ -151,13 +151,15 @@ def test_ranks_on_their_own_fall_back_alike_and_say_it_once(run_dir, trained):
     assert recorded_losses(run_dir) == recorded_losses(trained)
 
 
-def test_ranks_on_their_own_refuse_alike_and_say_it_once(run_dir):
-    _garble_all(run_dir)
+@pytest.mark.parametrize("case", REFUSED, ids=str)
+def test_ranks_on_their_own_refuse_alike_and_say_it_once(run_dir, case):
+    damage, message = REFUSED[case]
+    damage(run_dir)
     before = _history(run_dir)
-    result = run_cli(_ranks_alone(run_dir, steps=STEPS + 2))
+    result = run_cli(_ranks_alone(run_dir, *CHANGES.get(case, ()), steps=STEPS + 2))
     out = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in out, out[-3000:]
-    assert out.count("all 2 checkpoints in") == 1, out
+    assert out.count(message) == 1, out
     assert _history(run_dir) == before and "metrics.jsonl" in before
 
 

@@ -18,7 +18,7 @@ from trainspec.core.errors import (
 from trainspec.core.health import HealthHalt
 from trainspec.core.loop import Preempted
 from trainspec.core.run_files import AlreadyTrained
-from trainspec.core.store import NoGoodCheckpoint
+from trainspec.core.store import CheckpointRefusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +43,8 @@ OUTCOMES = (
     Outcome(Preempted, lambda stop: stop.exit_status, "stopped: ", for_the_job=True),
     Outcome(JobLeavesNow, lambda _: 2, "error: ", for_the_job=True, leave_now=True),
     Outcome(LeaveNow, lambda _: 2, "error: ", for_the_job=False, leave_now=True),
-    # every process decides it alike, from the same files
-    Outcome(NoGoodCheckpoint, lambda _: 2, "error: ", for_the_job=True),
+    # every process decides it alike, from the same files and spec
+    Outcome(CheckpointRefusal, lambda _: 2, "error: ", for_the_job=True),
     Outcome(UserInputError, lambda _: 2, "error: ", for_the_job=False),
     Outcome(FfiVersionError, lambda _: 1, "error: ", for_the_job=False),
 )

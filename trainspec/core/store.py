@@ -56,9 +56,13 @@ class BadCheckpoint(Exception):
     """A checkpoint whose files do not verify or do not read back; the message says why."""
 
 
-class NoGoodCheckpoint(UserInputError):
-    """Every checkpoint is bad. Every process decides it alike, from the same files: the
-    writer alone says it."""
+class CheckpointRefusal(UserInputError):
+    """The checkpoints cannot be resumed. Every process decides it alike, from the same files
+    and spec: the writer alone says it."""
+
+
+class NoGoodCheckpoint(CheckpointRefusal):
+    """Every checkpoint is bad."""
 
 
 class CheckpointSaveError(UserInputError):
@@ -81,7 +85,7 @@ def _first_difference(saved: Any, current: Any, path: str) -> tuple[str, Any, An
 
 
 def check_compatible(saved: dict, spec: Spec, where: Path) -> None:
-    """UserInputError naming the first computation- or state-defining field of `spec` that
+    """CheckpointRefusal naming the first computation- or state-defining field of `spec` that
     differs from `saved` (the spec a checkpoint was written under)."""
     current, defaults = spec.to_dict(), Spec().to_dict()
     diffs = [_first_difference(saved.get(section), current.get(section), section)
@@ -95,7 +99,7 @@ def check_compatible(saved: dict, spec: Spec, where: Path) -> None:
     for diff in diffs:
         if diff:
             field, was, now = diff
-            raise UserInputError(
+            raise CheckpointRefusal(
                 f"{field}: the checkpoints in {where} were written with {was!r}, the spec says "
                 f"{now!r}; use a new --run-dir, or the saved value")
 
@@ -159,10 +163,10 @@ class Checkpoints:
         return self.directory.with_name(self.directory.name + "-quarantine")
 
     def check_directory(self) -> None:
-        """UserInputError when `checkpoint.dir` exists and is not a directory: a resume would
+        """CheckpointRefusal when `checkpoint.dir` exists and is not a directory: a resume would
         otherwise find no checkpoint and start over from step 0."""
         if self.directory.exists() and not self.directory.is_dir():
-            raise UserInputError(f"checkpoint.dir: {self.directory} exists and is not a "
+            raise CheckpointRefusal(f"checkpoint.dir: {self.directory} exists and is not a "
                                  "directory; move it away, or give this run another --run-dir")
 
     def steps(self) -> list[int]:
