@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trainspec.core import arrivals
 from trainspec.core.backend import Backend
-from trainspec.core.errors import JobLeavesNow, LeaveNow, UserInputError
+from trainspec.core.errors import LeaveNow, UserInputError
 from trainspec.core.host_memory import check_reference_model
 from trainspec.torch.capabilities import TORCH
 
@@ -68,7 +68,7 @@ class TorchBackend(Backend):
             check_init(model)
 
     def train(self, spec, run_dir: Path, runtime, **options) -> dict:
-        from torch.distributed.checkpoint.api import CheckpointException
+        from safetensors import SafetensorError
 
         from trainspec.torch.support import rank_from_env
         from trainspec.torch.train import run
@@ -81,8 +81,8 @@ class TorchBackend(Backend):
             raise LeaveNow(arrivals.peer_lost_line(
                 run_dir, len(runtime.launched_ids), rank_from_env(), _collective(err),
                 spec.collectives.timeout_s)) from None
-        except CheckpointException as err:  # every rank gets it (DCP gathers their errors)
-            raise JobLeavesNow(save_failed(spec, run_dir, err)) from None
+        except SafetensorError as err:  # this rank's checkpoint file (a full disk): said by it
+            raise LeaveNow(save_failed(spec, run_dir, err, rank_from_env())) from None
 
     def describe(self, spec, model, nprocs: int | None) -> list[str]:
         """Worked out on this process, no ranks started: the parameters are built on torch's
@@ -142,16 +142,13 @@ def _collective(err: BaseException) -> str:
     return names[-1] if names else "collective"
 
 
-def save_failed(spec, run_dir: Path, err) -> str:
-    """The line for a checkpoint that could not be written (DCP's CheckpointException holds
-    each failing rank's exception; torch.save on a full disk says only "unexpected pos")."""
+def save_failed(spec, run_dir: Path, err, rank: int) -> str:
+    """The line for a checkpoint file this rank could not write."""
     directory = run_dir / spec.checkpoint.dir
-    ranks = ", ".join(str(r) for r in sorted(err.failures))
-    first, _trace = next(iter(err.failures.values()))
     why = (os.strerror(errno.ENOSPC) if disk_full(directory)
-           else f"{type(first).__name__}: {str(first).strip().splitlines()[0][:200]}")
-    return (f"checkpoint.dir: saving to {directory} failed on rank(s) {ranks}: {why}; the "
-            "newest good checkpoint there is kept")
+           else f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
+    return (f"checkpoint.dir: saving to {directory} failed on rank {rank}: {why}; the newest "
+            "good checkpoint there is kept")
 
 
 def disk_full(path: Path) -> bool:
