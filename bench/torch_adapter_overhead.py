@@ -4,7 +4,7 @@ Run as 4 ranks: `trainspec launch --nprocs 4 -- python bench/torch_adapter_overh
 [ROUND_STEPS]`. Every loop trains the same model (trainspec.torch.model.Transformer of the
 default spec), on the same rows of the same batches, with AdamW and global-norm clipping, in
 two pairs:
-- "adapter (data)": trainspec.torch.step.TorchStep with every rank a data replica (token-weighted
+- "adapter (data)": trainspec.torch.train.TorchStep with every rank a data replica (token-weighted
   loss, one packed all-reduce of the gradients, the scalar all-reduce of loss and tokens, the
   global norm, the non-finite decision), against
   "ddp": torch.nn.parallel.DistributedDataParallel, mean loss per rank, DDP's bucketed gradient
@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.model import Transformer, next_token_loss
-from trainspec.torch.step import TorchStep
+from trainspec.torch.train import TorchStep
 from trainspec.core.spec import default_spec, load_spec
 from trainspec.core.data import ByteBatches
 
@@ -67,7 +67,7 @@ def fully_shard_model(spec) -> torch.nn.Module:
 
 
 def main(rounds: int = 5, round_steps: int = 10) -> None:
-    adapter = TorchAdapter()
+    adapter = TorchRuntime()
     adapter.join()
     specs = {name: load_spec(default_spec(), NO_ACCUMULATION + sets) for name, sets in LAYOUTS.items()}
     steps = {name: TorchStep(spec, adapter.build_mesh(spec), 2 * rounds * round_steps, adapter.device)

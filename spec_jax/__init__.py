@@ -24,7 +24,7 @@ MOVED = {
     "spec_jax.conformance": "trainspec.core.conformance_runner",
     "spec_jax.adapters.base": "trainspec.core.adapter",
     "spec_jax.adapters.jax": "trainspec.jax.conformance",
-    "spec_jax.adapters.torch": "trainspec.torch.adapter",
+    "spec_jax.adapters.torch": "trainspec.torch.runtime",
     "spec_jax.adapters.torch_checkpoint": "trainspec.torch.checkpoint",
     "spec_jax.adapters.torch_collectives": "trainspec.torch.collectives",
     "spec_jax.adapters.torch_model": "trainspec.torch.model",

@@ -106,7 +106,7 @@ def test_the_readme_tour_runs_top_to_bottom(tmp_path):
         if argv[1] == "conformance":
             check_conformance_table(done.stdout)
             # No rank warns under any layout (FSDP2 x tensor warns of a view unless the adapter
-            # filters it: trainspec/torch/step.py)
+            # filters it: trainspec/torch/train.py)
             assert "Warning:" not in done.stdout + done.stderr, done.stdout[-3000:]
         if argv[1] == "train":
             run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else "runs/default"

@@ -33,7 +33,7 @@ class Note(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Note())
 from trainspec.cli.main import main
 assert main(["conformance", "--impl", "numpy_impl:NumpyAdapter", "--quick"]) == 0
-import trainspec.torch.backend, trainspec.torch.adapter, trainspec.torch.train
+import trainspec.torch.backend, trainspec.torch.runtime, trainspec.torch.train
 import trainspec.torch.checkpoint, trainspec.torch.collectives
 print(json.dumps(sorted(wanted - set(sys.stdlib_module_names))))
 """

@@ -26,7 +26,7 @@ from cli_runs import read_summary, run_cli_ok, run_dir_of, start_cli, train_comm
 from trainspec.core.conformance_runner import ragged_batch
 from trainspec.core.data import ByteBatches
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 
 pytestmark = pytest.mark.slow  # four torch jobs of 4 ranks: about a minute on 2 cores
 
@@ -72,7 +72,7 @@ def synchronous(tmp_path_factory):
 
 
 def test_a_background_save_holds_the_state_of_its_step(tmp_path):
-    adapter = TorchAdapter()
+    adapter = TorchRuntime()
     adapter.join()  # no launcher in the environment: a job of one rank
     try:
         spec = load_spec(DEFAULT_SPEC_PATH, ["batch.seq_len=16", "batch.global_batch=4",

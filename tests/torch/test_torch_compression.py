@@ -11,7 +11,7 @@ import torch
 from trainspec.core import conformance as cases
 from trainspec.core import conformance_runner as runner
 from trainspec.core import packed
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.compression import decode, encode
 
 FORMATS = [("bf16", 4), ("int8", 4), ("int8", 32), ("int8", 256)]
@@ -51,7 +51,7 @@ def test_int8_ties_and_zero_blocks():
 
 
 def test_torch_passes_the_compression_families():
-    rows = runner._compression_rows(TorchAdapter())
+    rows = runner._compression_rows(TorchRuntime())
     n = len(cases.COMPRESSION_FORMATS) * len(cases.COMPRESSION_SIZES)
     assert [(r.family, r.passed, r.failed) for r in rows] == [
         ("compression bounds", n, 0), ("error feedback", n, 0)], rows

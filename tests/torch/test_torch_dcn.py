@@ -1,4 +1,4 @@
-"""`mesh.axes.*.dcn` on torch (trainspec.torch.support.rank_grid): ranks numbered host by host
+"""`mesh.axes.*.dcn` on torch (trainspec.torch.mesh.rank_grid): ranks numbered host by host
 are laid out host-major across hosts (the core's hybrid layout, as JAX's), row-major on one
 host; a job over two simulated hosts (LOCAL_WORLD_SIZE=2 on 4 gloo ranks) with the fsdp axis
 across them trains the single-host job's losses."""
@@ -8,7 +8,7 @@ import numpy as np
 
 from cli_runs import read_records, run_cli_ok, train_command
 from tiny import TINY, tiny_spec
-from trainspec.torch.support import rank_grid
+from trainspec.torch.mesh import rank_grid
 
 FSDP_ACROSS = ["mesh.axes.data.size=2", "mesh.axes.fsdp.size=2", "mesh.axes.fsdp.dcn=2"]
 

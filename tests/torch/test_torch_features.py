@@ -8,7 +8,7 @@ parameters on the same ragged batches as tests/torch/test_torch_equality.py, aga
   data x fsdp and data x tensor, with 1/replicas of the optimizer state bytes on each rank; its
   checkpoint resumes under like_params on another layout;
 - collectives.compression bf16 and int8 with error feedback follow JAX's compressed runs (the
-  same packing order, chunks and int8 blocks: trainspec.torch.step.TorchStep.packing_order),
+  same packing order, chunks and int8 blocks: trainspec.torch.train.TorchStep.packing_order),
   int8 100x closer than it follows the uncompressed run; the compressed sum of one buffer is
   JAX's bit for bit, and the residuals' sum survives a checkpoint; a save changes nothing in
   the run that saved;

@@ -7,8 +7,8 @@ import sys
 
 JOIN = """
 import torch, torch.distributed as dist
-from trainspec.torch.adapter import TorchAdapter
-adapter = TorchAdapter(30.0)
+from trainspec.torch.runtime import TorchRuntime
+adapter = TorchRuntime(30.0)
 adapter.join()
 total = torch.tensor([dist.get_rank() + 1])
 dist.all_reduce(total)

@@ -1,4 +1,4 @@
-"""A torch rank leaves no process group behind (trainspec.torch.adapter.leave): once `run`
+"""A torch rank leaves no process group behind (trainspec.torch.runtime.leave): once `run`
 returns, every group the job had when it left is freed (on one rank: the default group), so
 that gloo's worker and transport threads are joined while the interpreter is whole. Left to
 interpreter exit, a loaded rank sometimes aborted after its job had finished (SIGABRT,
@@ -16,16 +16,16 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])  # tests/, for tiny
 from torch.distributed.distributed_c10d import _world
 from tiny import tiny_spec
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.train import run
 
-watched, leave = [], TorchAdapter.leave
+watched, leave = [], TorchRuntime.leave
 
 def watching_leave(self):
     watched.extend(weakref.ref(group) for group in _world.pg_map)
     leave(self)
 
-TorchAdapter.leave = watching_leave
+TorchRuntime.leave = watching_leave
 spec = tiny_spec("mesh.axes.data.size=1", "mesh.axes.fsdp.size=1", "mesh.axes.tensor.size=1",
                  "checkpoint.interval=0")
 run(spec, Path(sys.argv[1]), steps=2, progress=False)

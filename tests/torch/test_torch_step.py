@@ -14,16 +14,16 @@ from trainspec.core.data import ByteBatches
 from trainspec.core.faults import Faults
 from trainspec.core.health import HealthHalt
 from trainspec.jax.train import make_optimizer
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.run import Run
 from trainspec.torch.optim import learning_rate
-from trainspec.torch.step import TorchStep
+from trainspec.torch.train import TorchStep
 from tiny import tiny_spec
 
 
 @pytest.fixture(scope="module")
 def adapter():
-    adapter = TorchAdapter()
+    adapter = TorchRuntime()
     adapter.join()  # no launcher in the environment: a job of one rank
     yield adapter
     adapter.leave()

@@ -25,7 +25,7 @@ from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import HealthHalt
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.layout import default_tensor_plan, shard_units
 from trainspec.torch.model import Transformer
 
@@ -43,7 +43,7 @@ RECOMPUTED = {
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_job():
-    adapter = TorchAdapter()
+    adapter = TorchRuntime()
     adapter.join()  # no launcher in the environment: a job of one rank
     yield
     adapter.leave()

@@ -26,12 +26,12 @@ from trainspec.core.conformance_runner import ragged_batch
 from trainspec.core.data import ByteBatches
 from trainspec.core.params_file import unflatten
 from trainspec.core.spec import load_spec
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.compression import CompressedSum
 from trainspec.torch.layout import local_block
 from trainspec.torch.model import Transformer, from_flax
-from trainspec.torch.step import TorchStep
+from trainspec.torch.train import TorchStep
 
 RECORDED = ("loss", "grad_norm", "gns_grad_sq", "gns_trace")
 
@@ -68,7 +68,7 @@ def residual_sum(step: TorchStep) -> list[float] | None:
 
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    adapter = TorchAdapter()
+    adapter = TorchRuntime()
     adapter.join()
     out: dict = {"layouts": {}, "resumes": {}, "compressed_sums": []}
     for name, overrides in job.get("layouts", {}).items():

@@ -12,9 +12,9 @@ from torch.distributed.tensor import DTensor
 
 from trainspec.core import user_model
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
-from trainspec.torch.adapter import TorchAdapter
-from trainspec.torch.step import TorchStep
-from trainspec.torch.wrapped import WrappedStep
+from trainspec.torch.runtime import TorchRuntime
+from trainspec.torch.train import TorchStep
+from trainspec.torch.step import WrappedStep
 
 
 def actual(param) -> list:
@@ -30,7 +30,7 @@ def actual(param) -> list:
 
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    adapter = TorchAdapter()
+    adapter = TorchRuntime()
     adapter.join()
     found = {}
     for name, (reference, overrides) in job["layouts"].items():

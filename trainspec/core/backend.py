@@ -123,9 +123,19 @@ class Engine(Protocol):
     process_index: int
     participants: list[str]    # the processes whose step times are compared (stragglers)
     local_signals: bool        # whether the loop catches SIGTERM/SIGINT in this process
-    semi_sync_groups: int      # the groups each step's metrics come from (1: synchronous)
+    eval_data: Any             # eval batch i (this process's rows) under [eval]; None: none
 
     def __call__(self, state, batch) -> tuple[Any, dict]: ...
+
+    def evaluate(self, state, batch) -> tuple[float, float]:
+        """The held-out loss sum and valid tokens of `batch` under `state` (no update)."""
+
+    # -- [profile]: a trace of the steps the spec names (trainspec.core.profile) ------------
+    def start_trace(self, directory: Path) -> None:
+        """Start the framework's profiler, its trace to go into `directory`."""
+
+    def stop_trace(self) -> None:
+        """Stop it and write the trace."""
 
     # -- the step's values on the host (trainspec.core.recorder) -------------------------
     def facts(self, state, batch) -> dict:
@@ -145,7 +155,7 @@ class Engine(Protocol):
     def summary_fields(self) -> dict:
         """Fields of the backend's own for the run summary."""
 
-    # -- finite checks: the policy is trainspec.core.health's ------------------------------
+    # -- finite checks: the policy is trainspec.core.health's (rolls_back) -----------------
     def reset_guard(self, step: int, skipped: int, consecutive: int) -> None:
         """Start the non-finite guard `step` steps in, with a checkpoint's counts."""
 

@@ -49,6 +49,13 @@ def init_nan_guard(step: int = 0, skipped: int = 0, consecutive: int = 0) -> dic
     }
 
 
+def rolls_back(policy: NanSpec) -> bool:
+    """Whether non-finite steps are judged by the run loop and rolled back from
+    (`health.nan.policy = "rollback"`, trainspec.core.bad_steps) rather than dropped or halted
+    on by the step's own guard: every layer asks this, none reads the policy itself."""
+    return policy.policy == "rollback"
+
+
 def nan_guard_step(policy: NanSpec, guard: dict, finite, where: Callable = np.where):
     """(new guard, take) after one step whose loss and gradients are `finite` (a bool array).
 
@@ -59,7 +66,7 @@ def nan_guard_step(policy: NanSpec, guard: dict, finite, where: Callable = np.wh
     the one before the first bad step, however many steps ran after it. `guard` values are
     integer arrays (NumPy or jax.numpy); `where` is that library's `where`.
     """
-    if policy.policy == "rollback":  # every update is kept: the run loop judges the step
+    if rolls_back(policy):  # every update is kept: the run loop judges the step
         return {**guard, "step": guard["step"] + 1}, True
     step = guard["step"] + 1
     consecutive = where(finite, 0, guard["consecutive"] + 1)

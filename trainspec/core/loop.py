@@ -1,4 +1,4 @@
-"""The training loop of every implementation, and the two small protocols that fill it.
+"""The training loop of every backend, and the checkpoints' protocol that fills it.
 
     with Run(spec, run_dir, checkpointer, steps) as run:     # trainspec.core.run
         state = run.resume(step, target, init)               # newest good checkpoint, or init()
@@ -8,9 +8,9 @@
     summary = run.summary()
 
 `train` below is that loop; `trainspec train` runs it on either framework, and a user's own
-loop is the same few lines around its own step (docs/wrapping.md, docs/adapters.md). An
-implementation provides a `Step` (its step and state, as the run sees them) and a
-`Checkpointer`; everything else (resume, records, the non-finite guard's reading, replica
+loop is the same few lines around its own step (docs/wrapping.md, docs/adapters.md). A
+backend provides an engine (trainspec.core.backend.Engine: its step and state, as the run
+sees them) and a `Checkpointer`; everything else (resume, records, the non-finite guard's reading, replica
 fingerprints, stragglers, checkpoints, stop signals, fault injection, progress, goodput, the
 summary) is trainspec.core.run's, once.
 """
@@ -22,84 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
-
-class Step(Protocol):
-    """An implementation's train step as the run uses it (trainspec.jax.run.JaxStep,
-    trainspec.torch.run.TorchRunStep). `state` is the implementation's own: a pytree, or a
-    module with its optimizer."""
-
-    framework: str             # "jax", "torch": named in records and summaries
-    spec: Any                  # the spec it runs (after any exclusion of devices)
-    mesh_shape: dict[str, int]
-    gns_note: str | None       # why the gradient noise scale is not measured (None: it is)
-
-    def __call__(self, state, batch) -> tuple[Any, dict]: ...
-
-    # -- records: the step's metrics reach the host only here (trainspec.core.recorder) -------
-    def facts(self, state, batch) -> dict:
-        """The record's static fields (FLOPs, peak, memory, communication, compile time),
-        measured once for this step on this batch's shapes (it may compile the step)."""
-
-    def per_record(self) -> dict:
-        """Fields measured afresh at every record (live memory)."""
-
-    def to_host(self, tree) -> Any:
-        """The tree's values as host numbers: a record's one synchronisation."""
-
-    def combine_metrics(self, metrics: dict) -> dict:
-        """The whole step's values from host metrics (semi_sync groups combined)."""
-
-    def learning_rate(self, updates: int) -> float | None:
-        """The schedule's rate for update number `updates` (0-based); None when unknown."""
-
-    def summary_fields(self) -> dict:
-        """Fields of the implementation's own for the run summary."""
-
-    # -- health --------------------------------------------------------------------------------
-    def reset_guard(self, step: int, skipped: int, consecutive: int) -> None:
-        """Start the non-finite guard `step` steps in, with a checkpoint's counts."""
-
-    def check_nonfinite(self) -> int:
-        """Raise HealthHalt if the non-finite guard tripped; else the steps it skipped."""
-
-    def nonfinite_counts(self) -> dict[str, int]:
-        """The guard's counts to checkpoint with the state."""
-
-    def verdict_inputs(self, metrics) -> Any:
-        """What judges this step under health.nan.policy = rollback (its loss and gradient
-        norm, not yet read: no sync); None when the step carries no guard."""
-
-    def read_verdicts(self, inputs: list) -> list[tuple[bool, float | None]]:
-        """(the gradient norm finite, the loss) on the host for each of several steps'
-        `inputs`, in one read: the verdicts are due in batches (bad_steps.PendingVerdicts)."""
-
-    def state_is_finite(self, state) -> bool:
-        """Every floating element of the state finite, the same answer on every process: run
-        before each checkpoint and at the end (trainspec.core.run), not per step."""
-
-    def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
-        """Raise ReplicaMismatch naming the copies that differ from their majority."""
-
-    def corrupt(self, state, target: int):
-        """Fault injection: `state` with one bit flipped in `target`'s (device or rank) copy."""
-
-    def finish(self, state) -> None:
-        """Wait for the step's work to be done (asynchronous dispatch)."""
-
-    # -- the job's processes ---------------------------------------------------------------
-    is_writer: bool            # writes the run's files (process 0)
-    process_index: int
-    participants: list[str]    # the processes whose step times are compared (stragglers)
-    local_signals: bool        # whether the loop catches SIGTERM/SIGINT in this process
-
-    def gather_times(self, local: np.ndarray) -> np.ndarray:
-        """Every process's step times (processes x steps) from this process's `local` ones."""
-
-    def stop_signal(self, step: int, received: int | None) -> int | None:
-        """The signal to stop for after `step`, the same on every process (`received`: the
-        one this process caught, if any)."""
 
 
 class Checkpointer(Protocol):

@@ -17,6 +17,7 @@ import numpy as np
 from trainspec.core import flops, records
 from trainspec.core.gns import NoiseScale, record_fields
 from trainspec.core.goodput import Goodput
+from trainspec.core.semi_sync import combine_groups
 
 
 class Sink(Protocol):
@@ -31,10 +32,8 @@ class MetricsReader(Protocol):
     """How an implementation's step metrics reach the record (trainspec.jax's WrappedStep is one)."""
 
     def to_host(self, tree: Any) -> Any:
-        """The tree's values as host numbers: the record's one synchronisation."""
-
-    def combine_metrics(self, metrics: dict) -> dict:
-        """The whole step's values from the host metrics (e.g. per-group values combined)."""
+        """The tree's values as host numbers: the record's one synchronisation (under
+        [semi_sync] one value per group, which trainspec.core.semi_sync combines)."""
 
 
 class OnHost:
@@ -43,10 +42,6 @@ class OnHost:
     @staticmethod
     def to_host(tree):
         return tree
-
-    @staticmethod
-    def combine_metrics(metrics: dict) -> dict:
-        return metrics
 
 
 def aux_fields(tree, prefix: str = "") -> dict[str, float | None]:
@@ -132,7 +127,7 @@ class Recorder:
     def _record(self, step: int, metrics: dict, extra: Callable[[dict], dict] | None) -> dict:
         now_metrics, tokens, gns_parts = self.reader.to_host(  # the interval's one host sync
             (metrics, self._pending_tokens, self._pending_gns))
-        now_metrics = self.reader.combine_metrics(now_metrics)
+        now_metrics = combine_groups(now_metrics)
         extra_fields = extra(now_metrics) if extra else {}
         for grad_sq, trace in gns_parts:
             if np.isfinite(grad_sq) and np.isfinite(trace):  # a skipped (non-finite) step

@@ -36,8 +36,9 @@ from trainspec.core.arrivals import StepMarks
 from trainspec.core.faults import Faults
 from trainspec.core.goodput import Goodput
 from trainspec.core.pipeline.schedule import run_record
-from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector
-from trainspec.core.loop import Checkpointer, Preempted, Step, StopSignals, progress_bar
+from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector, rolls_back
+from trainspec.core.backend import Engine
+from trainspec.core.loop import Checkpointer, Preempted, StopSignals, progress_bar
 from trainspec.core.profile import TraceWindow
 from trainspec.core.recorder import Recorder
 from trainspec.core.run_files import AlreadyTrained, resume_line, resume_mark, save_spec
@@ -46,7 +47,7 @@ from trainspec.core.sinks import sinks_for
 log = logging.getLogger("trainspec")
 
 # What the loop trains: (step, target, init, data) as `resume` and `batches` take them.
-Job = tuple[Step, Any, Callable[[], Any], Callable[[int], dict]]
+Job = tuple[Engine, Any, Callable[[], Any], Callable[[int], dict]]
 # (excluded device ids) -> the job on the devices left: how a run rolls back after replicas
 # diverged (trainspec.jax.train builds the reference job again on them).
 Rebuild = Callable[[list[int]], Job]
@@ -75,7 +76,7 @@ class Run:
         self.rollbacks: list[dict] = []
         # health.nan.policy = rollback: the data indices left out of the stream, the loss
         # window of the spike rule, and the step whose verdict is still to be read
-        self.rolls_back = spec.health.nan.policy == "rollback"
+        self.rolls_back = rolls_back(spec.health.nan)
         self.skipped_batches: set[int] = set()
         self.spikes = bad_steps.LossSpikes(spec.health.spikes)
         self._pending = bad_steps.PendingVerdicts()
@@ -83,7 +84,7 @@ class Run:
         self._bad_step_rollbacks = 0
         self.rollback_mark: dict | None = None
         self.summary_fields: dict = {}  # the caller's own (preflight, say)
-        self.step: Step | None = None
+        self.step: Engine | None = None
         self.start: int | None = None  # where this invocation resumed
         self.at = 0  # steps done: the data position
         self.recorder = self.bar = None
@@ -111,12 +112,12 @@ class Run:
         return self
 
     # -- resume ----------------------------------------------------------------------------
-    def resume(self, step: Step, target, init: Callable[[], Any]):
+    def resume(self, step: Engine, target, init: Callable[[], Any]):
         """The state to train from: the newest good checkpoint placed like `target` (restored
         straight into the step's planned layout), or, only when there is none, `init()`."""
         return self._restore(step, target, init)
 
-    def _restore(self, step: Step, target, init: Callable[[], Any]):
+    def _restore(self, step: Engine, target, init: Callable[[], Any]):
         t0 = time.perf_counter()
         state, meta = self.ckpt.restore_latest(target)
         if meta is None:

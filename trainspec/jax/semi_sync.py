@@ -145,7 +145,7 @@ class Groups:
                     group_step, spmd_axis_name=data)(state.inner, per_group)
             # Every metric stays per group, split over the data axes like the groups: reducing
             # them here would be an all-reduce over data every step. The host combines them
-            # (combine_metrics); `loss_tokens` weights the groups' losses there.
+            # (trainspec.core.semi_sync); `loss_tokens` weights the groups' losses there.
             metrics = {"loss": loss_sums / jnp.maximum(tokens, 1.0), "valid_tokens": tokens,
                        "loss_tokens": tokens, "grad_norm": norms,
                        **({"aux": aux} if jax.tree.leaves(aux) else {})}
@@ -173,26 +173,6 @@ class Groups:
                 return np.asarray(multihost_utils.process_allgather(x, tiled=True))
             return np.asarray(jax.device_get(x))
         return jax.tree.map(fetch, tree)
-
-    @staticmethod
-    def combine_metrics(metrics: dict) -> dict:
-        """The record's values from the groups' (on the host): `loss` token-weighted over all
-        groups, each on its own parameters; `valid_tokens`, `aux` summed; `grad_norm` the root
-        mean square of the groups' own norms; `nonfinite` 1 if any group dropped its step;
-        `skipped_steps` the most steps any one group dropped."""
-        per_group = dict(metrics)
-        weights = per_group.pop("loss_tokens")
-        combined = {
-            "loss": np.float32(np.sum(per_group.pop("loss") * weights) / max(np.sum(weights), 1.0)),
-            "valid_tokens": np.sum(per_group.pop("valid_tokens")),
-            "grad_norm": np.sqrt(np.mean(np.square(per_group.pop("grad_norm")))),
-        }
-        if "aux" in per_group:
-            combined["aux"] = jax.tree.map(lambda x: np.sum(x, axis=0), per_group.pop("aux"))
-        if "nonfinite" in per_group:
-            combined["nonfinite"] = int(np.max(per_group.pop("nonfinite")))
-            combined["skipped_steps"] = int(np.max(per_group.pop("skipped_steps")))
-        return {**per_group, **combined}
 
 
 class SemiSyncStep:

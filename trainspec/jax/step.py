@@ -26,7 +26,9 @@ from trainspec.jax.backends import backend
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.collectives import compression, replica_reduce
 from trainspec.core.capabilities import Request
+from trainspec.core.semi_sync import combine_groups
 from trainspec.core.errors import UserInputError
+from trainspec.core.health import rolls_back
 from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.core.spec import Spec
 from trainspec.jax.health import nan as nan_guard
@@ -71,7 +73,7 @@ class WrappedStep:
                                  "trainspec.jax.wrap, which runs semi_sync")
         self.step_fn, self.spec, self.groups = step_fn, spec, groups
         self.nan_guard = nan_guard
-        self.rolls_back = nan_guard and spec.health.nan.policy == "rollback"
+        self.rolls_back = nan_guard and rolls_back(spec.health.nan)
         if isinstance(devices, int):  # the first n devices (e.g. 1 of 8 simulated ones)
             devices = jax.devices()[:devices]
         self.mesh = users_mesh(spec, mesh) if mesh is not None else build_mesh(spec, devices)
@@ -218,7 +220,7 @@ class WrappedStep:
     def combine_metrics(self, metrics: dict) -> dict:
         """The record's values from the step's metrics on the host (with `groups`: combined
         from the groups' values)."""
-        return self.groups.combine_metrics(metrics) if self.groups is not None else metrics
+        return combine_groups(metrics)
 
     def host_metrics(self, metrics: dict) -> dict:
         """A step's metrics as the record reads them: on the host, `loss`, `grad_norm`,

@@ -42,7 +42,8 @@ from trainspec.jax.models.moe import moe_losses_and_stats
 from trainspec.jax.models.transformer import Transformer, next_token_loss
 from trainspec.jax.pipeline import pipelined_loss
 from trainspec.jax.params_file import placed, save_initial, with_values
-from trainspec.jax.run import JaxStep, abstract_state
+from trainspec.jax.engine import JaxEngine
+from trainspec.jax.run import abstract_state
 from trainspec.jax.step import WrappedStep
 from trainspec.jax.step_forms import loss_step
 from trainspec.jax.wrapping import wrap
@@ -164,7 +165,7 @@ def build_job(spec: Spec, mesh=None, total_steps: int | None = None, init: bool 
 
 def reference_job(spec: Spec, total_steps: int, run_dir: Path,
                   initial: dict[str, np.ndarray] | None = None):
-    """The reference job as the run loop takes it: (JaxStep, abstract state, init, data), on
+    """The reference job as the run loop takes it: (JaxEngine, abstract state, init, data), on
     the largest mesh the spec allows; this process's rows of each batch. `init` starts from
     `initial` (by path) when given, else from the seeded draws, and writes the parameters it
     starts from to RUN_DIR/initial_params.safetensors (a run that resumes does not call it)."""
@@ -172,7 +173,7 @@ def reference_job(spec: Spec, total_steps: int, run_dir: Path,
     rows = local_rows(job.step)
     check_host_batch(job.data.host_bytes(rows.stop - rows.start))  # before it takes the memory
     held_out = evaluation.reference_batches(spec) if spec.eval.interval else None
-    step = JaxStep(job.step, model_flops(spec), make_schedule(spec, total_steps),
+    step = JaxEngine(job.step, model_flops(spec), make_schedule(spec, total_steps),
                    held_out and (lambda index: held_out.batch(index, rows)))
 
     def init():
@@ -189,7 +190,7 @@ def user_job(spec: Spec, model: UserModel):
     step = wrap(loss_step(model.loss), spec, largest_mesh(spec))
     rng = jax.random.key(spec.seed)
     rows = local_rows(step)
-    return (JaxStep(step, model.model_flops(spec), model.schedule, model.eval_rows(rows)),
+    return (JaxEngine(step, model.model_flops(spec), model.schedule, model.eval_rows(rows)),
             abstract_state(step, model.init, rng), lambda: step.init(model.init, rng),
             model.train_rows(rows))
 

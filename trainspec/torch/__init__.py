@@ -10,8 +10,8 @@ own loop). They are imported on first use, so that the modules that decide witho
 from trainspec.core.entry_points import on_first_use
 
 _ENTRY_POINTS = {
-    "wrap": "trainspec.torch.wrapped",
-    "WrappedStep": "trainspec.torch.wrapped",
+    "wrap": "trainspec.torch.step",
+    "WrappedStep": "trainspec.torch.step",
     "TorchCheckpointer": "trainspec.torch.checkpoint",
     "Run": "trainspec.torch.run",
 }

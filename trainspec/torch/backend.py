@@ -42,9 +42,9 @@ class TorchBackend(Backend):
         """One device per rank: --host-devices is refused by the capability table."""
 
     def runtime(self, timeout_s: float):
-        from trainspec.torch.adapter import TorchAdapter
+        from trainspec.torch.runtime import TorchRuntime
 
-        return TorchAdapter(timeout_s)
+        return TorchRuntime(timeout_s)
 
     def check_job(self, spec, processes: int, own_model: bool) -> None:
         """Every field for the ranks that will train (those left once `mesh.exclude_devices`

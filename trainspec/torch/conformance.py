@@ -1,16 +1,16 @@
 """The torch backend under the conformance suite (`trainspec conformance --impl torch`): its
-runtime and collectives (trainspec.torch.adapter) with the reference job's steps and run."""
+runtime and collectives (trainspec.torch.runtime) with the reference job's steps and run."""
 from __future__ import annotations
 
 from trainspec.core.adapter import Adapter
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 
 
-class TorchConformance(TorchAdapter, Adapter):
+class TorchConformance(TorchRuntime, Adapter):
     def train_steps(self, spec, params, batches):
         from trainspec.torch.model import Transformer, from_flax, to_flax
         from trainspec.torch.params_file import whole_params
-        from trainspec.torch.step import TorchStep
+        from trainspec.torch.train import TorchStep
 
         step = TorchStep(spec, self.build_mesh(spec), spec.train.steps, self.device,
                          from_flax(Transformer(spec.model), params))

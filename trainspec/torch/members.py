@@ -7,7 +7,7 @@ rank agrees on the ranks kept (trainspec.torch.support.ranks_kept: the longest p
 healthy ranks the spec still fits, as the JAX mesh shrinks), the first of them opens a new
 rendezvous, the old groups are destroyed, and the kept ranks join a new job numbered in their
 order; the others raise LeftOut and their process exits 0. Ids in `mesh.exclude_devices` stay
-the ranks of the job as launched (TorchAdapter.launched_ids), whatever the job's ranks are now.
+the ranks of the job as launched (TorchRuntime.launched_ids), whatever the job's ranks are now.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from trainspec.core.exclusion import exclude
 from trainspec.core.spec import Spec
 from trainspec.core.errors import LeftOut
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TorchRuntime
 from trainspec.core.mesh import usable_ids
 from trainspec.torch.support import excluding, ranks_kept
 
 
-def leave_out(adapter: TorchAdapter, spec: Spec, ids: Iterable[int], why: str) -> Spec:
+def leave_out(adapter: TorchRuntime, spec: Spec, ids: Iterable[int], why: str) -> Spec:
     """Re-form the job without the ranks `ids` (ranks of the job as launched; every rank calls
     it with the same ones); the spec of the smaller job, with them in `mesh.exclude_devices`.
     LeftOut on the ranks not kept, saying `why`."""
@@ -37,7 +37,7 @@ def leave_out(adapter: TorchAdapter, spec: Spec, ids: Iterable[int], why: str) -
     return smaller
 
 
-def exclude_at_start(adapter: TorchAdapter, spec: Spec) -> Spec:
+def exclude_at_start(adapter: TorchRuntime, spec: Spec) -> Spec:
     """The job without the ranks `mesh.exclude_devices` names (the job as launched)."""
     if not spec.mesh.exclude_devices:
         return spec

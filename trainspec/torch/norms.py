@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from trainspec.torch.adapter import group_of
+from trainspec.torch.mesh import group_of
 from trainspec.torch.layout import local_block, sharded_axes
 
 Squares = dict[tuple[str, ...], torch.Tensor]

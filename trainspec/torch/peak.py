@@ -1,7 +1,7 @@
 """The MFU denominator of a torch rank: the spec's override, the machine's measured CPU peak
 (trainspec.core.cpu_peak, the cache the JAX implementation reads too) or the table.
 
-Ranks on one host share its cores (trainspec.torch.adapter gives each a share of the threads),
+Ranks on one host share its cores (trainspec.torch.runtime gives each a share of the threads),
 so a rank's peak is the process peak divided by the ranks on the host, as a JAX process's is
 divided by its simulated devices. On a cache miss rank 0 measures with every thread while the
 other ranks wait, then all read the same entry.

@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from trainspec.core import numerics
 from trainspec.core.spec import Spec
-from trainspec.torch.adapter import TORCH_DTYPES, TorchAdapter
+from trainspec.torch.runtime import TORCH_DTYPES, TorchRuntime
 from trainspec.torch.members import leave_out
 
 MATMUL = ((127, 255), (255, 129))  # the doctor's shapes: neither a power of two
 LENGTH = 1000  # elements per all-reduce: sums up to world * (world + 1) / 2 * 1000, exact
 
 
-def preflight(adapter: TorchAdapter, spec: Spec, goodput,
+def preflight(adapter: TorchRuntime, spec: Spec, goodput,
               fault: tuple[int, int] | None = None) -> tuple[Spec, dict]:
     """(the spec of the job without the failing ranks, the report); LeftOut on a failing
     rank. `fault` (launched rank, block): that rank sends only the whole blocks of each
@@ -80,7 +80,7 @@ def _torch_rounding(x: np.ndarray, dtype: str) -> np.ndarray:
     return torch.from_numpy(x).to(TORCH_DTYPES[dtype]).double().numpy()
 
 
-def reduction_failures(adapter: TorchAdapter, spec: Spec, block: int | None) -> list[str]:
+def reduction_failures(adapter: TorchRuntime, spec: Spec, block: int | None) -> list[str]:
     """The all-reduces of known values (over the job, then each split axis of the spec's mesh)
     that came out wrong and blame this rank, each naming the members it blames."""
     mesh = adapter.build_mesh(spec)

@@ -1,7 +1,7 @@
 """`[semi_sync]` (DiLoCo) on torch: docs/communication.md, as trainspec/jax/semi_sync.py.
 
 Every data group (one index along the data axes) steps its own copy of the model with the inner
-optimizer on its rows of each batch; the wrapped step (trainspec/torch/wrapped.py) then sums
+optimizer on its rows of each batch; the wrapped step (trainspec/torch/step.py) then sums
 the loss, tokens and gradients over the group's own fsdp/tensor ranks only, so nothing crosses
 the data axes between outer steps. After every step that is a multiple of H the outer step
 averages the groups' parameter deltas `anchor - params` over the data group (one packed float32

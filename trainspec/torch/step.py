@@ -1,67 +1,431 @@
-"""The reference job's train step in PyTorch: the reference Transformer (trainspec/torch/model.py)
-through the same wrapped step as a user's model (trainspec/torch/wrapped.py).
+"""`trainspec.torch.wrap`: the spec's train step around a user's own nn.Module, with the promises
+trainspec.jax.wrap(loss_step(loss_fn), spec) makes on JAX (docs/adapters.md, "Your own PyTorch
+model"): the layout onto the spec's DeviceMesh (trainspec/torch/layout.py), token-weighted
+accumulation, the precision policy, the optimizer, schedule and clipping of `[optimizer]`, the
+non-finite policy of `[health.nan]`, replica fingerprints and checkpoints.
 
-Its FSDP2 units are the blocks; its tensor-parallel plan is the default one (query/key/value and
-mlp_in column-split, out and mlp_out row-split, the vocabulary head column-split with its output
-gathered; the embedding table stays replicated). The model casts its matmul operands to
-`precision.compute` itself, so no autocast.
+Gradients: each micro-batch's loss *sum* is back-propagated; FSDP2 reduce-scatters the sums over
+the fsdp axis once per step, the local gradients are all-reduced over the data axes once per step
+(trainspec/torch/reduction.py: packed into one buffer, as the JAX step fuses them; compressed with
+error feedback under `collectives.compression`), and everything is divided once by the valid
+tokens of the whole global batch (trainspec/core/accumulation.py's rule). `remat.policy`
+checkpoints the units (trainspec/torch/remat.py), `layout.optimizer_state` may split the
+optimizer state over the data replicas (trainspec/torch/optimizer_state.py), and `metrics.gns`
+adds the gradient noise scale's parts to the metrics (trainspec/torch/gns.py).
 """
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
+import contextlib
+import math
+import struct
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainspec.core.collectives_reference import to_groups
+from trainspec.core.errors import UserInputError
+from trainspec.core.health import (
+    ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step, odd_copies)
 from trainspec.core.spec import Spec
-from trainspec.torch.adapter import TORCH_DTYPES as DTYPES
-from trainspec.torch.model import Transformer, flax_path, next_token_loss
-from trainspec.torch.support import check_spec
-from trainspec.torch.wrapped import WrappedStep
+from trainspec.torch.mesh import group_of
+from trainspec.torch.runtime import TORCH_DTYPES, TorchRuntime, fingerprint
+from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.gns import StepNoiseScale
+from trainspec.torch.layout import (
+    apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
+    shard_units)
+from trainspec.torch.norms import Norms
+from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optimizer
+from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
+from trainspec.torch.reduction import DataReduction, model_order, packed
+from trainspec.torch.remat import apply_remat
+from trainspec.torch.semi_sync import OuterStep
+from trainspec.torch.support import batch_axes, check_layout
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def reference_loss(model: Transformer, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    return next_token_loss(model(batch["inputs"]), batch["targets"], batch["mask"])
+def wrap(model_fn: Callable[[], nn.Module], loss_fn: Callable, spec: Spec, *,
+         optimizer_fn: Callable | None = None, mesh: DeviceMesh | None = None,
+         device: torch.device | None = None, **options) -> WrappedStep:
+    """The spec's train step for the model `model_fn()` builds (see WrappedStep). Without a
+    `mesh`, joins the job the environment describes (`trainspec launch`, torchrun; a one-rank
+    job when none) and lays the spec's mesh over its ranks."""
+    if mesh is None:
+        adapter = TorchRuntime(spec.collectives.timeout_s)
+        adapter.join()
+        mesh = adapter.build_mesh(spec)
+    return WrappedStep(model_fn, loss_fn, spec, optimizer_fn=optimizer_fn, mesh=mesh,
+                       device=device or TorchRuntime().device, **options)
 
 
-class TorchStep(WrappedStep):
-    """Model, optimizer and the step of one rank. `__call__(rows)` takes this rank's rows of the
-    global batch (`rows()` says which) and returns the step's global metrics; `apply(finite)`
-    decides whether the update is taken (default: when finite)."""
+class WrappedStep:
+    """Model, optimizer and step of one rank.
 
-    def __init__(self, spec: Spec, mesh: DeviceMesh, total_steps: int, device: torch.device,
-                 initial_params: dict | None = None):
-        check_spec(spec, mesh.size())
+    - `model_fn()` builds the model, with torch's generator seeded by `spec.seed`; every rank
+      then takes rank 0's parameters and buffers (as DDP does), cast to `precision.param`;
+    - `loss_fn(model, batch) -> (loss_sum, valid_tokens)`: the summed per-token losses of the
+      rows it is given (a scalar tensor) and how many tokens they count;
+    - `optimizer_fn(params)` builds the optimizer over the laid-out parameters (default: the
+      spec's `optimizer.name`); the spec's schedule sets every group's `lr` before each update,
+      and gradients are clipped to `optimizer.grad_clip_norm`, unless `spec_schedule=False`:
+      then the optimizer keeps its own learning rate and nothing is clipped (`trainspec train
+      --model` with a model that brings its optimizer, as on JAX);
+    - `fsdp_units`: module-name rules for FSDP2 units (default: the children of the outermost
+      nn.ModuleLists); `tensor_plan`: {module name: ParallelStyle} (default: by nn.Linear names);
+    - `autocast`: the forward and the loss run under torch.autocast(`precision.compute`) when it
+      is not the parameter dtype; False for a model that applies it itself;
+    - `nan_guard`: the spec's `health.nan` policy decides each step (else every update is taken).
+
+    `step(batch)` takes a dict of arrays (NumPy or torch) holding the global batch or this
+    rank's rows of it (`step.rows()`), and returns the step's global metrics.
+    """
+
+    def __init__(self, model_fn: Callable[[], nn.Module], loss_fn: Callable, spec: Spec, *,
+                 mesh: DeviceMesh, device: torch.device, optimizer_fn: Callable | None = None,
+                 total_steps: int | None = None, fsdp_units: Sequence[str] | None = None,
+                 tensor_plan: dict | None = None, autocast: bool = True, nan_guard: bool = True,
+                 spec_schedule: bool = True):
+        self.dims = check_layout(spec, mesh.size())  # what everything below reads of the mesh
+        _check_mesh(mesh, self.dims.shape)
+        self.spec, self.mesh, self.device, self.loss_fn = spec, mesh, device, loss_fn
+        self.total_steps = total_steps or spec.train.steps
+        self.spec_schedule = spec_schedule
         p = spec.precision
+        self.param_dtype, self.grad_dtype = TORCH_DTYPES[p.param], TORCH_DTYPES[p.grad_reduce]
+        self.compute_dtype = TORCH_DTYPES[p.compute]
+        self.autocast = autocast and self.compute_dtype != self.param_dtype
+        if self.autocast and self.compute_dtype not in SIXTEEN_BIT:
+            raise UserInputError(
+                f"precision.compute: {p.compute} is wider than precision.param {p.param}; "
+                "torch.autocast computes in a 16-bit dtype only (or wrap(autocast=False) for a "
+                "model that casts itself)")
+        self.model = self._build(model_fn)
 
-        def build() -> Transformer:
-            model = Transformer(spec.model, DTYPES[p.compute], DTYPES[p.param])
-            if initial_params is None:
-                model.init_weights(spec.seed)
-            else:  # e.g. a JAX run's initial parameters, through NumPy (model.from_flax)
-                model.load_state_dict(initial_params)
-            return model
+        self.data_axes, fsdp, tensor = (self.dims.split(role) for role in ("data", "fsdp", "tensor"))
+        self.batch_axes = batch_axes(self.dims)
+        if tensor_plan is not None:  # checked on any mesh, so a typo shows before it matters
+            check_rules_match(self.model, tensor_plan, "tensor_plan")
+        if tensor:
+            plan = tensor_plan or default_tensor_plan(self.model, self.dims.tensor)
+            apply_tensor_parallel(self.model, mesh[tensor[0]], plan)
+        units = shard_units(self.model, fsdp_units)  # checked on any mesh
+        apply_remat(self.model, units, spec.remat.policy)  # inside FSDP2's hooks
+        if fsdp:
+            apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype)
+        self.fsdp = bool(fsdp)
+        self.data_group = group_of(mesh, self.data_axes) if self.data_axes else None
+        # [semi_sync]: each data group steps on its own rows, nothing crosses the data axes
+        # but the outer step (trainspec/torch/semi_sync.py)
+        summed = tuple(a for a in self.batch_axes
+                       if spec.semi_sync is None or a not in self.data_axes)
+        self.batch_group = group_of(mesh, summed) if summed else None
+        self.shards = self.dims.size_of(self.batch_axes)
+        self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
+        self.norms = Norms(mesh, device)
+        # metrics.gns: a replica's batch shards are its rows' other axes (fsdp)
+        replica_axes = tuple(a for a in self.batch_axes if a not in self.data_axes)
+        self.noise_scale = StepNoiseScale(
+            spec.metrics.gns if spec.semi_sync is None else False,
+            self.dims.replicas, spec.batch.accumulation_steps,
+            self.norms, self.data_group,
+            group_of(mesh, replica_axes) if replica_axes else None)
+        if spec.semi_sync is not None:
+            self.noise_scale.note = "semi_sync: no gradient is reduced across groups"
 
-        # With a tensor axis too, the root's output is the head's DTensor.to_local(), a view,
-        # and FSDP2 warns (on every rank) that an in-place op on it would skip its backward
-        # hook. The loss reads the logits out of place only, so the warning says nothing here.
-        warnings.filterwarnings("ignore", category=UserWarning,
-                                message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view")
-        super().__init__(build, reference_loss, spec, mesh=mesh, device=device,
-                         total_steps=total_steps, fsdp_units=("blocks.*",), autocast=False,
-                         nan_guard=False)
+        self.params = list(self.model.parameters())
+        self.reduction = None
+        self.outer = OuterStep(spec.semi_sync, self.params, self.data_group) \
+            if spec.semi_sync is not None else None
+        if self.data_group is not None and self.outer is None:
+            self.reduction = DataReduction(spec.collectives, self.data_group, self.grad_dtype,
+                                           self.model.named_parameters(), self.packing_order)
+        optimizer = (spec_optimizer(spec.optimizer, self.params) if optimizer_fn is None
+                     else optimizer_fn(self.params))
+        _check_optimizer(optimizer, self.model)
+        sharded = spec.layout.optimizer_state == "shard_over_data"
+        if sharded:  # refused on any mesh, not only where it shards
+            check_shardable(optimizer)
+        shard_group = self.data_group if sharded else None
+        residual = self.reduction.residual_state() if self.reduction else None
+        self.optimizer = optimizer  # as built, unless its state is split or has company
+        if shard_group is not None or residual is not None:
+            self.optimizer = StepOptimizer(optimizer, shard_group, residual)
+        self.updates = 0  # applied updates: the schedule's count (a skipped step adds none)
+        self.nan_guard = nan_guard
+        self.guard = init_nan_guard()
+        self._loss_checked = False
 
-    @staticmethod
-    def packing_order(named: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """The data all-reduce's buffer in the JAX step's order: parameters by their flax path
-        (sorted, as jax flattens the tree), kernels in the flax layout (in, out), i.e. the
-        nn.Linear weights transposed. A compressed reduction then cuts the same int8 blocks
-        and chunks as JAX's when the local blocks are whole parameters (the data layout)."""
-        ordered = sorted(named, key=lambda pair: flax_path(pair[0]))
-        return [block.t() if name.endswith("weight") else block for name, block in ordered]
+    def learning_rate(self, updates: int) -> float:
+        """The learning rate of update `updates`: the spec's schedule over the run length, or
+        the optimizer's own (its first group's) without `spec_schedule`."""
+        if self.spec_schedule:
+            return learning_rate(self.spec.optimizer, self.total_steps, updates)
+        return float(self.optimizer.param_groups[0]["lr"])
 
-    def __call__(self, rows: dict[str, np.ndarray],
-                 apply: Callable[[bool], bool] = bool) -> dict[str, float]:
-        return super().__call__(rows, apply=apply)
+    def _build(self, model_fn) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.spec.seed)
+            model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise UserInputError(f"model_fn: returned a {type(model).__name__}, not a "
+                                 "torch.nn.Module")
+        model.to(device=self.device, dtype=self.param_dtype)
+        if dist.get_world_size() > 1:
+            for tensors in _by_dtype([*model.parameters(), *model.buffers()]).values():
+                packed(tensors, lambda flat: dist.broadcast(flat, src=0))
+        return model
+
+    # The order of the data all-reduce's buffer (trainspec/torch/reduction.py); compression's
+    # blocks and chunks are cut in it.
+    packing_order = staticmethod(model_order)
+
+    def rows(self) -> slice:
+        """This rank's rows of the global batch."""
+        return self._rows
+
+    @property
+    def gns_source(self) -> str | None:
+        """Where metrics.gns's small batch comes from (`gns_source` in records), or None."""
+        return self.noise_scale.source
+
+    @property
+    def gns_note(self) -> str | None:
+        """Why the gradient noise scale is not measured (None when it is)."""
+        return self.noise_scale.note
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return self.dims.shape
+
+    # -- the step ------------------------------------------------------------------------------
+    def __call__(self, batch: Mapping, apply: Callable[[bool], bool] | None = None) -> dict:
+        """One step. `apply(finite)`, when given, decides whether the update is taken in place
+        of the step's own guard (a loop that runs the policy itself); every rank reaches the
+        same decision from the same global loss and gradient norm. Raises HealthHalt when
+        the guard trips (the model keeps the last good step's state)."""
+        self.optimizer.zero_grad(set_to_none=False)
+        sums = self._accumulate(batch)
+        grads = [q.grad for q in self.params if q.grad is not None]
+        small_batch = self.noise_scale.small_batch(grads, sums[1])  # before the reduction
+        if self.reduction is not None:
+            self.reduction()
+        if self.batch_group is not None:
+            dist.all_reduce(sums, group=self.batch_group)
+        loss_sum, tokens = sums.tolist()
+        denom = max(tokens, 1.0)
+        for g in grads:
+            g.div_(denom)
+        grad_norm = self.norms.norm(grads)
+        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+        lr = self.learning_rate(self.updates)
+        taken = self._decide(finite, apply)
+        if taken:
+            if self.spec_schedule:
+                clip_by_global_norm(grads, grad_norm, self.spec.optimizer.grad_clip_norm)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+            self.optimizer.step()
+            if self.reduction is not None:
+                self.reduction.commit()
+            self.updates += 1
+        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "learning_rate": lr,
+                   "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite),
+                   **self.noise_scale.parts(small_batch, grad_norm, tokens)}
+        if self.outer is not None:  # this group's values: the run combines the groups'
+            metrics["loss_tokens"] = tokens
+            self.outer.after_inner_step()
+        if self.nan_guard and apply is None:
+            metrics["skipped_steps"] = check_nan_guard(self.spec.health.nan, self.guard)
+        return metrics
+
+    def _decide(self, finite: bool, apply: Callable[[bool], bool] | None) -> bool:
+        if apply is not None:
+            return apply(finite)
+        if not self.nan_guard:
+            return True
+        self.guard, take = nan_guard_step(self.spec.health.nan, self.guard, np.bool_(finite))
+        return bool(take)
+
+    def _accumulate(self, batch: Mapping) -> torch.Tensor:
+        """Gradients of the summed token losses over k micro-batches (rows j, j+k, ... of this
+        rank's rows), and (loss sum, valid tokens) of this rank."""
+        k = self.spec.batch.accumulation_steps
+        local = self._local_rows(batch)
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)
+        every = self.noise_scale.every_micro_batch
+        for j in range(k):
+            if self.fsdp:  # reduce-scatter once, after the last micro-batch (or after each)
+                self.model.set_requires_gradient_sync(every or j == k - 1)
+            with self._compute():
+                loss_sum, tokens = self._loss({key: v[j::k] for key, v in local.items()})
+            loss_sum.backward()
+            tokens = torch.as_tensor(tokens, device=self.device).float()
+            sums += torch.stack([loss_sum.detach().float(), tokens])
+            if every:
+                self.noise_scale.after_micro_batch(
+                    [q.grad for q in self.params if q.grad is not None], tokens)
+        return sums
+
+    def evaluate(self, batch: Mapping) -> tuple[float, float]:
+        """(loss sum, valid tokens) of `loss_fn` over the global batch (this rank's rows, or the
+        whole batch), the model in eval mode, no gradient: `[eval]`'s held-out loss."""
+        k, local = self.spec.batch.accumulation_steps, self._local_rows(batch)
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for j in range(k):
+                    with self._compute():
+                        loss_sum, tokens = self.loss_fn(self.model,
+                                                        {key: v[j::k] for key, v in local.items()})
+                    tokens = torch.as_tensor(tokens, device=self.device).float()
+                    sums += torch.stack([loss_sum.float(), tokens])
+        finally:
+            self.model.train()
+        if self.batch_group is not None:
+            dist.all_reduce(sums, group=self.batch_group)
+        loss_sum, tokens = sums.tolist()
+        return loss_sum, tokens
+
+    def _compute(self):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _loss(self, micro: dict):
+        result = self.loss_fn(self.model, micro)
+        if not self._loss_checked:
+            ok = (isinstance(result, tuple) and len(result) == 2
+                  and isinstance(result[0], torch.Tensor) and result[0].dim() == 0
+                  and result[0].requires_grad)
+            if not ok:
+                raise UserInputError(
+                    "loss_fn: expected (loss_sum, valid_tokens), the summed per-token losses as "
+                    "a scalar tensor that requires grad and the token count; got "
+                    f"{_describe(result)}")
+            self._loss_checked = True
+        return result
+
+    def _local_rows(self, batch: Mapping) -> dict[str, torch.Tensor]:
+        if not isinstance(batch, Mapping):
+            raise UserInputError(f"batch: expected a dict of arrays, got a {type(batch).__name__}")
+        whole, per = self.spec.batch.global_batch, self._rows.stop - self._rows.start
+        local = {}
+        for key, value in batch.items():
+            t = torch.as_tensor(value)
+            n = t.shape[0] if t.dim() else 0
+            if n not in (whole, per):
+                raise UserInputError(
+                    f"batch[{key!r}] has {n} rows; expected batch.global_batch = {whole} (the "
+                    f"global batch) or {per} (this rank's rows, step.rows())")
+            local[key] = (t[self._rows] if n != per else t).to(self.device)
+        return local
+
+    # -- health and checkpoints ----------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's blocks of everything its checkpoints carry: the parameters, the
+        optimizer's state, the error-feedback residual and semi_sync's anchor and momentum."""
+        optimizer = [v for per_param in self.optimizer.state.values() for v in per_param.values()
+                     if torch.is_tensor(v)]
+        compressed = self.reduction.compressed if self.reduction is not None else None
+        residual = [compressed.residual] if compressed and compressed.residual is not None else []
+        outer = [*self.outer.anchor, *self.outer.momentum] if self.outer is not None else []
+        return [local_block(t) for t in (*self.params, *optimizer, *residual, *outer)]
+
+    def check_replicas(self, step: int, last_good_step: int = 0,
+                       ids: list[int] | None = None) -> None:
+        """Fingerprint every parameter's local block; the copies across the data axes must
+        agree. ReplicaMismatch names the first parameter whose copies differ and the ranks the
+        core's majority vote finds odd in any data group: the fingerprints are gathered from
+        every rank, so that every rank raises the same (a rollback re-forms the job on all).
+        `ids[rank]`: how to name a rank (default: by its rank; a run names the ranks of the
+        job as launched)."""
+        if self.data_group is None:
+            return
+        # under [semi_sync] the groups agree on the anchor (their own parameters differ
+        # between outer steps)
+        blocks = self.outer.anchor if self.outer else [local_block(q.detach()) for q in self.params]
+        mine = [fingerprint(block) for block in blocks]
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        names = [name for name, _ in self.model.named_parameters()]
+        odd, first = set(), None
+        for ranks in self._data_groups():
+            for i, name in enumerate(names):
+                diverged = odd_copies([struct.pack("<II", *every[r][i]) for r in ranks])
+                if diverged:
+                    odd.update(ranks[j] for j in diverged)
+                    first = first or name
+                    break
+        if odd:
+            named = sorted(ids[r] if ids else r for r in odd)
+            raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {first} on "
+                                  f"ranks {named}", last_good_step, named)
+
+    def _data_groups(self) -> list[list[int]]:
+        """The global ranks of each data group (the copies of the same blocks)."""
+        grid = self.mesh.mesh.numpy()
+        names = list(self.mesh.mesh_dim_names)
+        members, _ = to_groups(grid, grid.ndim, tuple(names.index(a) for a in self.data_axes))
+        return members.tolist()
+
+    def save(self, checkpointer: TorchCheckpointer, step: int) -> None:
+        """Checkpoint the state after `step` (its data position), replicas checked first."""
+        self.check_replicas(step, checkpointer.last_saved or 0)
+        counts = nan_guard_counts(self.guard)
+        checkpointer.save(step, self.model, self.optimizer, self.total_steps, self.updates,
+                          counts["skipped_steps"], self.mesh_shape,
+                          counts["consecutive_nonfinite"], outer=self.outer)
+
+    def restore(self, checkpointer: TorchCheckpointer) -> int:
+        """Load the newest checkpoint, resharded onto this layout (any mesh); the data position
+        to continue from (0 when there is none). The schedule keeps the saved run's length."""
+        meta = checkpointer.restore_latest(self.model, self.optimizer, self.outer)
+        if meta is None:
+            return 0
+        if self.outer is not None:
+            self.outer.steps_done = meta["data_position"]
+        self.total_steps, self.updates = meta["total_steps"], meta["updates"]
+        self.guard = init_nan_guard(meta["data_position"], meta["skipped_steps"],
+                                    meta.get("consecutive_nonfinite", 0))
+        return meta["data_position"]
+
+
+def _check_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> None:
+    have = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+    if have != sizes:
+        raise UserInputError(f"mesh: its axes {have} are not the spec's mesh.axes {sizes} on "
+                             f"{mesh.size()} ranks")
+
+
+def _check_optimizer(optimizer, model: nn.Module) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserInputError(f"optimizer_fn: returned a {type(optimizer).__name__}, not a "
+                             "torch.optim.Optimizer")
+    held = {id(q) for group in optimizer.param_groups for q in group["params"]}
+    missing = [n for n, q in model.named_parameters() if q.requires_grad and id(q) not in held]
+    if missing:
+        raise UserInputError(
+            f"optimizer_fn: {len(missing)} trainable parameters are not in its optimizer (first: "
+            f"{missing[0]}); build it from the parameters it is given, which are laid out")
+
+
+def _describe(value) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}: ({', '.join(_describe(v) for v in value)})"
+    if isinstance(value, torch.Tensor):
+        grad = ", no grad" if not value.requires_grad else ""
+        return f"a tensor of shape {tuple(value.shape)}{grad}"
+    return f"a {type(value).__name__}"
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups

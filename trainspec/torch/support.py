@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from trainspec.core.capabilities import Request
 from trainspec.core.exclusion import first_that_fits, prefixes
-from trainspec.core.mesh import ParallelDims, check_batch, place_devices, resolve_mesh, usable_ids
+from trainspec.core.mesh import ParallelDims, check_batch, resolve_mesh, usable_ids
 from trainspec.core.spec import Spec
 from trainspec.core.job_env import env_int, process_id_from_env  # noqa: F401 (re-exported)
 from trainspec.core.launch import COORDINATOR
@@ -90,14 +88,3 @@ def check_run(spec: Spec, world: int, flags: dict | None = None,
     starts (never a silent fallback)."""
     fields = (lambda field: not field.startswith("model.")) if own_model else None
     _check(spec, world, fields, flags)
-
-
-def rank_grid(spec: Spec, hosts: list[int]) -> np.ndarray:
-    """The rank at each position of the spec's mesh, for a job whose rank r runs on host
-    `hosts[r]` (ranks numbered host by host, as torchrun and trainspec launch number them): on
-    one host row-major, the dcn factors laid out within it; on several, the core's hybrid
-    layout (trainspec.core.mesh.place_devices): a dcn-shaped grid of hosts, each host's ranks
-    in the ici shape, so an axis that spans hosts puts only its dcn part across them.
-    `mesh.exclude_devices` is not applied: they already left the job (trainspec.torch.members)."""
-    return place_devices(excluding(spec, []), list(range(len(hosts))), hosts).ids
-

@@ -5,16 +5,27 @@ The same spec, data order (ByteBatches, rows by batch shard), checkpoint cadence
 records (trainspec/core/metrics.schema.json), progress bar and summary keys as the JAX job
 (trainspec/jax/train.py); one rank per device, rank 0 writes the job's files. PyTorch runs
 eagerly, so the non-finite guard (the core's state machine) is applied per step.
+
+The reference job's step (`TorchStep`) is the reference Transformer (trainspec/torch/model.py)
+through the same wrapped step as a user's model (trainspec/torch/step.py). Its FSDP2 units are
+the blocks; its tensor-parallel plan is the default one (query/key/value and mlp_in
+column-split, out and mlp_out row-split, the vocabulary head column-split with its output
+gathered; the embedding table stays replicated). The model casts its matmul operands to
+`precision.compute` itself, so no autocast.
 """
 from __future__ import annotations
 
 import time
 import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainspec.core import evaluation
 from trainspec.core.data import ByteBatches
@@ -26,20 +37,66 @@ from trainspec.core.run_files import write_json_atomically
 from trainspec.core.spec import Spec
 from trainspec.core.transformer_flops import for_spec
 from trainspec.core.user_model import UserModel
-from trainspec.torch.adapter import TorchAdapter
+from trainspec.torch.runtime import TORCH_DTYPES as DTYPES, TorchRuntime
 from trainspec.torch.capabilities import TORCH
 from trainspec.torch.members import exclude_at_start, leave_out
 from trainspec.torch.preflight import preflight
 from trainspec.torch.params_file import save_initial, state_dict
-from trainspec.torch.run import TorchRunCheckpointer, TorchRunStep
-from trainspec.torch.step import TorchStep
-from trainspec.torch.support import check_run
-from trainspec.torch.wrapped import WrappedStep
+from trainspec.torch.engine import TorchEngine
+from trainspec.torch.run import TorchRunCheckpointer
+from trainspec.torch.model import Transformer, flax_path, next_token_loss
+from trainspec.torch.support import check_run, check_spec
+from trainspec.torch.step import WrappedStep
 
 
-def reference_job(spec: Spec, adapter: TorchAdapter, total_steps: int, run_dir: Path,
+def reference_loss(model: Transformer, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return next_token_loss(model(batch["inputs"]), batch["targets"], batch["mask"])
+
+
+class TorchStep(WrappedStep):
+    """Model, optimizer and the step of one rank. `__call__(rows)` takes this rank's rows of the
+    global batch (`rows()` says which) and returns the step's global metrics; `apply(finite)`
+    decides whether the update is taken (default: when finite)."""
+
+    def __init__(self, spec: Spec, mesh: DeviceMesh, total_steps: int, device: torch.device,
+                 initial_params: dict | None = None):
+        check_spec(spec, mesh.size())
+        p = spec.precision
+
+        def build() -> Transformer:
+            model = Transformer(spec.model, DTYPES[p.compute], DTYPES[p.param])
+            if initial_params is None:
+                model.init_weights(spec.seed)
+            else:  # e.g. a JAX run's initial parameters, through NumPy (model.from_flax)
+                model.load_state_dict(initial_params)
+            return model
+
+        # With a tensor axis too, the root's output is the head's DTensor.to_local(), a view,
+        # and FSDP2 warns (on every rank) that an in-place op on it would skip its backward
+        # hook. The loss reads the logits out of place only, so the warning says nothing here.
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view")
+        super().__init__(build, reference_loss, spec, mesh=mesh, device=device,
+                         total_steps=total_steps, fsdp_units=("blocks.*",), autocast=False,
+                         nan_guard=False)
+
+    @staticmethod
+    def packing_order(named: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The data all-reduce's buffer in the JAX step's order: parameters by their flax path
+        (sorted, as jax flattens the tree), kernels in the flax layout (in, out), i.e. the
+        nn.Linear weights transposed. A compressed reduction then cuts the same int8 blocks
+        and chunks as JAX's when the local blocks are whole parameters (the data layout)."""
+        ordered = sorted(named, key=lambda pair: flax_path(pair[0]))
+        return [block.t() if name.endswith("weight") else block for name, block in ordered]
+
+    def __call__(self, rows: dict[str, np.ndarray],
+                 apply: Callable[[bool], bool] = bool) -> dict[str, float]:
+        return super().__call__(rows, apply=apply)
+
+
+def reference_job(spec: Spec, adapter: TorchRuntime, total_steps: int, run_dir: Path,
                   initial: dict[str, np.ndarray] | None = None):
-    """The reference job as the run loop takes it: (TorchRunStep, the step as restore target,
+    """The reference job as the run loop takes it: (TorchEngine, the step as restore target,
     init, this rank's rows of each batch). The model starts from `initial` (by path) when
     given, else from the seeded draws; `init`, called only when the run does not resume,
     writes those parameters to RUN_DIR/initial_params.safetensors."""
@@ -52,12 +109,12 @@ def reference_job(spec: Spec, adapter: TorchAdapter, total_steps: int, run_dir: 
         return job
 
     held_out = evaluation.reference_batches(spec) if spec.eval.interval else None
-    return (TorchRunStep(job, adapter, for_spec(spec),
+    return (TorchEngine(job, adapter, for_spec(spec),
                          held_out and (lambda index: held_out.batch(index, rows))), job, init,
             lambda index: data.batch(index, rows))
 
 
-def user_job(spec: Spec, model: UserModel, adapter: TorchAdapter, total_steps: int):
+def user_job(spec: Spec, model: UserModel, adapter: TorchRuntime, total_steps: int):
     """A user's model and data (`trainspec train --framework torch --model`) as the run loop
     takes them: `trainspec.torch.wrap` of its model and loss, this rank's rows of each batch."""
     job = WrappedStep(model.init, model.loss, spec, mesh=adapter.build_mesh(spec),
@@ -65,14 +122,14 @@ def user_job(spec: Spec, model: UserModel, adapter: TorchAdapter, total_steps: i
                       total_steps=total_steps, spec_schedule=model.optimizer is None,
                       tensor_plan=model.tensor_plan, fsdp_units=model.fsdp_units)
     rows = job.rows()
-    return (TorchRunStep(job, adapter, model.model_flops(spec), model.eval_rows(rows)), job,
+    return (TorchEngine(job, adapter, model.model_flops(spec), model.eval_rows(rows)), job,
             lambda: job,
             model.train_rows(rows))
 
 
 def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "default",
         progress: bool = True, summary_json: Path | None = None,
-        adapter: TorchAdapter | None = None, announce=None, restart: bool = False,
+        adapter: TorchRuntime | None = None, announce=None, restart: bool = False,
         faults: Faults | None = None, model: UserModel | None = None,
         init_from: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """One rank of the job: train to step `steps`, resuming from the newest checkpoint (or,
@@ -84,7 +141,7 @@ def run(spec: Spec, run_dir: Path, steps: int | None = None, spec_label: str = "
     reference model's parameters to start from (trainspec.core.params_file.read) when the run
     does not resume; refused with `model` (UserInputError), as `trainspec train` refuses it."""
     TORCH.check_flags({"--init-from": init_from, "--model": model})
-    adapter = adapter or TorchAdapter(spec.collectives.timeout_s)
+    adapter = adapter or TorchRuntime(spec.collectives.timeout_s)
     owns_job = not dist.is_initialized()  # a caller that joined the job also leaves it
     adapter.join()
     try:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainspec.core.health import rolls_back
 from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan.hardware import Profile, bus_factor
 from trainspec.core.plan.shards import (
@@ -52,7 +53,7 @@ def guard_meets(spec: Spec) -> bool:
     """Whether the NaN guard decides on device, every device agreeing (skip and halt: an
     all-reduce, and a copy of the state it keeps); under rollback the step is the user's own
     and the run loop judges it a few steps late (trainspec.core.run)."""
-    return spec.health.nan.policy != "rollback"
+    return not rolls_back(spec.health.nan)
 
 
 @dataclasses.dataclass(frozen=True)

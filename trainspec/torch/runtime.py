@@ -22,7 +22,8 @@ from trainspec.torch import collectives, rendezvous
 from trainspec.core.backend import OPS, Collectives, Runtime
 from trainspec.torch.collectives import Group
 from trainspec.torch.capabilities import TORCH
-from trainspec.torch.support import rank_from_env, rank_grid
+from trainspec.torch.mesh import device_mesh
+from trainspec.torch.support import rank_from_env
 from trainspec.core.job_env import described_job, env_int
 from trainspec.core.collectives_reference import to_groups
 from trainspec.core.fingerprint import fingerprint_reference
@@ -30,7 +31,7 @@ from trainspec.core.launch import COORDINATOR
 from trainspec.core.spec import Spec
 
 
-class TorchAdapter(Runtime, Collectives):
+class TorchRuntime(Runtime, Collectives):
     """Devices, processes, the spec's mesh and the collectives on torch.distributed (the
     reference job for the conformance suite: trainspec.torch.conformance)."""
 
@@ -138,9 +139,8 @@ class TorchAdapter(Runtime, Collectives):
     def build_mesh(self, spec: Spec) -> DeviceMesh:
         """The spec's axes as a DeviceMesh of the job's ranks (one device per rank), same
         names and sizes as the JAX mesh: row-major on one host, host-major with dcn factors
-        across hosts (support.rank_grid)."""
-        return DeviceMesh(self.device_type, torch.from_numpy(rank_grid(spec, self.hosts())),
-                          mesh_dim_names=tuple(spec.mesh.axes))
+        across hosts (trainspec.torch.mesh)."""
+        return device_mesh(spec, self.device_type, self.hosts())
 
     # -- collectives ------------------------------------------------------------------------
     def groups(self, mesh_shape: tuple[int, ...], axes_dims: tuple[int, ...]) -> dict[int, Group]:
@@ -203,13 +203,6 @@ def fingerprint(x: torch.Tensor) -> tuple[int, int]:
     raw = x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     low, high = fingerprint_reference(raw)
     return int(low), int(high)
-
-
-def group_of(mesh: DeviceMesh, axes: tuple[str, ...]):
-    """The process group spanning mesh axes `axes` (row-major, like a JAX axis tuple)."""
-    if len(axes) == 1:
-        return mesh.get_group(axes[0])
-    return mesh[axes]._flatten().get_group()
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -1,0 +1,45 @@
+"""The two backends are mirrors: each part of the backend contract (trainspec.core.backend) is a
+module (or package) of the same name in trainspec/jax and trainspec/torch, and each package
+registers a Backend object of that contract."""
+from pathlib import Path
+
+import trainspec
+from trainspec.core import registry
+from trainspec.core.backend import Backend
+
+# runtime, mesh, engine, checkpoint (the store), capabilities, collectives: the contract's
+# parts; step: the wrapped step a user's model goes through; train, run: the reference job and
+# the run services for a user's loop; conformance: the suite's view; backend: the registration.
+PARTS = ("backend", "runtime", "mesh", "engine", "checkpoint", "capabilities", "collectives",
+         "step", "train", "run", "conformance")
+ROOT = Path(trainspec.__file__).parent
+
+
+def _modules(package: str) -> set[str]:
+    folder = ROOT / package
+    return ({p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+            | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()})
+
+
+def test_both_trees_have_every_part():
+    jax, torch = _modules("jax"), _modules("torch")
+    assert {part for part in PARTS if part not in jax} == set()
+    assert {part for part in PARTS if part not in torch} == set()
+
+
+def test_the_check_fails_on_a_missing_part(tmp_path, monkeypatch):
+    """A tree without one part's module is caught (the check reads the files it is given)."""
+    for name in ("jax", "torch"):
+        (tmp_path / name).mkdir()
+        for part in PARTS:
+            if not (name == "torch" and part == "mesh"):
+                (tmp_path / name / f"{part}.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert "mesh" in _modules("jax") and "mesh" not in _modules("torch")
+
+
+def test_each_backend_module_registers_a_backend():
+    for name in ("jax", "torch"):
+        found = registry.backend(name)
+        assert isinstance(found, Backend)
+        assert type(found).__module__ == f"trainspec.{name}.backend"
