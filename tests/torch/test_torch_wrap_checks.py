@@ -374,9 +374,9 @@ def test_a_profiled_step_writes_a_chrome_trace(tmp_path):
     as rank 0's Chrome trace (what the run loop does around profile.start_step)."""
     import json
 
-    from trainspec.torch.run import TorchRunStep
+    from trainspec.torch.engine import TorchEngine
 
-    run_step = TorchRunStep(wrap(), TorchAdapter())
+    run_step = TorchEngine(wrap(), TorchRuntime())
     run_step.start_trace(tmp_path)
     run_step.job(batch())
     run_step.stop_trace()
