@@ -12,7 +12,7 @@ import pytest
 
 from trainspec.core import golden
 from trainspec.core.conformance_steps import pipeline_row
-from trainspec.jax.adapter import JaxAdapter
+from trainspec.jax.conformance import JaxConformance
 from trainspec.jax.pipeline import pipelined_loss
 
 pytestmark = pytest.mark.slow  # the 2-layer job compiled with and without a pipeline
@@ -35,7 +35,7 @@ def dropping_last_micro_batch(model, spec, stages, axis):
     return loss_fn
 
 
-class DropsLastMicroBatch(JaxAdapter):
+class DropsLastMicroBatch(JaxConformance):
     def train_steps(self, spec, params, batches):
         with mock.patch("trainspec.jax.train.pipelined_loss", dropping_last_micro_batch):
             return super().train_steps(spec, params, batches)

@@ -1,7 +1,7 @@
 """Start N local processes of one command as a distributed job, and keep them together.
 
 Each child gets TRAINSPEC_COORDINATOR / TRAINSPEC_NUM_PROCESSES / TRAINSPEC_PROCESS_ID, which
-both implementations join from (trainspec/jax/distributed.py for JAX, trainspec/torch/runtime.py).
+both implementations join from (trainspec/jax/runtime.py for JAX, trainspec/torch/runtime.py).
 This module imports no framework. Output lines are prefixed with the rank; gloo's per-rank
 connection notices are left out unless `verbose`. If one child fails,
 the launcher names the first to fail (by when it exited, not by rank: once a rank dies the
