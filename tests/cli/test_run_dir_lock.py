@@ -95,3 +95,23 @@ def test_a_jobs_other_processes_and_its_launched_ranks_do_not_lock(tmp_path, mon
         assert child.returncode == 0, child.stderr
     finally:
         run_lock.release_all()
+
+
+def test_a_two_process_jax_job_on_a_locked_run_dir_is_refused_by_its_first_process(held):
+    """Under `trainspec launch`, the job's process 0 takes the lock: refused in one line
+    naming the holder, exit 2; the launcher stops process 1."""
+    run_dir, holder = held
+    stranger = {k: v for k, v in os.environ.items() if k != run_lock.HELD_BY_PARENT}
+    stranger["XLA_FLAGS"] = " ".join(f for f in stranger.get("XLA_FLAGS", "").split()
+                                     if "device_count" not in f)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "2", "--grace", "2",
+         "--", sys.executable, "-m", "trainspec.cli.main", "train", "--host-devices", "2",
+         "--quiet", "--steps", "2", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, env=stranger, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert (f"[rank 0] trainspec: error: --run-dir {run_dir} is in use by another run (pid "
+            f"{holder.pid} on {socket.gethostname()}") in out, out
+    assert "Traceback" not in out, out
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]  # nothing written

@@ -59,6 +59,7 @@ def test_one_process_leaves_no_mark(tmp_path):
 def test_xla_names_its_collective():
     assert arrivals.collective_of("Gloo all-reduce failed: Timed out waiting 5000ms") == "all-reduce"
     assert arrivals.peer_lost("Gloo AllGather failed: Connection reset by peer")
+    assert arrivals.peer_lost("UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED")
     assert not arrivals.peer_lost("RESOURCE_EXHAUSTED: out of memory")
 
 
