@@ -11,6 +11,8 @@ import pytest
 from tiny import TINY
 from xla_env import without_device_count
 
+pytestmark = pytest.mark.slow  # two jobs started and watched: about 100 s on 2 loaded cores
+
 LISTEN = "0A"  # the TCP state LISTEN in /proc/net/tcp*
 WILDCARD = {"00000000", "00000000000000000000000000000000"}
 
