@@ -7,31 +7,20 @@ import re
 
 import pytest
 
+import hand_records
 from trainspec.cli.main import main
-from trainspec.core import records
 from trainspec.core.records import read_jsonl
 from trainspec.core.run_files import save_spec
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.report import page as report_page, plots
 
 
-# A value of each required field's first schema type: records read back as the writer's would.
-_TYPED = {"number": 0.0, "integer": 1, "string": "", "object": {}, "array": [],
-          "boolean": False, "null": None}
-
-
-def _typed(field: dict):
-    types = field.get("type", "null")
-    return _TYPED[types if isinstance(types, str) else types[0]]
-
-
 def _record(step: int, **fields) -> dict:
-    return {**{name: _typed(f) for name, f in records.FIELDS.items()},
-            "schema": records.SCHEMA_ID, "step": step,
-            "steps_in_interval": 2, "time": 0.0, "loss": 5.0 - 0.1 * step, "grad_norm": 1.0 / step,
-            "step_time_s": 0.5, "tokens_per_s": 800.0, "n_devices": 8, "batch_tokens": 1024,
-            "comm_bytes_by_kind": {}, "comm_bytes_by_axis": {}, "flops_convention": "6N",
-            "peak_flops_source": "test", **fields}
+    return hand_records.record(step, **{
+        "steps_in_interval": 2, "time": 0.0, "loss": 5.0 - 0.1 * step, "grad_norm": 1.0 / step,
+        "step_time_s": 0.5, "tokens_per_s": 800.0, "n_devices": 8, "batch_tokens": 1024,
+        "comm_bytes_by_kind": {}, "comm_bytes_by_axis": {}, "flops_convention": "6N",
+        "peak_flops_source": "test", **fields})
 
 
 def _run(run_dir, overrides=None, steps=(2, 4, 6), **fields):

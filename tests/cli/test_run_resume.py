@@ -103,6 +103,10 @@ def test_the_readme_resume_continues_on_the_spec_the_run_dir_was_trained_under(t
     assert err.splitlines() == [
         f"trainspec: spec: {run_dir / 'spec.toml'}, the one this run dir was trained under "
         "(--spec chooses another)",
+        # more steps than the checkpoints were planned for: the schedule is theirs, said once
+        "trainspec: --steps 4: the checkpoints were planned for 2 steps; the spec's "
+        "learning-rate schedule stays theirs and holds its floor after step 2 (--restart plans "
+        "it over 4)",
         "trainspec: resumed from step 2 (mesh data=1 x fsdp=8 → data=1 x fsdp=8, unchanged)"]
     assert json.loads(summary.read_text())["mesh"] == {"data": 1, "fsdp": 8}
     # this call's steps and where the run is: not "trained 4 steps" after training 2

@@ -4,10 +4,10 @@ import json
 import numpy as np
 import pytest
 
+import hand_records
 from trainspec.cli.main import main
 from trainspec.core.advice import TradeOff, recommend_layout, trend
 from trainspec.core.scaling import fit
-from trainspec.core.records import SCHEMA_ID
 
 
 def test_trade_off_passes_through_the_run_and_satisfies_the_hyperbola():
@@ -95,11 +95,11 @@ def test_scaling_warns_when_the_fit_is_under_determined(tmp_path, capsys):
 def _records(path, gns_values, steps=(5, 10, 15, 20), spread=1.2, trend_limited=False,
              source="replicas"):
     """Records whose gns interval is gns / spread to gns * spread, over the last 5 steps."""
-    base = {"schema": SCHEMA_ID, "loss": 3.0, "step_time_s": 0.1, "n_devices": 8,
+    base = {"loss": 3.0, "step_time_s": 0.1, "n_devices": 8,
             "batch_tokens": 32 * 128, "gns_source": source, "gns_window_steps": 5,
             "gns_trend_limited": trend_limited}
-    path.write_text("".join(json.dumps({
-        **base, "step": s, "gns": g, "gns_low": g and g / spread, "gns_high": g and g * spread})
+    path.write_text("".join(json.dumps(hand_records.record(
+        s, **base, gns=g, gns_low=g and g / spread, gns_high=g and g * spread))
         + "\n" for s, g in zip(steps, gns_values)))
     return path
 

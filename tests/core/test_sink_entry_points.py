@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+import hand_records
 from tiny import tiny_spec
-from trainspec.core import records
 from trainspec.core.errors import UserInputError
 from trainspec.core.sinks import sinks_for
 
@@ -43,8 +43,7 @@ def installed(tmp_path, monkeypatch):
 
 
 def _record(step):
-    return {**dict.fromkeys(records.REQUIRED), "schema": records.SCHEMA_ID, "step": step,
-            "loss": 5.0 - step}
+    return hand_records.record(step, loss=5.0 - step)
 
 
 def test_a_registered_sink_gets_every_record(installed, tmp_path):

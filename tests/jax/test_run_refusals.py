@@ -32,7 +32,8 @@ def test_checkpoint_dir_that_is_a_file_is_one_line(tmp_path):
     print(f"exited after {time.monotonic() - t0:.1f} s")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"trainspec: error: checkpoint.dir: {tmp_path / 'checkpoints'} exists and is not a directory"]
+        f"trainspec: error: checkpoint.dir: {tmp_path / 'checkpoints'} exists and is not a "
+        "directory; move it away, or give this run another --run-dir"]
 
 
 def _replace_with_a_file(directory):
