@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import hand_records
+
 JAX_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 
@@ -34,12 +36,11 @@ def test_the_block_works(tmp_path):
 
 def test_advise_runs_without_jax(tmp_path):
     records = tmp_path / "metrics.jsonl"
-    base = {"schema": "trainspec.metrics/1", "loss": 3.0, "step_time_s": 0.1, "n_devices": 8,
-            "batch_tokens": 32 * 128, "gns_source": "replicas", "gns_window_steps": 5,
-            "gns_trend_limited": False}
-    records.write_text("".join(json.dumps({**base, "step": s, "gns": g, "gns_low": g / 1.2,
-                                           "gns_high": g * 1.2}) + "\n"
-                               for s, g in zip((5, 10, 15, 20), (2e3, 4e3, 6e3, 8e3))))
+    base = {"loss": 3.0, "step_time_s": 0.1, "n_devices": 8, "batch_tokens": 32 * 128,
+            "gns_source": "replicas", "gns_window_steps": 5, "gns_trend_limited": False}
+    records.write_text("".join(json.dumps(hand_records.record(
+        s, **base, gns=g, gns_low=g / 1.2, gns_high=g * 1.2)) + "\n"
+        for s, g in zip((5, 10, 15, 20), (2e3, 4e3, 6e3, 8e3))))
     done = _trainspec(tmp_path, "advise", str(records), "--plot", str(tmp_path / "a.png"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "critical batch B_crit = 8000 tokens" in done.stdout

@@ -19,7 +19,11 @@ from trainspec.jax.tools.plan_check import validation_layouts, validation_spec
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+# The examples of the dense reference model. Context, expert and MoE layouts are planned by
+# trainspec.core.plan.sharded_decoder, which this planner refuses to stand in for; their bytes are
+# checked against the compiled program in test_plan_context_expert_compiled.py.
+EXAMPLES = [p for p in sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+            if p.stem not in ("context", "moe")]
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)

@@ -275,8 +275,8 @@ def test_a_resume_under_another_compression_is_refused(tmp_path):
     other = wrap(overrides=['collectives.compression="int8"'])
     checkpoints = trainspec.torch.TorchCheckpointer(other.spec, tmp_path)
     assert _refusal(lambda: other.restore(checkpoints)) == (
-        f"collectives.compression: the checkpoints in {tmp_path}/checkpoints/1 were written "
-        "with 'none', the spec says 'int8'; use another --run-dir, or the saved value")
+        f"collectives.compression: the checkpoints in {tmp_path}/checkpoints were written "
+        "with 'none', the spec says 'int8'; use a new --run-dir, or the saved value")
 
 
 def test_a_checkpoint_is_refused_by_a_model_of_other_shapes(tmp_path):
