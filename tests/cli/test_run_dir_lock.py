@@ -115,3 +115,18 @@ def test_a_two_process_jax_job_on_a_locked_run_dir_is_refused_by_its_first_proce
             f"{holder.pid} on {socket.gethostname()}") in out, out
     assert "Traceback" not in out, out
     assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]  # nothing written
+
+
+def test_a_refused_start_leaves_no_run_dir_it_created(tmp_path, capsys):
+    """A spec that the mesh refuses (3 does not divide 8 devices) is found after the run dir,
+    its lock and its checkpoint directory were made: the refusal removes the run dir this
+    command created, and leaves one that was there before as it was."""
+    refused = ["train", "--quiet", "--steps", "1", "--set", "mesh.axes.fsdp.size=3"]
+    new = tmp_path / "runs" / "new"  # runs/ made by the command too
+    assert main([*refused, "--run-dir", str(new)]) == 2
+    assert capsys.readouterr().err.startswith("trainspec: error: mesh.axes: cannot infer")
+    assert not (tmp_path / "runs").exists()
+    kept = tmp_path / "kept"
+    (kept / "notes").mkdir(parents=True)
+    assert main([*refused, "--run-dir", str(kept)]) == 2
+    assert (kept / "notes").is_dir()

@@ -10,13 +10,13 @@ from trainspec.cli.options import add_framework
 from trainspec.cli.summary import print_summary
 from trainspec.cli.train_spec import (
     announce, given_flags, initial_params, silent, spec_to_use, unwritable)
-from trainspec.core import registry, run_lock, user_model
+from trainspec.core import arrivals, registry, run_lock, user_model
 from trainspec.core.sinks import check_sinks
 from trainspec.core.errors import LeaveNow, UserInputError
 from trainspec.core.exclusion import exclude
 from trainspec.core.faults import Faults
 from trainspec.core.launch import run as launch
-from trainspec.core.run_files import refuse_foreign_checkpoints
+from trainspec.core.run_files import discard_if_unused, first_missing, refuse_foreign_checkpoints
 from trainspec.core.spec import load_spec
 from trainspec.core.spec_bounds import MAX_DEVICES, MAX_STEPS
 from trainspec.core.store import check_resumable
@@ -107,6 +107,18 @@ def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
 
 
 def run(args) -> int:
+    """The job on the backend `--framework` names; a start refused before anything was
+    recorded leaves no run dir that this command created."""
+    created = first_missing(args.run_dir)
+    try:
+        return _run(args)
+    except UserInputError:
+        if created is not None:
+            discard_if_unused(created, (run_lock.LOCK_FILE, arrivals.MARKS_DIR))
+        raise
+
+
+def _run(args) -> int:
     """The job on the backend `--framework` names: started here as ranks when the backend
     asks for them (each runs this command again and joins the job), else run in this process."""
     backend = registry.backend(args.framework)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from trainspec.core.errors import UserInputError
@@ -71,3 +72,25 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)  # a reader never sees a half-written file
+
+
+def first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (what creating it makes), or
+    None when it exists."""
+    path, top = Path(path).absolute(), None
+    while not path.exists():
+        top, path = path, path.parent
+    return top
+
+
+def discard_if_unused(created: Path, bookkeeping: tuple[str, ...]) -> None:
+    """Remove `created`, a directory this command made, when a refused start left nothing in
+    it but the run's bookkeeping (files or directories named in `bookkeeping`: the lock, the
+    step marks) and empty directories: a refusal writes nothing. Any other file (a record, a
+    checkpoint) keeps it all."""
+    if not created.is_dir():
+        return
+    for path in created.rglob("*"):
+        if not path.is_dir() and not set(path.relative_to(created).parts) & set(bookkeeping):
+            return
+    shutil.rmtree(created, ignore_errors=True)
