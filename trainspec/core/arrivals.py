@@ -19,7 +19,8 @@ MARKS_DIR = "ranks"
 _MARK_BYTES = 96  # fixed width: each mark overwrites the last whole
 # gloo's words for a peer that did not arrive or went away (XLA:CPU's and torch's alike)
 _PEER_LOST = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
-              "Broken pipe", "Connection refused",
+              "Broken pipe", "Connection refused", "Socket closed",
+              "Application timeout caused pair closure",  # a pair another wait already timed out
               "Gloo context initialization failed")  # a peer that never reached the first
 # The launcher finds the ranks a process blames in its line by this phrase.
 BLAME = re.compile(r"for rank\(s\) ([\d, ]+), which did not arrive")
