@@ -16,7 +16,7 @@ from trainspec.core.health import HealthHalt
 from trainspec.jax.train import make_optimizer
 from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.run import Run
-from trainspec.torch.optim import learning_rate
+from trainspec.core.reference_train import learning_rate
 from trainspec.torch.train import TorchStep
 from tiny import tiny_spec
 

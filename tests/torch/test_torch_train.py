@@ -72,7 +72,7 @@ def test_records_validate_against_the_schema(reference):
 
 
 def test_records_carry_the_learning_rate_and_mark_the_checkpoints(reference):
-    from trainspec.torch.optim import learning_rate
+    from trainspec.core.reference_train import learning_rate
     from trainspec.core.spec import load_spec
 
     optimizer = load_spec(reference / "spec.toml").optimizer  # the spec the run saved

@@ -20,7 +20,7 @@ from gpt_model import GPT, GPTConfig, adamw, token_loss
 from trainspec.core.conformance_runner import ragged_batch
 from trainspec.core.data import ByteBatches
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
-from trainspec.torch.optim import learning_rate
+from trainspec.core.reference_train import learning_rate
 
 pytestmark = pytest.mark.slow
 

@@ -84,7 +84,8 @@ def _build(shapes: dict, fn, prefix: str = "") -> dict:
 
 
 def learning_rate(o: OptimizerSpec, total_steps: int, count: int) -> float:
-    """The learning rate of update number `count` (0-based)."""
+    """The learning rate of update number `count` (0-based): linear warm-up from 0, then cosine
+    decay to a tenth; optax's schedule in trainspec.jax.train.make_optimizer, and torch's."""
     warmup = min(o.warmup_steps, total_steps - 1)
     decay = max(total_steps, 2)
     if count < warmup:

@@ -1,24 +1,11 @@
-"""The spec's `[optimizer]` on torch: the update rule, the learning-rate schedule and gradient
-clipping, as trainspec.jax.train.make_optimizer builds them with optax."""
+"""The spec's `[optimizer]` on torch: the update rule and gradient clipping (the learning-rate
+schedule is the trunk's, core.reference_train.learning_rate), as optax does it in
+trainspec.jax.train.make_optimizer."""
 from __future__ import annotations
-
-import math
 
 import torch
 
 from trainspec.core.spec import OptimizerSpec
-
-
-def learning_rate(o: OptimizerSpec, total_steps: int, count: int) -> float:
-    """The learning rate of update number `count` (0-based): linear warm-up from 0, then cosine
-    decay to a tenth, exactly the schedule trainspec.jax.train.make_optimizer builds with optax."""
-    warmup = min(o.warmup_steps, total_steps - 1)
-    decay = max(total_steps, 2)
-    if count < warmup:
-        return o.learning_rate * count / warmup
-    alpha = 0.1
-    t = min(count - warmup, decay - warmup) / (decay - warmup)
-    return o.learning_rate * ((1 - alpha) * 0.5 * (1 + math.cos(math.pi * t)) + alpha)
 
 
 def spec_optimizer(o: OptimizerSpec, params) -> torch.optim.Optimizer:

@@ -30,6 +30,7 @@ from trainspec.core.collectives_reference import to_groups
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import (
     ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step, odd_copies)
+from trainspec.core.reference_train import learning_rate
 from trainspec.core.spec import Spec
 from trainspec.torch.mesh import group_of
 from trainspec.torch.runtime import TORCH_DTYPES, TorchRuntime, fingerprint
@@ -39,7 +40,7 @@ from trainspec.torch.layout import (
     apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
     shard_units)
 from trainspec.torch.norms import Norms
-from trainspec.torch.optim import clip_by_global_norm, learning_rate, spec_optimizer
+from trainspec.torch.optim import clip_by_global_norm, spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
