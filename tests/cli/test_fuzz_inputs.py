@@ -131,3 +131,34 @@ def test_train_refuses_in_one_line_and_writes_nothing(argv, tmp_path):
         env=without_device_count(), cwd=tmp_path, timeout=120)
     _one_line(result.returncode, result.stderr)
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+# Every numeric argument the commands take, given in digits of another script (fullwidth,
+# Arabic-Indic, Devanagari): (the argument named in the refusal, the command line).
+OTHER_DIGITS = [
+    ("--steps", ["train", "--steps", "８"]),
+    ("--host-devices", ["train", "--host-devices", "٨"]),
+    ("--nprocs", ["train", "--framework", "torch", "--nprocs", "२"]),
+    ("--exclude-devices", ["train", "--exclude-devices", "1,２"]),
+    ("--host-devices", ["validate", str(DEFAULT_PATH), "--host-devices", "８"]),
+    ("batch.global_batch", ["validate", str(DEFAULT_PATH), "--set", "batch.global_batch=１６"]),
+    ("--nprocs", ["launch", "--nprocs", "２", "--", "true"]),
+    ("--grace", ["launch", "--nprocs", "2", "--grace", "１.5", "--", "true"]),
+    ("--devices", ["plan", "--devices", "８"]),
+    ("--params", ["plan", "--devices", "8", "--params", "１e9"]),
+    ("--predict-params", ["scaling", ".", "--predict-params", "１e5", "--predict-tokens", "1e5"]),
+    ("--widths", ["sweep", "--out", "grid", "--widths", "１６", "--tokens", "1e3"]),
+    ("-b/--min-bytes", ["bench", "collectives", "-b", "４K"]),
+]
+
+
+@pytest.mark.parametrize("argument,argv", OTHER_DIGITS,
+                         ids=[f"{argv[0]} {argument}" for argument, argv in OTHER_DIGITS])
+def test_digits_of_other_scripts_are_refused_naming_the_argument(argument, argv, capsys,
+                                                                 tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(argv)
+    err = capsys.readouterr().err
+    _one_line(code, err)
+    assert argument in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
+from trainspec.cli.options import integer, real
 from trainspec.core.errors import UserInputError
 from trainspec.core.launch import DEFAULT_GRACE_S
 
@@ -14,8 +15,8 @@ def register(subparsers) -> None:
         description="Starts N processes on 127.0.0.1 (gloo CPU collectives), prefixes their "
         "output by rank, forwards signals, and stops all of them if one fails.",
     )
-    p.add_argument("--nprocs", type=int, required=True, help="number of processes")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+    p.add_argument("--nprocs", type=integer, required=True, help="number of processes")
+    p.add_argument("--grace", type=real, default=DEFAULT_GRACE_S,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks: on a SIGTERM "
                    f"to the launcher, the time the ranks have to write their checkpoint "
                    f"(default {DEFAULT_GRACE_S:g})")

@@ -6,11 +6,36 @@ import argparse
 from pathlib import Path
 
 
+def ascii_number(kind: type, text: str) -> int | float:
+    """`text` read as `kind` (int or float), or ValueError. Python's int() and float() read the
+    digits of every script ("８" is 8, "٣" is 3): a number typed in them is a slip no shell,
+    spec or log means, refused like any other non-number."""
+    if not text.isascii():
+        raise ValueError(f"not ASCII: {text!r}")
+    return kind(text)
+
+
+def _number(kind: type, what: str):
+    def parse(text: str) -> int | float:
+        try:
+            return ascii_number(kind, text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+# argparse types for an integer or a number in ASCII digits, else a one-line usage error
+# naming the argument.
+integer = _number(int, "an integer")
+real = _number(float, "a number")
+
+
 def at_least(minimum: int):
     """An argparse type: an integer >= `minimum`, else argparse's one-line usage error."""
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = ascii_number(int, text)
         except ValueError:
             value = None
         if value is None or value < minimum:
@@ -30,7 +55,7 @@ def add_overrides(p: argparse.ArgumentParser, help: str = "override a spec field
 
 def add_host_devices(p: argparse.ArgumentParser, minimum: int | None = None) -> None:
     """--host-devices N; below `minimum` argparse refuses it, below 1 ensure_host_devices does."""
-    p.add_argument("--host-devices", type=at_least(minimum) if minimum else int,
+    p.add_argument("--host-devices", type=at_least(minimum) if minimum else integer,
                    help="CPU devices to present (default 8, or as XLA_FLAGS says)")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainspec.cli.options import add_outputs, add_overrides
+from trainspec.cli.options import add_outputs, add_overrides, integer, real
 from trainspec.cli.summary import plural
 from trainspec.core.errors import UserInputError
 
@@ -24,23 +24,23 @@ def register(subparsers) -> None:
         description=__doc__)
     p.add_argument("--spec", type=Path, help="spec file (default: the default spec)")
     add_overrides(p)
-    p.add_argument("--devices", type=int, required=True, help="device count")
+    p.add_argument("--devices", type=integer, required=True, help="device count")
     p.add_argument("--hardware", default="cpu", help="profile name or .toml file (default cpu)")
-    p.add_argument("--devices-per-host", type=int,
+    p.add_argument("--devices-per-host", type=integer,
                    help="devices in one ICI domain (default: the profile's)")
     p.add_argument("--all-layouts", action="store_true",
                    help="rank every pipeline x data x fsdp x tensor factorisation (default: the "
                    "spec's mesh)")
-    p.add_argument("--params", type=float, metavar="N",
+    p.add_argument("--params", type=real, metavar="N",
                    help="a transformer of about N parameters (e.g. 1.3e9): layers, width, heads "
                    "and d_ff from the shape rule of docs/plan.md; not with --layers/--d-model/"
                    "--heads/--d-ff")
     for flag, field in MODEL_FLAGS.items():
-        p.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"sets {field}")
+        p.add_argument(f"--{flag.replace('_', '-')}", type=integer, help=f"sets {field}")
     p.add_argument("--calibrate", type=Path, metavar="BENCH_JSON",
                    help="fit the ICI link to `trainspec bench collectives --json` rows")
-    p.add_argument("--peak-flops", type=float, help="measured matmul peak FLOP/s (all dtypes)")
-    p.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    p.add_argument("--peak-flops", type=real, help="measured matmul peak FLOP/s (all dtypes)")
+    p.add_argument("--top", type=integer, default=10, help="rows of the ranked table (default 10)")
     add_outputs(p, json="write all predictions as JSON",
                 plot="PNG: best step time and memory vs device count "
                      f"({PLOT_COUNTS[0]}..{PLOT_COUNTS[-1]}, per-device batch held)")

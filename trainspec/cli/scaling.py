@@ -5,17 +5,17 @@ import json
 import sys
 from pathlib import Path
 
-from trainspec.cli.options import add_outputs
+from trainspec.cli.options import add_outputs, integer, real
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("scaling", help="fit scaling laws to sweep runs and predict a run")
     p.add_argument("runs", nargs="+", type=Path, help="run directories with scaling.json, or "
                    "sweep directories holding them")
-    p.add_argument("--predict-params", type=float, help="N of the run to predict")
-    p.add_argument("--predict-tokens", type=float, help="D of the run to predict")
-    p.add_argument("--predict-compute", type=float, help="C (model FLOPs) of the run to predict")
-    p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples (default 100)")
+    p.add_argument("--predict-params", type=real, help="N of the run to predict")
+    p.add_argument("--predict-tokens", type=real, help="D of the run to predict")
+    p.add_argument("--predict-compute", type=real, help="C (model FLOPs) of the run to predict")
+    p.add_argument("--bootstrap", type=integer, default=100, help="bootstrap resamples (default 100)")
     add_outputs(p, json="write fits and prediction as JSON",
                 plot="write a PNG of the fit, points and prediction")
     p.set_defaults(func=run)

@@ -5,12 +5,12 @@ import argparse
 from pathlib import Path
 
 from trainspec.jax.devices import ensure_host_devices
-from trainspec.cli.options import add_host_devices, add_overrides
+from trainspec.cli.options import add_host_devices, add_overrides, ascii_number, integer
 
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(float(x)) for x in text.split(",") if x.strip()]
+        return [int(ascii_number(float, x)) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 32,64, got {text!r}") from None
 
@@ -24,7 +24,7 @@ def register(subparsers) -> None:
                    help="token budgets per run, e.g. 1e5,2e5 (steps = tokens / batch tokens)")
     p.add_argument("--spec", type=Path, help="base spec (default: the built-in spec)")
     add_overrides(p, help="override a base spec field (repeatable)")
-    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per run")
+    p.add_argument("--eval-batches", type=integer, default=4, help="held-out batches per run")
     add_host_devices(p)
     p.set_defaults(func=run)
 

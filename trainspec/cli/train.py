@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainspec.cli.options import add_framework
+from trainspec.cli.options import add_framework, ascii_number, at_least
 from trainspec.cli.summary import print_summary
 from trainspec.cli.train_spec import (
     announce, given_flags, initial_params, silent, spec_to_use, unwritable)
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
         help="override one spec field (repeatable), e.g. --set mesh.axes.fsdp.size=2",
     )
     p.add_argument("--summary-json", type=Path, help="also write the summary to this JSON file")
-    p.add_argument("--host-devices", type=_positive_int,
+    p.add_argument("--host-devices", type=at_least(1),
                    help="CPU devices to present (default 8, or as XLA_FLAGS says)")
     p.add_argument("--exclude-devices", type=_device_ids, default=[], metavar="ID,ID,...",
                    help="device ids not to use (added to mesh.exclude_devices); the mesh shrinks "
@@ -53,25 +53,15 @@ def register(subparsers) -> None:
                    "file; a run dir with checkpoints resumes instead (docs/adapters.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_framework(p, "the backend that trains")
-    p.add_argument("--nprocs", type=_positive_int,
+    p.add_argument("--nprocs", type=at_least(1),
                    help="ranks to start, for a backend that starts its own (torch) when this "
                    "process is not already one rank of a job (default: the backend's; torch: "
                    "4 on CPU, one per GPU)")
     p.set_defaults(func=run)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _steps(text: str) -> int:
-    value = _positive_int(text)
+    value = at_least(1)(text)
     if value > MAX_STEPS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_STEPS} (train.steps' bound), "
                                          f"got {value}")
@@ -80,7 +70,7 @@ def _steps(text: str) -> int:
 
 def _device_ids(text: str) -> list[int]:
     try:
-        ids = [int(x) for x in text.split(",")]
+        ids = [ascii_number(int, x) for x in text.split(",")]
     except ValueError:  # an empty item too: "1,,2"
         raise argparse.ArgumentTypeError(f"expected device ids like 3,5, got {text!r}") from None
     if any(not 0 <= i < MAX_DEVICES for i in ids):

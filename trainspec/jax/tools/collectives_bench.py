@@ -58,7 +58,8 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 def parse_size(text: str, what: str) -> int:
     """'4K' -> 4096, '64M', '1G', '512' (binary units, as nccl-tests)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGB]?)B?\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGB]?)B?\s*", str(text),
+                     re.IGNORECASE | re.ASCII)  # \d alone takes any script's digits
     if not m or int(m.group(1)) == 0:
         raise UserInputError(f"{what}: expected a positive size like 4K, 64M or 1G, got {text!r}")
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
