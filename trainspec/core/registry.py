@@ -24,15 +24,21 @@ IMPLEMENTATIONS = "trainspec.implementations"
 _PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-@functools.cache
-def _declared() -> dict[str, str]:
-    """name -> "module:attribute" of every registered backend."""
+def declared(group: str) -> dict[str, str]:
+    """name -> "module:attribute" of everything registered under the entry points `group`:
+    the package's own (its pyproject.toml, where there is one), then the installed packages'."""
     found = {}
     if _PYPROJECT.is_file():
         project = tomllib.loads(_PYPROJECT.read_text()).get("project", {})
-        found.update(project.get("entry-points", {}).get(BACKENDS, {}))
-    found.update({ep.name: ep.value for ep in importlib.metadata.entry_points(group=BACKENDS)})
+        found.update(project.get("entry-points", {}).get(group, {}))
+    found.update({ep.name: ep.value for ep in importlib.metadata.entry_points(group=group)})
     return found
+
+
+@functools.cache
+def _declared() -> dict[str, str]:
+    """name -> "module:attribute" of every registered backend."""
+    return declared(BACKENDS)
 
 
 def backend_names() -> list[str]:

@@ -1,12 +1,15 @@
 """Where records go, for every implementation. JSONL always (trainspec.core.records.JsonlWriter);
 TensorBoard under `metrics.tensorboard`, written by tensorboardX (the `tensorboard` extra, which
-needs neither TensorFlow nor a framework).
+needs neither TensorFlow nor a framework); the sinks `metrics.sinks` names, found under the
+`trainspec.sinks` entry points: the package's own W&B and MLflow sinks (sinks_wandb.py,
+sinks_mlflow.py) and any other package's.
 
 A sink is any object with `write(record: dict)`, `rewind(step)` and `close()`
 (trainspec.core.recorder.Sink).
 """
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ from typing import Any
 from trainspec.core.errors import UserInputError
 from trainspec.core.records import JsonlWriter
 from trainspec.core.recorder import Sink
+from trainspec.core.registry import declared
 
 
 def _summary_writer_class():
@@ -71,6 +75,33 @@ def _scalars(tag: str, value) -> dict[str, float]:
     return {tag: value} if _number(value) else {}
 
 
+class TaggedScalars:
+    """A record's numbers under the tags above, the same for every tracking sink: the
+    PER_RECORD fields (and any numeric field no group names, under `other/`) at every record;
+    the PER_LAYOUT scalars and the facts (PER_LAYOUT and AS_TEXT values) when they change."""
+
+    def __init__(self):
+        self._layout: dict[str, Any] = {}  # the PER_LAYOUT and AS_TEXT values last seen
+
+    def __call__(self, record: dict) -> tuple[dict[str, float], dict[str, Any] | None]:
+        """(scalars by tag, the facts where they changed since the last record, else None)."""
+        scalars: dict[str, float] = {}
+        facts: dict[str, Any] | None = {
+            k: record[k] for k in (*PER_LAYOUT, *AS_TEXT) if k in record}
+        if facts != {k: self._layout.get(k) for k in facts}:
+            for key in PER_LAYOUT:
+                scalars.update(_scalars(PER_LAYOUT[key], record.get(key)))
+            self._layout.update(facts)
+        else:
+            facts = None
+        for key, value in record.items():
+            if key in PER_RECORD:
+                scalars.update(_scalars(PER_RECORD[key], value))
+            elif key not in (*PER_LAYOUT, *AS_TEXT, *NOT_LOGGED):
+                scalars.update(_scalars(f"other/{key}", value))
+        return scalars, facts
+
+
 class TensorBoardSink:
     """Records as grouped scalars (`loss/`, `perf/`, `memory/`, `comm/`; fields no group names
     under `other/`), the spec once as text, the step's constant facts as text."""
@@ -83,7 +114,7 @@ class TensorBoardSink:
                 "(pip install 'trainspec[tensorboard]')")
         self._writer = writer(str(logdir))
         self._spec = spec
-        self._layout: dict[str, Any] = {}  # the PER_LAYOUT and AS_TEXT values last written
+        self._tagged = TaggedScalars()
 
     def write(self, record: dict) -> None:
         step = record["step"]
@@ -91,19 +122,10 @@ class TensorBoardSink:
             text = json.dumps(self._spec.to_dict(), indent=2)
             self._writer.add_text("spec", "```\n" + text + "\n```", step)
             self._spec = None
-        scalars: dict[str, float] = {}
-        facts = {k: record[k] for k in (*PER_LAYOUT, *AS_TEXT) if k in record}
-        if facts != {k: self._layout.get(k) for k in facts}:
-            for key in PER_LAYOUT:
-                scalars.update(_scalars(PER_LAYOUT[key], record.get(key)))
+        scalars, facts = self._tagged(record)
+        if facts is not None:
             self._writer.add_text("facts", "\n".join(
                 f"- {k}: `{v}`" for k, v in sorted(facts.items())), step)
-            self._layout.update(facts)
-        for key, value in record.items():
-            if key in PER_RECORD:
-                scalars.update(_scalars(PER_RECORD[key], value))
-            elif key not in (*PER_LAYOUT, *AS_TEXT, *NOT_LOGGED):
-                scalars.update(_scalars(f"other/{key}", value))
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, value, step)
 
@@ -137,12 +159,21 @@ def check_sinks(spec) -> None:
 
 
 def registered_sink(name: str):
-    """The factory a package registers as `name` under the `trainspec.sinks` entry points:
-    `make(spec, run_dir, append) -> Sink` (write, rewind, close; trainspec.core.recorder.Sink)."""
-    import importlib.metadata
-
-    found = {e.name: e for e in importlib.metadata.entry_points(group=ENTRY_POINTS)}
+    """The factory registered as `name` under the `trainspec.sinks` entry points (the package's
+    own `wandb` and `mlflow`, and any an installed package adds): `make(spec, run_dir, append)
+    -> Sink` (write, rewind, close; trainspec.core.recorder.Sink). Loading it imports the
+    sink's module, so a sink whose library is missing is refused here, before any file."""
+    found = declared(ENTRY_POINTS)
     if name not in found:
         raise UserInputError(f"metrics.sinks: no sink {name!r} is installed (registered under "
                              f"the {ENTRY_POINTS} entry points: {', '.join(sorted(found)) or 'none'})")
-    return found[name].load()
+    module_name, _, attribute = found[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as missing:
+        own = module_name.startswith("trainspec.")  # the package's own: its extra brings it
+        package = missing.name.partition(".")[0]
+        raise UserInputError(
+            f"metrics.sinks: the sink {name!r} needs {package!r}, which is not installed"
+            + (f" (pip install 'trainspec[{name}]')" if own else "")) from None
+    return getattr(module, attribute)
