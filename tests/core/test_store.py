@@ -1,6 +1,7 @@
 """The trunk's checkpoint policy (trainspec.core.store) over a NumPy backend that writes one
 .npy file per array: atomic layout, manifest, verification, quarantine, fallback, refusal,
 compatibility. Milliseconds each: no framework is loaded."""
+import errno
 import json
 import os
 
@@ -10,7 +11,8 @@ import pytest
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 from trainspec.core.store import (
-    MANIFEST, BadCheckpoint, Checkpoints, NoGoodCheckpoint, check_compatible, due)
+    MANIFEST, BadCheckpoint, Checkpoints, NoGoodCheckpoint, check_compatible, due,
+    save_failed)
 
 
 class NpyFiles:
@@ -173,3 +175,23 @@ def test_placement_may_change_but_not_what_the_state_holds(tmp_path):
 def test_due_every_interval_and_at_the_end():
     assert [s for s in range(1, 11) if due(s, 10, 4)] == [4, 8, 10]
     assert not any(due(s, 10, 0) for s in range(1, 11))
+
+
+@pytest.mark.parametrize("err,said", [
+    (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "Disk quota exceeded"),
+    (RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                  '"No space left on device" })'),  # safetensors' SafetensorError text
+     "No space left on device"),
+], ids=["ENOSPC", "EDQUOT", "wrapped"])
+def test_a_full_disk_is_said_as_the_os_says_it_on_every_backend(tmp_path, err, said):
+    assert save_failed(tmp_path, err, rank=3) == (
+        f"checkpoint.dir: saving to {tmp_path} failed on rank 3: {said}; the newest good "
+        "checkpoint there is kept")
+
+
+def test_another_failed_save_is_its_first_line(tmp_path):
+    err = PermissionError(13, "Permission denied")
+    assert save_failed(tmp_path, err) == (
+        f"checkpoint.dir: saving to {tmp_path} failed: PermissionError: [Errno 13] Permission "
+        "denied; the newest good checkpoint there is kept")

@@ -153,6 +153,30 @@ def test_closing_never_hides_the_error_that_ended_a_run(tmp_path, monkeypatch):
         with Checkpointer(tiny_spec(), tmp_path):
             raise UserInputError("data: the error in flight")
     # With no error in flight, a close that fails is the run's one-line error.
-    with pytest.raises(UserInputError, match=r"^checkpoint\.dir: .* failed: OSError: disk gone$"):
+    with pytest.raises(UserInputError, match=r"^checkpoint\.dir: .* failed: OSError: disk gone; "
+                       "the newest good checkpoint there is kept$"):
         with Checkpointer(tiny_spec(), tmp_path):
             pass
+
+
+# What orbax 0.11 raised when a real 1 MiB tmpfs filled during a save (tensorstore's text).
+ORBAX_FULL_DISK = (
+    'RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file "/mnt/ck.orbax-'
+    'checkpoint-tmp/ocdbt.process_0/": Failed writing: "/mnt/ck.orbax-checkpoint-tmp/ocdbt.'
+    'process_0/d/66a470b8fec3a70c41e67b99acbf0133": Failed to write 403770 bytes to file 14: '
+    "No space left on device [os_error_code='28']")
+
+
+def test_a_full_disk_under_orbax_is_the_trunks_line(tmp_path, monkeypatch):
+    """Orbax wraps the OS's ENOSPC in a long RESOURCE_EXHAUSTED text; the line says what the
+    torch backend's says for the same disk (trainspec.core.store.save_failed)."""
+    def full_disk(manager):
+        raise ValueError(ORBAX_FULL_DISK)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "close", full_disk)
+    with pytest.raises(UserInputError) as refused:
+        with Checkpointer(tiny_spec(), tmp_path):
+            pass
+    assert str(refused.value) == (f"checkpoint.dir: saving to {tmp_path / 'checkpoints'} "
+                                  "failed: No space left on device; the newest good checkpoint "
+                                  "there is kept")

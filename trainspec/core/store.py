@@ -23,6 +23,7 @@ are quarantined, each with one line. When none is good the run stops with one li
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -102,6 +103,31 @@ def check_compatible(saved: dict, spec: Spec, where: Path) -> None:
             raise CheckpointRefusal(
                 f"{field}: the checkpoints in {where} were written with {was!r}, the spec says "
                 f"{now!r}; use a new --run-dir, or the saved value")
+
+
+def save_failed(directory: Path, err: BaseException, rank: int | None = None) -> str:
+    """The one line, on every backend, for a checkpoint save into `directory` that failed
+    (on `rank`, where one rank's own file failed). A full disk or quota is said as the OS says
+    it whatever wrapped it (orbax's RESOURCE_EXHAUSTED, safetensors' SafetensorError): the
+    user frees space, whichever framework wrote."""
+    full = _no_space(directory, err)
+    why = os.strerror(full) if full else first_line(err)
+    where = "" if rank is None else f" on rank {rank}"
+    return (f"checkpoint.dir: saving to {directory} failed{where}: {why}; the newest good "
+            "checkpoint there is kept")
+
+
+def _no_space(directory: Path, err: BaseException) -> int | None:
+    """ENOSPC or EDQUOT where `err` is a full disk or quota (by its errno, or by the OS's
+    words inside a wrapper's text), ENOSPC where the file system has no block left; else
+    None."""
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        if getattr(err, "errno", None) == code or os.strerror(code) in str(err):
+            return code
+    try:
+        return errno.ENOSPC if os.statvfs(directory).f_bavail == 0 else None
+    except OSError:
+        return None
 
 
 def first_line(err: BaseException) -> str:

@@ -42,7 +42,8 @@ from trainspec.core.compression import RESIDUAL
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 from trainspec.core.store import (  # noqa: F401 (CheckpointSaveError re-exported)
-    BadCheckpoint, Checkpoints, CheckpointSaveError, check_compatible, due, first_line)
+    BadCheckpoint, Checkpoints, CheckpointSaveError, check_compatible, due, first_line,
+    save_failed)
 from trainspec.jax.runtime import is_writer
 
 FORMAT = 2  # 2: the meta holds per-array checksums
@@ -192,10 +193,7 @@ class Checkpointer:
         try:
             yield
         except Exception as err:  # noqa: BLE001  whatever orbax or the file system raised
-            raise CheckpointSaveError(
-                f"checkpoint.dir: saving to {self.directory} failed: "
-                f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-            ) from None
+            raise CheckpointSaveError(save_failed(self.directory, err)) from None
 
     def close(self) -> None:
         """Finish the background save, if any, and release orbax's manager."""

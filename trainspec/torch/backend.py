@@ -4,8 +4,6 @@ command again and joins the job), a command run as one rank of a job (`trainspec
 torchrun) trains as that rank. Imports torch only when a method runs."""
 from __future__ import annotations
 
-import errno
-import os
 import traceback
 from pathlib import Path
 
@@ -13,6 +11,7 @@ from trainspec.core import arrivals
 from trainspec.core.backend import Backend
 from trainspec.core.errors import LeaveNow, UserInputError
 from trainspec.core.host_memory import check_reference_model
+from trainspec.core.store import save_failed
 from trainspec.torch.capabilities import TORCH
 
 DEFAULT_CPU_RANKS = 4
@@ -82,7 +81,8 @@ class TorchBackend(Backend):
                 run_dir, len(runtime.launched_ids), rank_from_env(), _collective(err),
                 spec.collectives.timeout_s)) from None
         except SafetensorError as err:  # this rank's checkpoint file (a full disk): said by it
-            raise LeaveNow(save_failed(spec, run_dir, err, rank_from_env())) from None
+            raise LeaveNow(save_failed(run_dir / spec.checkpoint.dir, err,
+                                       rank_from_env())) from None
 
     def describe(self, spec, model, nprocs: int | None) -> list[str]:
         """Worked out on this process, no ranks started: the parameters are built on torch's
@@ -140,22 +140,6 @@ def _collective(err: BaseException) -> str:
     names = [frame.name for frame in traceback.extract_tb(err.__traceback__)
              if frame.filename.endswith("distributed_c10d.py") and not frame.name.startswith("_")]
     return names[-1] if names else "collective"
-
-
-def save_failed(spec, run_dir: Path, err, rank: int) -> str:
-    """The line for a checkpoint file this rank could not write."""
-    directory = run_dir / spec.checkpoint.dir
-    why = (os.strerror(errno.ENOSPC) if disk_full(directory)
-           else f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
-    return (f"checkpoint.dir: saving to {directory} failed on rank {rank}: {why}; the newest "
-            "good checkpoint there is kept")
-
-
-def disk_full(path: Path) -> bool:
-    try:
-        return os.statvfs(path).f_bavail == 0
-    except OSError:
-        return False
 
 
 def default_ranks() -> int:
