@@ -5,8 +5,8 @@
   with an outer step every 2 (data 4, and data 2 x fsdp 2);
 - one inner step with a plain outer step (lr 1, no momentum) is synchronous training (SGD,
   no clipping: the mean of the groups' updates is the update of the mean gradient), within 32
-  float32 ulps; with outer momentum it is not;
-- the inner steps count no data-axis traffic;
+  float32 ulps, on 2 ranks; with outer momentum it is not;
+- the inner steps count no data-axis traffic (read from the data 4 run above);
 - a checkpoint mid-round (step 4 of rounds of 3) resumes bit for bit; a resume on another
   number of groups is refused in one line.
 """
@@ -20,7 +20,7 @@ from tiny import TINY
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.torch.model import Transformer
 
-pytestmark = pytest.mark.slow  # two JAX runs and nine torch runs: over a minute on 2 cores
+pytestmark = pytest.mark.slow  # two JAX runs and eight torch jobs: over a minute on 2 cores
 
 STEPS, RANKS = 8, 4
 LAYOUTS = {"data4": ["semi_sync.inner_steps=2"],
@@ -32,7 +32,8 @@ SGD = ['optimizer.name="sgd"', "optimizer.grad_clip_norm=1e9", "optimizer.learni
 def test_the_groups_follow_the_jax_implementation(tmp_path):
     """JAX (4 devices) writes its initial parameters; torch (4 ranks) starts from them
     (--init-from): the records' losses and gradient norms, combined over the groups on either
-    side, agree within rtol 1e-4."""
+    side, agree within rtol 1e-4. The inner steps carry nothing over the data axes: amortised
+    over the round, 1/H of the outer step's all-reduce is all of `data`'s."""
     for name, sets in LAYOUTS.items():
         jax_dir, torch_dir = tmp_path / f"jax_{name}", tmp_path / f"torch_{name}"
         want = _train(jax_dir, ["checkpoint.interval=0", *sets], "--host-devices", "4",
@@ -41,6 +42,9 @@ def test_the_groups_follow_the_jax_implementation(tmp_path):
         for quantity in ("loss", "grad_norm"):
             np.testing.assert_allclose([r[quantity] for r in got], [r[quantity] for r in want],
                                        rtol=1e-4, err_msg=f"{name} {quantity}")
+    semi = read_summary(tmp_path / "torch_data4")["semi_sync"]
+    assert semi["inner_comm_bytes_per_step"] == 0 and semi["outer_comm_bytes"] == _param_bytes()
+    assert semi["groups"] == 4 and semi["inner_steps"] == 2
 
 
 def _cmd(run_dir, sets, *extra, steps=STEPS, nprocs=RANKS, framework="torch"):
@@ -55,30 +59,26 @@ def _train(run_dir, sets, *extra, **kwargs):
 
 
 def test_one_inner_step_with_a_plain_outer_step_is_synchronous(tmp_path):
+    """On 2 groups: the mean of the groups' updates is the same identity for any number."""
     plain = ["semi_sync.outer_lr=1.0", "semi_sync.outer_momentum=0.0"]
-    sync = _train(tmp_path / "sync", [*SGD, "checkpoint.interval=0"])
-    h1 = _train(tmp_path / "h1", [*SGD, "checkpoint.interval=0", "semi_sync.inner_steps=1", *plain])
+    sync = _train(tmp_path / "sync", [*SGD, "checkpoint.interval=0"], nprocs=2)
+    h1 = _train(tmp_path / "h1", [*SGD, "checkpoint.interval=0", "semi_sync.inner_steps=1", *plain],
+                nprocs=2)
     momentum = _train(tmp_path / "momentum", [*SGD, "checkpoint.interval=0",
                                               "semi_sync.inner_steps=1", plain[0],
-                                              "semi_sync.outer_momentum=0.5"])
+                                              "semi_sync.outer_momentum=0.5"], nprocs=2)
     want = np.array([r["loss"] for r in sync])
     tol = 32 * 2.0**-23 * float(np.max(want))
     assert np.max(np.abs(np.array([r["loss"] for r in h1]) - want)) <= tol
     assert np.max(np.abs(np.array([r["loss"] for r in momentum]) - want)) > 100 * tol
-    # the outer step's all-reduce of the float32 parameters (P), every step when H = 1
-    p = 4 * sum(x.numel() for x in Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model)
-                .parameters())
-    assert {r["comm_bytes_by_axis"]["data"] for r in h1} == {p}
+    # the outer step's all-reduce of the float32 parameters, every step when H = 1
+    assert {r["comm_bytes_by_axis"]["data"] for r in h1} == {_param_bytes()}
 
 
-def test_the_inner_steps_carry_nothing_over_the_data_axes(tmp_path):
-    """Amortised over the round: 1/H of the outer step's all-reduce is all of `data`'s."""
-    _train(tmp_path, ["checkpoint.interval=0", "semi_sync.inner_steps=4"], steps=2)
-    semi = read_summary(tmp_path)["semi_sync"]
-    p = 4 * sum(x.numel() for x in Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model)
-                .parameters())
-    assert semi["inner_comm_bytes_per_step"] == 0 and semi["outer_comm_bytes"] == p
-    assert semi["groups"] == 4 and semi["inner_steps"] == 4
+def _param_bytes() -> int:
+    """The tiny model's float32 parameters, in bytes: what one outer step all-reduces."""
+    model = Transformer(load_spec(DEFAULT_SPEC_PATH, TINY).model)
+    return 4 * sum(x.numel() for x in model.parameters())
 
 
 def test_a_checkpoint_mid_round_resumes_bitwise(tmp_path):
