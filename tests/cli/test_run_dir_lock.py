@@ -130,3 +130,23 @@ def test_a_refused_start_leaves_no_run_dir_it_created(tmp_path, capsys):
     (kept / "notes").mkdir(parents=True)
     assert main([*refused, "--run-dir", str(kept)]) == 2
     assert (kept / "notes").is_dir()
+
+
+def test_a_start_its_ranks_refuse_leaves_no_run_dir_it_created(tmp_path, monkeypatch, capfd):
+    """`--nprocs` starts ranks after taking the lock; when they refuse (exit 2, each saying
+    why), the run dir the command created goes too, and their line is the one line said."""
+    import trainspec.cli.train
+    from trainspec.core.launch import run as launch
+
+    refusing = [sys.executable, "-c", "import sys; print('trainspec: error: model.d_model: "
+                "refused by the rank', file=sys.stderr); sys.exit(2)"]
+    monkeypatch.setattr(trainspec.cli.train, "launch", lambda _, ranks: launch(refusing, ranks))
+    run_dir = tmp_path / "runs" / "new"
+    assert main(["train", "--framework", "torch", "--nprocs", "2", "--quiet", "--run-dir",
+                 str(run_dir)]) == 2
+    assert not (tmp_path / "runs").exists()
+    out, err = capfd.readouterr()
+    said = [line for line in (out + err).splitlines()  # what the command and its ranks said
+            if line.startswith(("trainspec", "[")) and not line.startswith("[launch] rank")]
+    assert said == ["[rank 0] trainspec: error: model.d_model: refused by the rank"] or \
+        said == ["[rank 1] trainspec: error: model.d_model: refused by the rank"], out + err

@@ -203,3 +203,22 @@ def test_lines_from_many_threads_come_out_whole():
         t.join()
     lines = out.getvalue().splitlines()
     assert len(lines) == 2000 and all(re.fullmatch(r"\[rank \d\] line \d+", x) for x in lines)
+
+
+def test_a_refusal_every_rank_says_is_one_line():
+    """Every rank refuses the same bad input (a spec field) in the same line, exit 2: the
+    launcher relays it once and adds no line of its own; a different line still comes
+    through."""
+    script = ("import os, sys, time\n"
+              "rank = os.environ['TRAINSPEC_PROCESS_ID']\n"
+              "time.sleep(0.5 * int(rank))\n"
+              "print('trainspec: error: batch.global_batch: 7 is not a multiple of 2', "
+              "file=sys.stderr, flush=True)\n"
+              "if rank == '2': print('trainspec: error: --run-dir: rank 2 alone', file=sys.stderr)\n"
+              "sys.exit(2)\n")
+    job = _start(sys.executable, "-c", script, nprocs=3)
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 2, out
+    said = [line for line in out.splitlines() if not re.match(r"\[launch\] rank \d pid", line)]
+    assert said[0] == "[rank 0] trainspec: error: batch.global_batch: 7 is not a multiple of 2"
+    assert said[1:] in ([], ["[rank 2] trainspec: error: --run-dir: rank 2 alone"]), out

@@ -98,14 +98,22 @@ def check_output_paths(run_dir: Path, metrics_file: Path) -> None:
 
 def run(args) -> int:
     """The job on the backend `--framework` names; a start refused before anything was
-    recorded leaves no run dir that this command created."""
+    recorded (here, or by the ranks this command started) leaves no run dir that this
+    command created."""
     created = first_missing(args.run_dir)
     try:
-        return _run(args)
+        status = _run(args)
     except UserInputError:
-        if created is not None:
-            discard_if_unused(created, (run_lock.LOCK_FILE, arrivals.MARKS_DIR))
+        _discard_if_unused(created)
         raise
+    if status != 0:  # the ranks this command started failed: each said why
+        _discard_if_unused(created)
+    return status
+
+
+def _discard_if_unused(created: Path | None) -> None:
+    if created is not None:
+        discard_if_unused(created, (run_lock.LOCK_FILE, arrivals.MARKS_DIR))
 
 
 def _run(args) -> int:
@@ -160,6 +168,7 @@ def _run(args) -> int:
 def _start_ranks(args, backend, spec, model, ranks: int) -> int:
     """Start `ranks` processes of this command, each one rank of the job."""
     backend.check_job(spec, ranks, own_model=model is not None)
+    check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)  # once, not per rank
     run_lock.hold(args.run_dir, True)  # held by the command that starts the job's ranks
     # The ranks would refuse these too, each in its own line: another framework's checkpoints,
     # no good one, or a spec they cannot resume under. Said once here, before any rank starts.

@@ -8,7 +8,9 @@ the launcher names the first to fail (by when it exited, not by rank: once a ran
 others abort in their next collective) and its status or signal, and stops the others
 (SIGTERM, then SIGKILL after the grace period), so a job never outlives a dead rank. Where
 the first to exit did so because others did not arrive (a stopped or stalled rank: its line
-names them, trainspec.core.arrivals), the launcher blames those, and kills them at once.
+names them, trainspec.core.arrivals), the launcher blames those, and kills them at once. A
+refusal (`trainspec: error: ...`) that several ranks say alike is relayed once, and where the
+first rank to fail said one, the launcher adds no line of its own: a bad input is one line.
 
 SIGINT/SIGTERM to the launcher are forwarded to every rank as SIGTERM, the preemption notice:
 each rank finishes its step, checkpoints (all at the same step) and exits 143 (trainspec.core.
@@ -139,15 +141,35 @@ def _say(line: str, out=None) -> None:
         out.flush()
 
 
-def _pump(rank: int, stream, out, verbose: bool, blamed: dict[int, list[int]]) -> None:
+# How a rank says why it stops (trainspec.cli.outcomes): a bad input every rank finds alike (a
+# spec field, a run dir) comes once from each; the launcher relays it once.
+REFUSAL = "trainspec: error: "
+
+
+class _Said:
+    """What the ranks have said so far, across their output pumps."""
+
+    def __init__(self):
+        self.blamed: dict[int, list[int]] = {}  # rank -> the ranks its line says did not arrive
+        self.refusals: set[str] = set()  # each `trainspec: error:` line relayed
+        self.refused: set[int] = set()  # ranks that said one
+
+
+def _pump(rank: int, stream, out, verbose: bool, said: _Said) -> None:
     for line in iter(stream.readline, ""):
         if found := arrivals.BLAME.search(line):  # this rank names the ranks it waited for
-            blamed.setdefault(rank, [int(r) for r in found.group(1).split(",")])
+            said.blamed.setdefault(rank, [int(r) for r in found.group(1).split(",")])
         if not verbose and "NOT connected" not in line:
             line, pieces = GLOO_CONNECTED.subn("", line)
             if not line.strip(string.digits + string.whitespace if pieces else string.whitespace):
                 continue
-        _say(f"[rank {rank}] {line}", out)
+        with _OUTPUT:
+            if line.startswith(REFUSAL):
+                said.refused.add(rank)
+                if line in said.refusals:  # another rank said it already
+                    continue
+                said.refusals.add(line)
+            _say(f"[rank {rank}] {line}", out)
     stream.close()
 
 
@@ -165,7 +187,7 @@ class Launch:
         self._threads: list[threading.Thread] = []  # output pumps and exit watchers
         self._pumps: list[threading.Thread] = []
         self.exits: list[tuple[int, int]] = []  # (rank, status) in the order the ranks exited
-        self.blamed: dict[int, list[int]] = {}  # rank -> the ranks its line says did not arrive
+        self.said = _Said()
         self._exited = threading.Condition()
 
     def _env(self, rank: int) -> dict[str, str]:
@@ -188,7 +210,7 @@ class Launch:
             self.children.append(child)
             pinned = f", --bind {self.bind}: CPUs {sorted(self.cpus[rank])}" if self.cpus[rank] else ""
             _say(f"[launch] rank {rank} pid {child.pid}{pinned}")
-            pump = (rank, child.stdout, sys.stdout, self.verbose, self.blamed)
+            pump = (rank, child.stdout, sys.stdout, self.verbose, self.said)
             for target, args in ((_pump, pump),
                                  (self._watch, (rank, child))):
                 thread = threading.Thread(target=target, args=args, daemon=True)
@@ -242,14 +264,14 @@ class Launch:
                 return 0
             rank, status = failed[0]
             self._pumps[rank].join(timeout=BLAME_WAIT_S)  # its last line: whom it blames
-            if blamed := self.blamed.get(rank):
+            if blamed := self.said.blamed.get(rank):
                 _say(f"[launch] rank(s) {', '.join(map(str, blamed))} did not arrive (rank "
                      f"{rank} {describe_status(status)} saying so); stopping the others",
                      sys.stderr)
                 for late in blamed:  # stalled or stopped: nothing to wait for
                     if late < len(self.children):
                         self._signal(late, signal.SIGKILL)
-            else:
+            elif rank not in self.said.refused:  # else its line said why: one line in all
                 _say(f"[launch] rank {rank} {describe_status(status)} first; stopping the "
                      "others", sys.stderr)
             self.stop_all()
