@@ -124,7 +124,10 @@ def test_gpt3_175b_on_1024_a100_within_25_percent_of_megatron_s_140_tflops_per_g
 # 128256) on 16,384 H100, 8192 tokens a sequence, 2048 sequences (16M tokens) a step:
 # Dubey et al. 2024, section 3.3 and Table 4: tensor 8 x pipeline 16 x data 128, where data
 # parallelism is FSDP, the interleaved schedule, one layer fewer on the first and the last
-# stage; 400 TFLOP/s per GPU; 38-43% MFU over the paper's configurations.
+# stage; 400 TFLOP/s per GPU; 38-43% MFU over the paper's configurations. The reference model
+# (no sequence parallelism) fits it only with full recomputation; its MFU is predicted for the
+# published architecture and system by the sharded-decoder planner
+# (tests/core/test_plan_context_expert.py).
 LLAMA3_LAYERS = [1] + [2] * 14 + [1] * 97  # v = 7 chunks a stage: 7, 8 x 14, 7 layers a stage
 LLAMA3 = ["model.n_layers=126", "model.d_model=16384", "model.n_heads=128", "model.d_ff=79872",
           "model.vocab_size=128256", "batch.seq_len=8192", "batch.global_batch=2048",
@@ -132,7 +135,6 @@ LLAMA3 = ["model.n_layers=126", "model.d_model=16384", "model.n_heads=128", "mod
           'layout.optimizer_state="shard_over_data"', 'pipeline.schedule="interleaved_1f1b"',
           "pipeline.virtual_stages=7", "pipeline.microbatches=16",
           f"pipeline.layers_per_stage={LLAMA3_LAYERS}"]
-LLAMA3_LAYOUT = {"pipeline": 16, "data": 1, "fsdp": 128, "tensor": 8}
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +150,3 @@ def test_llama3_405b_on_16384_h100_a_layout_that_fits_80_gb_is_found(llama3):
     best = preds[0]
     assert best.fits and best.memory_bytes <= 80e9
     assert best.pipeline["layers_per_stage"] == [7] + [8] * 14 + [7]
-
-
-@pytest.mark.xfail(strict=True, reason="the planner predicts 27.2% for the published layout: "
-                   "full recomputation (the reference model has no sequence parallelism, so "
-                   "nothing less fits) at the H100 profile's achievable fraction 0.45; "
-                   "docs/plan.md, Known points")
-def test_llama3_405b_tensor8_pipeline16_data128_mfu_within_25_percent_of_38_to_43(llama3):
-    p = plan(load_spec(llama3, ['mesh.axes={pipeline={role="pipeline",size=16},data={size=1},'
-                                'fsdp={size=128},tensor={size=8}}']), LLAMA3_LAYOUT, H100)
-    assert p.fits
-    assert 0.75 * 0.38 <= p.mfu <= 1.25 * 0.43, p.mfu

@@ -13,8 +13,11 @@
   3.3).
 - Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3 and Table 4): d 16384,
   126 layers, 128 heads, 8 key/value heads, SwiGLU width 53248, vocabulary 128256. Its
-  long-context phase: 16,384 H100 as tensor 8 x context 16 x pipeline 16 x data 8, sequences
-  of 131,072 tokens, 16 per data replica.
+  8K phase: 16,384 H100 as tensor 8 x pipeline 16 x data 128, 16 sequences of 8,192 tokens per
+  data replica, trained without activation checkpointing (sec. 3.3.2). Its long-context phase:
+  tensor 8 x context 16 x pipeline 16 x data 8, sequences of 131,072 tokens, 16 per data
+  replica (Table 4 prints DP 4 for this row in arXiv 2407.21783; the 16,384 GPUs and 16M tokens
+  a step need 8).
 """
 from __future__ import annotations
 
@@ -52,8 +55,19 @@ DEEPSEEK_PRECISION = Precision(param=2, grad=4, optimizer=4 + 2 + 2)
 # micro-batch: 120 per replica of the 128 that data x expert make.
 DEEPSEEK_V3_LAYOUT = Layout(
     {"pipeline": 16, "expert": 64, "data": 2}, micro_batch=1, micro_batches=120, seq_len=4096,
-    precision=DEEPSEEK_PRECISION, zero1=True, full_remat=True)
+    precision=DEEPSEEK_PRECISION, zero=1, full_remat=True)
 
 LLAMA_3_405B_128K = Layout(
     {"tensor": 8, "context": 16, "pipeline": 16, "data": 8}, micro_batch=1, micro_batches=16,
-    seq_len=131072, zero1=True, full_remat=True)
+    seq_len=131072, zero=1, full_remat=True)
+
+# Llama 3 405B's 8K phase (Table 4, sec. 3.3.2): 16 sequences per data replica, one a
+# micro-batch; FSDP over data that shards the optimizer state and the gradients but keeps the
+# parameters gathered from the forward to the backward (ZeRO-2), gradients accumulated and
+# reduce-scattered in float32; the interleaved schedule with 8 chunks a stage (not published:
+# the only count whose equal chunks leave the first chunk the embedding alone and the first
+# and last stages one layer fewer, docs/plan.md); no activation checkpointing.
+LLAMA_3_405B_8K = Layout(
+    {"tensor": 8, "pipeline": 16, "data": 128}, micro_batch=1, micro_batches=16, seq_len=8192,
+    precision=Precision(param=2, grad=4, optimizer=12), zero=2,
+    schedule="interleaved_1f1b", virtual_stages=8)

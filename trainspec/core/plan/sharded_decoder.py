@@ -1,17 +1,25 @@
-"""Memory and communication per device of a decoder at published scale (a DecoderShape)
+"""Memory, communication, step time and MFU of a decoder at published scale (a DecoderShape)
 under data, fsdp, tensor, pipeline, context and expert parallelism, and the ranking of such
-layouts (docs/plan.md, "Context and expert layouts").
+layouts (docs/plan.md, "Published architectures").
 
 Where each thing lives, per device:
 - parameters outside the experts: split by fsdp x tensor x pipeline, replicated over data,
   expert and context (their gradients summed over those);
 - the routed experts' parameters: split by fsdp x tensor x pipeline x expert;
-- gradients like their parameters; optimizer state like them, and with ZeRO-1 also split over
-  the parameter's replicas;
+- gradients like their parameters; optimizer state like them; ZeRO (Rajbhandari et al. 2020)
+  splits the optimizer state (stage 1) and the gradients too (stage 2) over the parameter's
+  replicas;
 - activations: each micro-batch's tokens split by context (the ring), all of them by tensor
-  (sequence parallelism), the layers by pipeline; 1F1B keeps min(pipeline, micro-batches)
-  micro-batches in flight on the first stage.
+  (sequence parallelism, Korthikanti et al. 2023), the layers by pipeline; the first stage
+  holds the micro-batches its executed schedule keeps in flight at its peak
+  (trainspec.core.pipeline.schedule: 1F1B min(pipeline, micro-batches), interleaved more).
 Communication per device and step, in bytes sent (S of nccl-tests):
+- tensor (sequence parallelism): per layer and micro-batch an all-gather before and a
+  reduce-scatter after attention and after the MLP, in the forward pass and again in the
+  backward (8 collectives of the micro-batch's activation, d_model wide), 12 with full remat
+  (the forward again);
+- pipeline: per micro-batch and chunk boundary the activation forward and its gradient back
+  (2 v permutes of a stage), each tensor rank its own sequence shard;
 - context: the ring passes each rank's key/value block on (context - 1) times per layer and
   micro-batch in the forward pass, and the blocks' gradients back in the backward pass (the
   autodiff of a permute): 2 (context - 1) x the local key/value bytes, 3 with full remat (the
@@ -20,14 +28,18 @@ Communication per device and step, in bytes sent (S of nccl-tests):
   in the backward pass: 4 all-to-alls of the local tokens x rows per token x d_model x bytes,
   rows per token top_k for a slot-packed dispatch, `experts` for the reference model's
   buffers indexed by token (trainspec.jax.models.moe).
-- data: one all-reduce of each gradient over its replicas.
+- data: one all-reduce of each gradient over its replicas; under ZeRO a reduce-scatter of the
+  gradients and an all-gather of the updated parameters (the same bus bytes per byte moved).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from trainspec.core.decoder_shape import DecoderShape
+from trainspec.core.pipeline.schedule import run
+from trainspec.core.pipeline.stages import INTERLEAVED
 from trainspec.core.plan.hardware import Profile, bus_factor
 
 ROLES = ("data", "fsdp", "tensor", "pipeline", "context", "expert")
@@ -58,9 +70,11 @@ class Layout:
     micro_batches: int          # micro-batches per step
     seq_len: int
     precision: Precision = MIXED
-    zero1: bool = False
+    zero: int = 0               # ZeRO stage: 1 splits the optimizer state, 2 the gradients too
     full_remat: bool = False    # keep only each layer's input; recompute one layer at a time
     dispatch_rows: int | None = None  # rows per token an all-to-all carries; None: top_k
+    schedule: str = "1f1b"      # the pipeline's (trainspec.core.pipeline.schedule)
+    virtual_stages: int = 1     # chunks per stage under "interleaved_1f1b"
 
     def size(self, role: str) -> int:
         return self.sizes.get(role, 1)
@@ -78,6 +92,28 @@ class Layout:
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.micro_batches * self.replicas
+
+    @property
+    def tokens(self) -> float:
+        """Token positions of one micro-batch on one device: split by context, and by tensor
+        (sequence parallelism)."""
+        return self.micro_batch * self.seq_len / self.size("context") / self.size("tensor")
+
+
+@functools.lru_cache(maxsize=256)
+def executed_pipeline(schedule: str, stages: int, micro_batches: int,
+                      virtual: int) -> tuple[float, float]:
+    """(idle fraction, micro-batches of activations the first stage holds at its peak) of the
+    schedule as executed (one micro-batch, no pipeline: (0, 1))."""
+    if stages == 1:
+        return 0.0, 1.0
+    timeline = run(schedule, stages, micro_batches, virtual)
+    return timeline.idle_fraction(), max(timeline.in_flight(0)) / timeline.virtual
+
+
+def pipeline_of(lay: Layout) -> tuple[float, float]:
+    return executed_pipeline(lay.schedule, lay.size("pipeline"), lay.micro_batches,
+                             lay.virtual_stages)
 
 
 def local_params(shape: DecoderShape, lay: Layout) -> tuple[float, float]:
@@ -108,21 +144,20 @@ def memory(shape: DecoderShape, lay: Layout) -> dict[str, float]:
     p = lay.precision
     dense, expert = local_params(shape, lay)
     replicas = lay.size("data") * lay.size("context")  # an expert's replicas
-    zero = (dense / (replicas * lay.size("expert")) + expert / replicas) if lay.zero1 else None
-    tokens = lay.micro_batch * lay.seq_len / lay.size("context") / lay.size("tensor")
+    split = dense / (replicas * lay.size("expert")) + expert / replicas  # ZeRO's share
     layers = math.ceil(shape.n_layers / lay.size("pipeline"))
     moe_share = shape.moe_layers / shape.n_layers
     per_layer = (moe_share * token_layer_elements(shape, True)
                  + (1 - moe_share) * token_layer_elements(shape, False))
-    in_flight = min(lay.size("pipeline"), lay.micro_batches)
+    in_flight = pipeline_of(lay)[1]
     kept = shape.d_model if lay.full_remat else per_layer
     out = {
         "params": (dense + expert) * p.param,
-        "gradients": (dense + expert) * p.grad,
-        "optimizer": (zero if zero is not None else dense + expert) * p.optimizer,
-        "activations": tokens * p.activation * (in_flight * layers * kept
-                                                + (per_layer if lay.full_remat else 0)),
-        "logits": tokens * shape.vocab * 4,  # float32 logits of one micro-batch, last stage
+        "gradients": (split if lay.zero >= 2 else dense + expert) * p.grad,
+        "optimizer": (split if lay.zero >= 1 else dense + expert) * p.optimizer,
+        "activations": lay.tokens * p.activation * (in_flight * layers * kept
+                                                    + (per_layer if lay.full_remat else 0)),
+        "logits": lay.tokens * shape.vocab * 4,  # float32 logits of one micro-batch, last stage
     }
     out["total"] = sum(out.values())
     return out
@@ -131,19 +166,43 @@ def memory(shape: DecoderShape, lay: Layout) -> dict[str, float]:
 def comm_bytes(shape: DecoderShape, lay: Layout) -> dict[str, float]:
     """Bytes each device sends per step, by role (S: the collective's size per device)."""
     p = lay.precision
-    tokens = lay.micro_batch * lay.seq_len / lay.size("context") / lay.size("tensor")
     layers_here = shape.n_layers / lay.size("pipeline")
     moe_here = shape.moe_layers / lay.size("pipeline")
-    c, e = lay.size("context"), lay.size("expert")
-    kv = tokens * shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
+    t, c, e, f = (lay.size(r) for r in ("tensor", "context", "expert", "fsdp"))
+    kv = lay.tokens * shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
     dense, expert = local_params(shape, lay)
+    activation = lay.tokens * shape.d_model * p.activation  # one micro-batch's, on one device
     return {
+        # S of a sequence-parallel all-gather or reduce-scatter: the gathered activation
+        "tensor": ((12 if lay.full_remat else 8) * activation * t * layers_here
+                   * lay.micro_batches if t > 1 else 0.0),
+        "pipeline": (2 * lay.virtual_stages * activation * lay.micro_batches
+                     if lay.size("pipeline") > 1 else 0.0),
         "context": ((3 if lay.full_remat else 2) * (c - 1) * kv * p.activation * layers_here
                     * lay.micro_batches),
-        "expert": (4 * tokens * (lay.dispatch_rows or shape.top_k) * shape.d_model
+        "expert": (4 * lay.tokens * (lay.dispatch_rows or shape.top_k) * shape.d_model
                    * p.activation * moe_here * lay.micro_batches if e > 1 else 0.0),
-        "data": (dense + expert) * p.grad if lay.size("data") * c * e > 1 else 0.0,
+        # FSDP (ZeRO-3): the parameters gathered for the forward and again for the backward,
+        # the gradients reduce-scattered, every micro-batch
+        "fsdp": ((2 * p.param + p.grad) * (dense + expert) * f * lay.micro_batches
+                 if f > 1 else 0.0),
+        "data": ((dense + expert) * (p.grad + (p.param if lay.zero else 0))
+                 if lay.size("data") * c * e > 1 else 0.0),
     }
+
+
+# Traffic inside a pipeline stage's work, stretched by its bubble; data's runs once a step.
+PER_MICRO_BATCH = ("tensor", "pipeline", "context", "expert", "fsdp")
+
+
+def _collective(role: str, lay: Layout) -> tuple[str, int]:
+    """The collective kind (for nccl-tests' bus factor) and group of a role's traffic."""
+    c, e = lay.size("context"), lay.size("expert")
+    return {"tensor": ("reduce_scatter", lay.size("tensor")), "pipeline": ("permute", 2),
+            "context": ("permute", c), "expert": ("all_to_all", e),
+            "fsdp": ("reduce_scatter", lay.size("fsdp")),
+            "data": ("reduce_scatter" if lay.zero else "all_reduce",
+                     lay.size("data") * c * e)}[role]
 
 
 def _link_groups(lay: Layout, profile: Profile) -> dict[str, bool]:
@@ -155,6 +214,18 @@ def _link_groups(lay: Layout, profile: Profile) -> dict[str, bool]:
     return out
 
 
+def hardware_flops_per_token(shape: DecoderShape, lay: Layout) -> float:
+    """The model's FLOPs, and with full remat every layer's forward once more: 2 x the
+    layers' active parameters (all but the embedding and the head) and a third of the
+    attention's."""
+    model = shape.model_flops_per_token(lay.seq_len)
+    if not lay.full_remat:
+        return model
+    ends = shape.embedding_params * (1 if shape.tied_embeddings else 2)
+    return model + 2.0 * (shape.active_params - ends) + shape.attention_flops_per_token(
+        lay.seq_len, "no_causal_discount") / 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     layout: Layout
@@ -162,27 +233,42 @@ class Estimate:
     comm: dict[str, float]
     step_time_s: float
     fits: bool
+    compute_s: float = 0.0      # hardware FLOPs at the achievable rate
+    bubble_s: float = 0.0       # the pipeline's idle time
+    exposed_comm_s: float = 0.0
+    mfu: float = 0.0            # model FLOPs / (step time x devices x peak)
 
 
 def estimate(shape: DecoderShape, lay: Layout, profile: Profile,
              dtype: str = "bfloat16") -> Estimate:
-    """Memory, communication and a step time: compute at the profile's achievable FLOP/s,
-    each role's traffic at its link's bus bandwidth, the exposed part (1 - comm_overlap),
-    and the 1F1B bubble (p - 1) / (m + p - 1) of the compute."""
+    """Memory, communication and a step time: compute (the hardware FLOPs at the profile's
+    achievable FLOP/s) and each role's traffic at its link's bus bandwidth, of which
+    (1 - comm_overlap) is exposed; the stage's work (compute and the traffic inside it) is
+    stretched by the executed schedule's idle fraction b, / (1 - b); data's reduction, once a
+    step, is outside the pipeline's flush. More stages than layers cannot run (a stage
+    without a layer): no estimate, it does not fit."""
+    if lay.size("pipeline") > shape.n_layers:
+        return Estimate(lay, {"total": math.inf}, {}, math.inf, False)
     mem, comm = memory(shape, lay), comm_bytes(shape, lay)
     tokens = lay.global_batch * lay.seq_len
-    flops = shape.model_flops_per_token(lay.seq_len) * tokens / lay.n_devices
-    compute = flops / profile.device_flops(dtype, profile.devices_per_host)
-    p, m = lay.size("pipeline"), lay.micro_batches
-    compute /= 1 - (p - 1) / (m + p - 1)
+    compute = (hardware_flops_per_token(shape, lay) * tokens / lay.n_devices
+               / profile.device_flops(dtype, profile.devices_per_host))
     inside = _link_groups(lay, profile)
-    kinds = {"context": "permute", "expert": "all_to_all", "data": "all_reduce"}
-    group = {"context": lay.size("context"), "expert": lay.size("expert"),
-             "data": lay.size("data") * lay.size("context") * lay.size("expert")}
-    comm_s = sum((profile.ici if inside[role] else profile.dcn).time(
-        comm[role] * bus_factor(kinds[role], group[role])) for role in comm if comm[role])
-    step = compute + comm_s * (1 - profile.comm_overlap)
-    return Estimate(lay, mem, comm, step, mem["total"] <= profile.memory_bytes)
+    exposed = {"stage": 0.0, "step": 0.0}
+    for role, nbytes in comm.items():
+        if nbytes:
+            kind, group = _collective(role, lay)
+            link = profile.ici if inside[role] else profile.dcn
+            exposed["stage" if role in PER_MICRO_BATCH else "step"] += link.time(
+                nbytes * bus_factor(kind, group)) * (1 - profile.comm_overlap)
+    bubble = pipeline_of(lay)[0]
+    stage = (compute + exposed["stage"]) / (1 - bubble)
+    step = stage + exposed["step"]
+    model_flops = shape.model_flops_per_token(lay.seq_len) * tokens
+    return Estimate(lay, mem, comm, step, mem["total"] <= profile.memory_bytes,
+                    compute_s=compute, bubble_s=stage * bubble,
+                    exposed_comm_s=exposed["stage"] + exposed["step"],
+                    mfu=model_flops / (step * lay.n_devices * profile.peak(dtype)))
 
 
 def ranked(estimates: list[Estimate]) -> list[Estimate]:
@@ -195,7 +281,9 @@ def layouts(n_devices: int, base: Layout, roles: tuple[str, ...],
             tensor_within: int | None = None) -> list[Layout]:
     """Every assignment of n_devices to `roles` (each a divisor of n), `data` taking what is
     left, the tensor axis within `tensor_within` devices. The global batch stays base's: the
-    replicas share its micro-batches (a layout whose replicas do not divide it is left out)."""
+    replicas share its micro-batches (a layout whose replicas do not divide it is left out, as
+    is one whose micro-batches the interleaved schedule cannot run: not a multiple of the
+    pipeline's stages, Narayanan et al. 2021)."""
     sizes = [{}]
     for role in roles:
         sizes = [{**s, role: f} for s in sizes for f in _divisors(n_devices)
@@ -205,7 +293,8 @@ def layouts(n_devices: int, base: Layout, roles: tuple[str, ...],
     for s in sizes:
         lay = dataclasses.replace(base, sizes={**s, "data": n_devices // math.prod(s.values())})
         per_replica, rest = divmod(base.global_batch, lay.replicas * base.micro_batch)
-        if per_replica and not rest:
+        interleaved = base.schedule == INTERLEAVED and lay.size("pipeline") > 1
+        if per_replica and not rest and not (interleaved and per_replica % lay.size("pipeline")):
             out.append(dataclasses.replace(lay, micro_batches=per_replica))
     return out
 
