@@ -1,5 +1,6 @@
 """Context and expert axes and [model.moe] in the capability tables: JAX runs both (experts
-routed over the whole micro-batch); what an implementation does not run is refused by name."""
+routed over the whole micro-batch), torch runs a context axis; what an implementation does not
+run is refused by name."""
 from trainspec.core.capabilities import Request
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import load_spec
@@ -17,12 +18,13 @@ EXPERT = {"mesh": {"axes": {"data": {"size": -1}, "expert": {"size": 2}}},
           "model": {"moe": {"experts": 4}}}
 
 
-def test_jax_runs_a_context_axis_and_torch_refuses_it_in_one_line():
-    assert _refusals(JAX, CONTEXT) == []
-    lines = _refusals(TORCH, CONTEXT)
-    assert len(lines) == 1 and lines[0].startswith(
-        "mesh.axes.*.size: the torch implementation does not split context, expert"), lines
-    assert lines[0].endswith(" axes, got context=2"), lines
+def test_both_run_a_context_axis_and_torch_refuses_two_in_one_line():
+    assert _refusals(JAX, CONTEXT) == [] == _refusals(TORCH, CONTEXT)
+    two = {"mesh": {"axes": {"data": {"size": -1}, "context": {"size": 2},
+                             "sequence": {"size": 2, "role": "context"}}}}
+    lines = _refusals(TORCH, two)
+    assert lines == ["mesh.axes.*.size: the torch implementation splits at most one context "
+                     "axis, got context=2, sequence=2"], lines
 
 
 def test_jax_runs_experts_and_torch_refuses_them_by_name():

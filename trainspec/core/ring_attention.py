@@ -45,6 +45,12 @@ def merge_block(state, q, k, v, q_pos, k_pos):
     return m_new, l_new, o_new
 
 
+def held_block(rank: int, step: int, n: int) -> int:
+    """The rank whose key/value block rank `rank` of n holds at ring step `step`: its own at
+    step 0, then each step the block its predecessor held."""
+    return (rank - step) % n
+
+
 def ring_attention_ranks(q_blocks, k_blocks, v_blocks, pos_blocks):
     """Ring attention over ranks' local blocks (lists indexed by rank, each (batch, local,
     heads, head_dim); pos_blocks[r] the global positions of rank r's tokens). Returns each
@@ -54,11 +60,10 @@ def ring_attention_ranks(q_blocks, k_blocks, v_blocks, pos_blocks):
     for q in q_blocks:
         b, t, h, _ = q.shape
         states.append((np.full((b, h, t), -np.inf), np.zeros((b, h, t)), np.zeros_like(q)))
-    held = list(range(n))  # which rank's key/value block each rank holds now
-    for _ in range(n):
+    for step in range(n):
+        held = [held_block(r, step, n) for r in range(n)]
         states = [merge_block(states[r], q_blocks[r], k_blocks[held[r]], v_blocks[held[r]],
                               pos_blocks[r], pos_blocks[held[r]]) for r in range(n)]
-        held = [held[(r - 1) % n] for r in range(n)]  # the permute: rank r gets rank r-1's
     outputs, lse = [], []
     for m, l, o in states:
         outputs.append(o / l.transpose(0, 2, 1)[..., None])

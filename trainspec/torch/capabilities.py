@@ -60,11 +60,14 @@ TORCH = Capabilities("torch", dict([
     ("seed", honoured("seeds the initialisation (torch's generator: the same distributions "
                       "as JAX's, other numbers) and the data order (the core's ByteBatches)")),
     ("mesh.axes.*.role", honoured("data: gradients all-reduced over the data group; fsdp: "
-                                  "FSDP2 fully_shard; tensor: DTensor column/row-wise plans")),
+                                  "FSDP2 fully_shard; tensor: DTensor column/row-wise plans; "
+                                  "context: each rank its chunks of every sequence, attention "
+                                  "across them (trainspec/torch/context.py)")),
     ("mesh.axes.*.size", honoured("a DeviceMesh with the spec's names, sizes and row-major "
                                   "order, one rank per device",
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"),
-                                  roles_not_split("torch", "context", "expert", "pipeline"))),
+                                  _one_split_axis("context"),
+                                  roles_not_split("torch", "expert", "pipeline"))),
     ("mesh.axes.*.dcn", honoured(
         "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
         "of hosts, each host's ranks in the ici shape; on one host laid out within it")),
@@ -117,8 +120,11 @@ TORCH = Capabilities("torch", dict([
     ("model.n_heads", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.d_ff", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.moe", refused_section("the torch reference model is dense")),
-    *((f"context.{name}", honoured("no effect without a split context axis (refused)"))
-      for name in ("attention", "split")),
+    ("context.attention", honoured(
+        "ring: send/recv of key/value blocks around the context group with an online softmax; "
+        "all_gather: one all-gather of them (trainspec/torch/context.py, autograd through both)")),
+    ("context.split", honoured("each rank's tokens taken from its rows in the step, the "
+                               "core's positions")),
     *((f"optimizer.{name}", honoured("torch.optim.AdamW or SGD, stepped as optax's"))
       for name in ("name", "learning_rate", "warmup_steps", "weight_decay", "grad_clip_norm")),
     ("train.steps", honoured()),

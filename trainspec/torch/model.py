@@ -12,12 +12,15 @@ the same forward runs with the heads split over a tensor-parallel group.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainspec.core.spec import ModelSpec
+from trainspec.torch.context import causal_attention
 
 RMS_EPSILON = 1e-6  # flax.linen.RMSNorm's default
 
@@ -48,9 +51,13 @@ class Projection(nn.Linear):
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelSpec, compute: torch.dtype, param: torch.dtype):
+    """`attention`: causal attention of (batch, heads, length, head_dim) tensors by global
+    position (trainspec.torch.context.ContextSplit.attention under a split context axis)."""
+
+    def __init__(self, c: ModelSpec, compute: torch.dtype, param: torch.dtype,
+                 attention: Callable = causal_attention):
         super().__init__()
-        self.head_dim = c.d_model // c.n_heads
+        self.head_dim, self.attention = c.d_model // c.n_heads, attention
         d, f = c.d_model, c.d_ff
         self.attn_norm = RMSNorm(d, param)
         self.query, self.key, self.value = (Projection(d, d, compute, param) for _ in range(3))
@@ -65,7 +72,7 @@ class Block(nn.Module):
         # (b, t, heads * head_dim) -> (b, heads, t, head_dim); heads may be this rank's share
         q, k, v = (p(h).view(b, t, -1, self.head_dim).transpose(1, 2)
                    for p in (self.query, self.key, self.value))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = self.attention(q, k, v)
         x = x + self.out(attn.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_in(self.mlp_norm(x))
         return x + self.mlp_out(F.gelu(h, approximate="tanh"))  # flax's nn.gelu is the tanh form
@@ -75,12 +82,12 @@ class Transformer(nn.Module):
     """Token ids (batch, length) -> float32 logits (batch, length, vocab)."""
 
     def __init__(self, c: ModelSpec, compute: torch.dtype = torch.float32,
-                 param: torch.dtype = torch.float32):
+                 param: torch.dtype = torch.float32, attention: Callable = causal_attention):
         super().__init__()
         self.config, self.compute = c, compute
         self.embedding = nn.Parameter(torch.empty(c.vocab_size, c.d_model, dtype=param))
         self.blocks = nn.ModuleDict(
-            {f"block_{i}": Block(c, compute, param) for i in range(c.n_layers)})
+            {f"block_{i}": Block(c, compute, param, attention) for i in range(c.n_layers)})
         self.final_norm = RMSNorm(c.d_model, param)
         self.head = Projection(c.d_model, c.vocab_size, compute, param)
 

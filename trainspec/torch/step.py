@@ -16,6 +16,7 @@ adds the gradient noise scale's parts to the metrics (trainspec/torch/gns.py).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from trainspec.core.spec import Spec
 from trainspec.torch.mesh import group_of
 from trainspec.torch.runtime import TORCH_DTYPES, TorchRuntime, fingerprint
 from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.context import ContextSplit
 from trainspec.torch.gns import StepNoiseScale
 from trainspec.torch.layout import (
     apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
@@ -44,8 +46,9 @@ from trainspec.torch.optim import clip_by_global_norm, spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
+from trainspec.torch.replicated import ReplicatedSum
 from trainspec.torch.semi_sync import OuterStep
-from trainspec.torch.support import batch_axes, check_layout
+from trainspec.torch.support import batch_axes, check_layout, token_axes
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -105,6 +108,8 @@ class WrappedStep:
                 f"precision.compute: {p.compute} is wider than precision.param {p.param}; "
                 "torch.autocast computes in a 16-bit dtype only (or wrap(autocast=False) for a "
                 "model that casts itself)")
+        context = self.dims.split("context")
+        self.context = ContextSplit(spec, mesh, context) if context else None
         self.model = self._build(model_fn)
 
         self.data_axes, fsdp, tensor = (self.dims.split(role) for role in ("data", "fsdp", "tensor"))
@@ -122,14 +127,14 @@ class WrappedStep:
         self.data_group = group_of(mesh, self.data_axes) if self.data_axes else None
         # [semi_sync]: each data group steps on its own rows, nothing crosses the data axes
         # but the outer step (trainspec/torch/semi_sync.py)
-        summed = tuple(a for a in self.batch_axes
+        summed = tuple(a for a in token_axes(self.dims)
                        if spec.semi_sync is None or a not in self.data_axes)
         self.batch_group = group_of(mesh, summed) if summed else None
         self.shards = self.dims.size_of(self.batch_axes)
         self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
         self.norms = Norms(mesh, device)
-        # metrics.gns: a replica's batch shards are its rows' other axes (fsdp)
-        replica_axes = tuple(a for a in self.batch_axes if a not in self.data_axes)
+        # metrics.gns: a replica's tokens are on its other axes (fsdp, context)
+        replica_axes = tuple(a for a in token_axes(self.dims) if a not in self.data_axes)
         self.noise_scale = StepNoiseScale(
             spec.metrics.gns if spec.semi_sync is None else False,
             self.dims.replicas, spec.batch.accumulation_steps,
@@ -139,6 +144,9 @@ class WrappedStep:
             self.noise_scale.note = "semi_sync: no gradient is reduced across groups"
 
         self.params = list(self.model.parameters())
+        spread = self.dims.split("context")
+        self.spread = ReplicatedSum(mesh, spread, self.model.named_parameters()) \
+            if spread else None
         self.reduction = None
         self.outer = OuterStep(spec.semi_sync, self.params, self.data_group) \
             if spec.semi_sync is not None else None
@@ -171,7 +179,8 @@ class WrappedStep:
     def _build(self, model_fn) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.spec.seed)
-            model = model_fn()
+            model = model_fn() if self.context is None else _with_attention(
+                model_fn, self.context.attention)
         if not isinstance(model, nn.Module):
             raise UserInputError(f"model_fn: returned a {type(model).__name__}, not a "
                                  "torch.nn.Module")
@@ -211,6 +220,8 @@ class WrappedStep:
         the guard trips (the model keeps the last good step's state)."""
         self.optimizer.zero_grad(set_to_none=False)
         sums = self._accumulate(batch)
+        if self.spread is not None:
+            self.spread()
         grads = [q.grad for q in self.params if q.grad is not None]
         small_batch = self.noise_scale.small_batch(grads, sums[1])  # before the reduction
         if self.reduction is not None:
@@ -325,7 +336,7 @@ class WrappedStep:
                     f"batch[{key!r}] has {n} rows; expected batch.global_batch = {whole} (the "
                     f"global batch) or {per} (this rank's rows, step.rows())")
             local[key] = (t[self._rows] if n != per else t).to(self.device)
-        return local
+        return local if self.context is None else self.context.local(local)
 
     # -- health and checkpoints ----------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:
@@ -395,6 +406,18 @@ class WrappedStep:
         self.guard = init_nan_guard(meta["data_position"], meta["skipped_steps"],
                                     meta.get("consecutive_nonfinite", 0))
         return meta["data_position"]
+
+
+def _with_attention(model_fn: Callable, attention: Callable) -> nn.Module:
+    """`model_fn(attention=...)` under a split context axis: the model attends through the
+    context ranks (trainspec.torch.context.ContextSplit.attention), or it would see its own
+    part of each sequence only."""
+    if "attention" not in inspect.signature(model_fn).parameters:
+        raise UserInputError(
+            "mesh.axes.context: a split context axis needs a model_fn that takes `attention`, "
+            "the causal attention of (batch, heads, length, head_dim) tensors across the context "
+            "ranks, and uses it in place of its own (docs/adapters.md)")
+    return model_fn(attention=attention)
 
 
 def _check_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> None:

@@ -50,6 +50,12 @@ def batch_axes(dims: ParallelDims) -> tuple[str, ...]:
     return tuple(a for a in dims.names if a in dims.split("data") + dims.split("fsdp"))
 
 
+def token_axes(dims: ParallelDims) -> tuple[str, ...]:
+    """The axes whose ranks hold different tokens (the batch axes and the context axes), in
+    mesh order: the loss sums and valid tokens of a step are summed over them."""
+    return tuple(a for a in dims.names if a in batch_axes(dims) + dims.split("context"))
+
+
 def ranks_kept(spec: Spec, world: int, left_out) -> list[int]:
     """The ranks of a `world`-rank job that go on without `left_out` (ranks of the job as it
     is now): the longest prefix of the others the spec's mesh and batch fit

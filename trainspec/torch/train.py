@@ -44,6 +44,7 @@ from trainspec.torch.preflight import preflight
 from trainspec.torch.params_file import save_initial, state_dict
 from trainspec.torch.engine import TorchEngine
 from trainspec.torch.run import TorchRunCheckpointer
+from trainspec.torch.context import causal_attention
 from trainspec.torch.model import Transformer, flax_path, next_token_loss
 from trainspec.torch.support import check_run, check_spec
 from trainspec.torch.step import WrappedStep
@@ -63,8 +64,8 @@ class TorchStep(WrappedStep):
         check_spec(spec, mesh.size())
         p = spec.precision
 
-        def build() -> Transformer:
-            model = Transformer(spec.model, DTYPES[p.compute], DTYPES[p.param])
+        def build(attention=causal_attention) -> Transformer:
+            model = Transformer(spec.model, DTYPES[p.compute], DTYPES[p.param], attention)
             if initial_params is None:
                 model.init_weights(spec.seed)
             else:  # e.g. a JAX run's initial parameters, through NumPy (model.from_flax)
