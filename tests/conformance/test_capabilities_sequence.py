@@ -1,6 +1,6 @@
 """Context and expert axes and [model.moe] in the capability tables: JAX runs both (experts
-routed over the whole micro-batch), torch runs a context axis; what an implementation does not
-run is refused by name."""
+routed over the whole micro-batch), torch runs both beside data axes; what an implementation
+does not run is refused by name."""
 from trainspec.core.capabilities import Request
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import load_spec
@@ -27,11 +27,16 @@ def test_both_run_a_context_axis_and_torch_refuses_two_in_one_line():
                      "axis, got context=2, sequence=2"], lines
 
 
-def test_jax_runs_experts_and_torch_refuses_them_by_name():
-    assert _refusals(JAX, {**EXPERT, "metrics": {"gns": False}}) == []
-    lines = _refusals(TORCH, EXPERT)
-    assert lines[0].startswith("mesh.axes.*.size: ") and lines[0].endswith("got expert=2")
-    assert lines[1].startswith("model.moe: ")
+def test_both_run_experts_and_torch_refuses_them_beside_other_axes_by_name():
+    assert _refusals(JAX, {**EXPERT, "metrics": {"gns": False}}) == [] == _refusals(TORCH, EXPERT)
+    beside = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], "fsdp": {"size": 2}}}}
+    assert _refusals(TORCH, beside) == [
+        "mesh.axes.*.size: the torch implementation splits experts beside data axes only, got "
+        "expert=2, fsdp=2"]
+    with_context = {**EXPERT, "mesh": {"axes": {"data": {"size": -1}, "context": {"size": 2}}}}
+    lines = _refusals(TORCH, with_context)
+    assert len(lines) == 1 and lines[0].startswith("model.moe.experts: the torch implementation "
+                                                   "routes experts with the data"), lines
 
 
 def test_jax_refuses_experts_routed_per_replica():

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 import trainspec.torch.context
+import trainspec.torch.moe
 from trainspec.core.data import ByteBatches
 from trainspec.core.golden import ragged_batch
 from trainspec.core.params_file import unflatten
@@ -31,6 +32,17 @@ BREAKAGES = {
     "ring_mask_one_block_off": (trainspec.torch.context, "held_block",
                                 lambda rank, step, n: (rank - step + 1) % n),
 }
+
+
+def _route_later_rows_first(logits, *args):
+    """The routing of every row unchanged, but the capacity's drop order reversed: a router
+    that drops the wrong tokens."""
+    routed = _ROUTE(logits.flip(0), *args)
+    return {**routed, "weights": routed["weights"].flip(0)}
+
+
+_ROUTE = trainspec.torch.moe.route
+BREAKAGES["router_drops_earlier_rows"] = (trainspec.torch.moe, "route", _route_later_rows_first)
 
 
 def build(job, adapter, overrides) -> TorchStep:

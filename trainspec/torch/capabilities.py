@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trainspec.core.capabilities import (
     INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, pipeline_fields_unused, refused,
-    refused_section, roles_not_split)
+    roles_not_split)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -55,6 +55,20 @@ SEMI_SYNC_REFUSALS = (
 )
 
 
+EXPERTS_ALONE = Refusal(
+    "when an expert axis is split beside an fsdp or tensor axis",
+    lambda value, r: bool(r.split("expert")) and bool(r.split("fsdp") + r.split("tensor")),
+    "the torch implementation splits experts beside data axes only, got {axes}",
+    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in
+                                 r.split("expert") + r.split("fsdp") + r.split("tensor"))})
+MOE_BESIDE = Refusal(
+    "with a split context or tensor axis, or semi_sync",
+    lambda value, r: value is not None and (bool(r.split("context") + r.split("tensor"))
+                                            or r.spec.semi_sync is not None),
+    "the torch implementation routes experts with the data, fsdp and expert axes only: leave "
+    "the context and tensor axes at 1 and [semi_sync] out")
+
+
 TORCH = Capabilities("torch", dict([
     ("spec_version", honoured("validated by the core")),
     ("seed", honoured("seeds the initialisation (torch's generator: the same distributions "
@@ -62,12 +76,14 @@ TORCH = Capabilities("torch", dict([
     ("mesh.axes.*.role", honoured("data: gradients all-reduced over the data group; fsdp: "
                                   "FSDP2 fully_shard; tensor: DTensor column/row-wise plans; "
                                   "context: each rank its chunks of every sequence, attention "
-                                  "across them (trainspec/torch/context.py)")),
+                                  "across them (trainspec/torch/context.py); expert: each rank "
+                                  "its rows and its experts (trainspec/torch/moe.py)")),
     ("mesh.axes.*.size", honoured("a DeviceMesh with the spec's names, sizes and row-major "
                                   "order, one rank per device",
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"),
                                   _one_split_axis("context"),
-                                  roles_not_split("torch", "expert", "pipeline"))),
+                                  _one_split_axis("expert"), EXPERTS_ALONE,
+                                  roles_not_split("torch", "pipeline"))),
     ("mesh.axes.*.dcn", honoured(
         "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
         "of hosts, each host's ranks in the ici shape; on one host laid out within it")),
@@ -119,7 +135,11 @@ TORCH = Capabilities("torch", dict([
     ("model.n_layers", honoured(REFERENCE_MODEL)),
     ("model.n_heads", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.d_ff", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
-    ("model.moe", refused_section("the torch reference model is dense")),
+    ("model.moe.experts", honoured(
+        "every block's MLP (trainspec/torch/moe.py), routed over the whole micro-batch; "
+        "experts split over the expert axis, rows moved by all-to-all", MOE_BESIDE)),
+    *((f"model.moe.{name}", honoured("the core's routing rule, as JAX's"))
+      for name in ("top_k", "capacity_factor", "load_balance_weight", "z_loss_weight")),
     ("context.attention", honoured(
         "ring: send/recv of key/value blocks around the context group with an online softmax; "
         "all_gather: one all-gather of them (trainspec/torch/context.py, autograd through both)")),

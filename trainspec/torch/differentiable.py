@@ -25,9 +25,13 @@ def _neighbours(group) -> tuple[int, int]:
     return dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
 
 
+# Every buffer is made contiguous first: torch.empty_like keeps a view's strides, which the
+# collectives (writing row-major) would scramble.
+
 def _shift(x: torch.Tensor, group, to: int, source: int) -> torch.Tensor:
+    x = x.contiguous()
     received = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group),
+    ops = [dist.P2POp(dist.isend, x, to, group),
            dist.P2POp(dist.irecv, received, source, group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
@@ -51,8 +55,9 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim)
 
     @staticmethod
@@ -63,8 +68,9 @@ class _AllGather(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 

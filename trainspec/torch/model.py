@@ -21,6 +21,7 @@ from torch import nn
 
 from trainspec.core.spec import ModelSpec
 from trainspec.torch.context import causal_attention
+from trainspec.torch.moe import FAN_IN, MoEMlp
 
 RMS_EPSILON = 1e-6  # flax.linen.RMSNorm's default
 
@@ -63,8 +64,11 @@ class Block(nn.Module):
         self.query, self.key, self.value = (Projection(d, d, compute, param) for _ in range(3))
         self.out = Projection(d, d, compute, param)
         self.mlp_norm = RMSNorm(d, param)
-        self.mlp_in = Projection(d, f, compute, param)
-        self.mlp_out = Projection(f, d, compute, param)
+        if c.moe is not None:
+            self.moe = MoEMlp(c, compute, param)
+        else:
+            self.mlp_in = Projection(d, f, compute, param)
+            self.mlp_out = Projection(f, d, compute, param)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -74,6 +78,8 @@ class Block(nn.Module):
                    for p in (self.query, self.key, self.value))
         attn = self.attention(q, k, v)
         x = x + self.out(attn.transpose(1, 2).reshape(b, t, -1))
+        if hasattr(self, "moe"):
+            return x + self.moe(self.mlp_norm(x))
         h = self.mlp_in(self.mlp_norm(x))
         return x + self.mlp_out(F.gelu(h, approximate="tanh"))  # flax's nn.gelu is the tanh form
 
@@ -104,10 +110,11 @@ class Transformer(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
+                leaf = name.rpartition(".")[2]
                 if name.endswith("scale"):
                     p.fill_(1.0)
-                else:
-                    std = 1.0 if name == "embedding" else p.shape[1] ** -0.5
+                else:  # nn.Linear weights (out, in); the experts' kernels in the flax layout
+                    std = 1.0 if name == "embedding" else p.shape[FAN_IN.get(leaf, 1)] ** -0.5
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 

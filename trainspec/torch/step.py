@@ -42,6 +42,7 @@ from trainspec.torch.layout import (
     apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
     shard_units)
 from trainspec.torch.norms import Norms
+from trainspec.torch.moe import lay_out_experts, routing_stats, weighted_aux_loss
 from trainspec.torch.optim import clip_by_global_norm, spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.reduction import DataReduction, model_order, packed
@@ -119,6 +120,9 @@ class WrappedStep:
         if tensor:
             plan = tensor_plan or default_tensor_plan(self.model, self.dims.tensor)
             apply_tensor_parallel(self.model, mesh[tensor[0]], plan)
+        expert = self.dims.split("expert")
+        lay_out_experts(self.model, mesh, group_of(mesh, self.batch_axes)
+                        if self.batch_axes else None, expert[0] if expert else None)
         units = shard_units(self.model, fsdp_units)  # checked on any mesh
         apply_remat(self.model, units, spec.remat.policy)  # inside FSDP2's hooks
         if fsdp:
@@ -144,7 +148,7 @@ class WrappedStep:
             self.noise_scale.note = "semi_sync: no gradient is reduced across groups"
 
         self.params = list(self.model.parameters())
-        spread = self.dims.split("context")
+        spread = tuple(a for a in self.dims.names if a in context + expert)
         self.spread = ReplicatedSum(mesh, spread, self.model.named_parameters()) \
             if spread else None
         self.reduction = None
@@ -219,7 +223,7 @@ class WrappedStep:
         same decision from the same global loss and gradient norm. Raises HealthHalt when
         the guard trips (the model keeps the last good step's state)."""
         self.optimizer.zero_grad(set_to_none=False)
-        sums = self._accumulate(batch)
+        sums, routing = self._accumulate(batch)
         if self.spread is not None:
             self.spread()
         grads = [q.grad for q in self.params if q.grad is not None]
@@ -248,6 +252,8 @@ class WrappedStep:
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "learning_rate": lr,
                    "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite),
                    **self.noise_scale.parts(small_batch, grad_norm, tokens)}
+        if routing:  # the experts' statistics, summed over micro-batches (as JAX's aux)
+            metrics["aux"] = {name: value.tolist() for name, value in routing.items()}
         if self.outer is not None:  # this group's values: the run combines the groups'
             metrics["loss_tokens"] = tokens
             self.outer.after_inner_step()
@@ -263,25 +269,32 @@ class WrappedStep:
         self.guard, take = nan_guard_step(self.spec.health.nan, self.guard, np.bool_(finite))
         return bool(take)
 
-    def _accumulate(self, batch: Mapping) -> torch.Tensor:
+    def _accumulate(self, batch: Mapping) -> tuple[torch.Tensor, dict]:
         """Gradients of the summed token losses over k micro-batches (rows j, j+k, ... of this
-        rank's rows), and (loss sum, valid tokens) of this rank."""
+        rank's rows); (loss sum, valid tokens) of this rank, and the MoE layers' routing
+        statistics summed over the micro-batches ({} without experts). With MoE layers
+        (trainspec.torch.moe) their auxiliary losses join the loss sum."""
         k = self.spec.batch.accumulation_steps
         local = self._local_rows(batch)
         sums = torch.zeros(2, dtype=torch.float32, device=self.device)
         every = self.noise_scale.every_micro_batch
+        routing: dict = {}
         for j in range(k):
             if self.fsdp:  # reduce-scatter once, after the last micro-batch (or after each)
                 self.model.set_requires_gradient_sync(every or j == k - 1)
             with self._compute():
                 loss_sum, tokens = self._loss({key: v[j::k] for key, v in local.items()})
+                stats = routing_stats(self.model)
+                if stats is not None:
+                    loss_sum = loss_sum + weighted_aux_loss(self.model, tokens)
+                    routing = {n: routing.get(n, 0) + v for n, v in stats.items()}
             loss_sum.backward()
             tokens = torch.as_tensor(tokens, device=self.device).float()
             sums += torch.stack([loss_sum.detach().float(), tokens])
             if every:
                 self.noise_scale.after_micro_batch(
                     [q.grad for q in self.params if q.grad is not None], tokens)
-        return sums
+        return sums, routing
 
     def evaluate(self, batch: Mapping) -> tuple[float, float]:
         """(loss sum, valid tokens) of `loss_fn` over the global batch (this rank's rows, or the
@@ -295,6 +308,8 @@ class WrappedStep:
                     with self._compute():
                         loss_sum, tokens = self.loss_fn(self.model,
                                                         {key: v[j::k] for key, v in local.items()})
+                        if routing_stats(self.model) is not None:
+                            loss_sum = loss_sum + weighted_aux_loss(self.model, tokens)
                     tokens = torch.as_tensor(tokens, device=self.device).float()
                     sums += torch.stack([loss_sum.float(), tokens])
         finally:

@@ -46,8 +46,9 @@ def check_mesh(spec: Spec, world: int) -> ParallelDims:
 
 
 def batch_axes(dims: ParallelDims) -> tuple[str, ...]:
-    """The axes that split the batch's rows (data and fsdp), in mesh order."""
-    return tuple(a for a in dims.names if a in dims.split("data") + dims.split("fsdp"))
+    """The axes that split the batch's rows (data, fsdp and expert), in mesh order."""
+    return tuple(a for a in dims.names
+                 if a in dims.split("data") + dims.split("fsdp") + dims.split("expert"))
 
 
 def token_axes(dims: ParallelDims) -> tuple[str, ...]:

@@ -1,0 +1,166 @@
+"""The reference transformer's mixture-of-experts MLP on torch (docs/spec.md, `[model.moe]`),
+as trainspec/jax/models/moe.py: the routing decisions of trainspec.core.moe (top-k, gates,
+capacity, the drop order, the auxiliary losses) over the whole micro-batch, and the experts
+split over the `expert` axis.
+
+Each rank holds its rows of the micro-batch. Routing over the whole micro-batch needs three
+small exchanges over the ranks that hold its rows (`route_group`, in row order): each rank's
+count of assignments per (choice, expert), all-gathered, gives every assignment its slot as
+if all rows were in one place (every first choice before any second, the earlier row first:
+a rank's slots start after the lower ranks' of the same choice); the router probabilities'
+sums (the load-balancing loss's P_e) and the z-loss are summed over them. Each rank's share
+of the auxiliary loss is its own rows' part of those sums, so that the shares add up to the
+micro-batch's loss and its gradient.
+
+Under a split expert axis each expert's kernels are one rank's (a DTensor sharded on the
+experts' dimension), and the rows travel as on JAX: a buffer per expert holding the rows it
+took (zeros elsewhere), the dispatch all-to-all to the experts' ranks, the experts, the
+combine all-to-all back, summed by the gates (trainspec/torch/differentiable.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from trainspec.core.moe import capacity
+from trainspec.core.spec import ModelSpec
+from trainspec.torch.differentiable import all_to_all
+
+# each kernel's fan-in dimension (the flax initialiser's N(0, 1/fan_in))
+FAN_IN = {"router": 0, "mlp_in": 1, "mlp_out": 1}
+EXPERT_KERNELS = ("mlp_in", "mlp_out")  # split over the expert axis on their first dimension
+
+
+def _sum(x: torch.Tensor, group) -> torch.Tensor:
+    """x summed over `group` (no gradient: counts and statistics)."""
+    x = x.detach().clone()
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def route(logits: torch.Tensor, top_k: int, capacity_factor: float, group) -> dict:
+    """trainspec.core.moe.route of this rank's rows of the micro-batch: `weights` (rows,
+    experts), the gate of each kept assignment and 0 elsewhere; `aux`, this rank's share of
+    the load-balancing and z losses (with gradient); the micro-batch's statistics."""
+    rows, experts = logits.shape
+    ranks, me = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    tokens = rows * ranks
+    probs = torch.softmax(logits, -1)
+    # a stable descending sort: of equal probabilities the lower expert first (the core's rule)
+    picked, chosen = (x[:, :top_k] for x in torch.sort(probs, -1, descending=True, stable=True))
+    gates = picked / picked.sum(-1, keepdim=True)
+    choice = F.one_hot(chosen, experts)                                     # (rows, k, e)
+    counts = choice.sum(0)                                                  # (k, e)
+    every = [counts] if group is None else [torch.empty_like(counts) for _ in range(ranks)]
+    if group is not None:
+        dist.all_gather(every, counts, group=group)
+    every = torch.stack(every)                                              # (ranks, k, e)
+    # slots before this rank's of choice j at expert e: all earlier choices, lower ranks' j
+    before = every.sum(0).cumsum(0) - every.sum(0) + every[:me].sum(0)      # (k, e)
+    slot = ((choice.cumsum(0) - 1 + before) * choice).sum(-1)               # (rows, k)
+    kept = slot < capacity(tokens, experts, top_k, capacity_factor)
+    load = every.sum((0, 1)).to(probs.dtype)
+    mine_balance = experts * (load / (tokens * top_k) * probs.sum(0) / tokens).sum()
+    mine_z = (torch.logsumexp(logits, -1) ** 2).sum() / tokens
+    return {
+        "weights": torch.einsum("tke,tk->te", choice.to(probs.dtype), gates * kept),
+        "aux": (mine_balance, mine_z),
+        "load": load,
+        "dropped": (load - capacity(tokens, experts, top_k, capacity_factor)).clamp(min=0).sum(),
+        "balance": _sum(mine_balance, group),
+        "z": _sum(mine_z, group),
+    }
+
+
+def _experts(rows, w_in, w_out):
+    """Every expert on every row: (experts, rows, d_model)."""
+    hidden = F.gelu(torch.einsum("td,edf->etf", rows, w_in), approximate="tanh")
+    return torch.einsum("etf,efd->etd", hidden, w_out)
+
+
+class MoEMlp(nn.Module):
+    """(batch, length, d_model) -> the same. After each forward, `aux` holds this rank's share
+    of the weighted auxiliary loss and `stats` the micro-batch's routing statistics."""
+
+    def __init__(self, c: ModelSpec, compute: torch.dtype, param: torch.dtype):
+        super().__init__()
+        moe, d, f = c.moe, c.d_model, c.d_ff
+        self.settings, self.compute = moe, compute
+        self.router = nn.Parameter(torch.empty(d, moe.experts, dtype=param))
+        self.mlp_in = nn.Parameter(torch.empty(moe.experts, d, f, dtype=param))
+        self.mlp_out = nn.Parameter(torch.empty(moe.experts, f, d, dtype=param))
+        self.route_group = self.expert_group = None  # set by the step's layout
+        self.aux, self.stats = None, None
+
+    def forward(self, x):
+        b, t, d = x.shape
+        rows = x.reshape(b * t, d)
+        m = self.settings
+        r = route(rows.float() @ self.router.float(), m.top_k, m.capacity_factor,
+                  self.route_group)
+        balance, z = r["aux"]
+        self.aux = m.load_balance_weight * balance + m.z_loss_weight * z
+        self.stats = {k: r[k].detach() for k in ("load", "dropped", "balance", "z")}
+        rows, weights = rows.to(self.compute), r["weights"].to(self.compute)
+        w_in, w_out = (_local(w).to(self.compute) for w in (self.mlp_in, self.mlp_out))
+        if self.expert_group is None:
+            out = _experts(rows, w_in, w_out)
+        else:
+            sent = (weights > 0).to(rows.dtype)
+            received = all_to_all(sent.T[..., None] * rows[None], self.expert_group)
+            # (sender, this rank's expert, row, d): each expert on the rows sent to it
+            received = received.reshape(-1, w_in.shape[0], b * t, d)
+            hidden = F.gelu(torch.einsum("sltd,ldf->sltf", received, w_in), approximate="tanh")
+            out = all_to_all(torch.einsum("sltf,lfd->sltd", hidden, w_out).flatten(0, 1),
+                             self.expert_group)
+        return torch.einsum("te,etd->td", weights, out).reshape(b, t, d)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def moe_layers(model: nn.Module) -> list[MoEMlp]:
+    return [m for m in model.modules() if isinstance(m, MoEMlp)]
+
+
+def lay_out_experts(model: nn.Module, mesh: DeviceMesh, route_group,
+                    expert_axis: str | None) -> None:
+    """Every MoE layer routes over `route_group` (the ranks of the micro-batch's rows, in row
+    order; None: one rank); with an expert axis its expert kernels become DTensors sharded on
+    the experts' dimension over it, each rank's experts its own."""
+    for layer in moe_layers(model):
+        layer.route_group = route_group
+        if expert_axis is None:
+            continue
+        layer.expert_group = mesh.get_group(expert_axis)
+        for name in EXPERT_KERNELS:
+            whole = getattr(layer, name)
+            setattr(layer, name, nn.Parameter(distribute_tensor(
+                whole.data, mesh[expert_axis], [Shard(0)])))
+
+
+def weighted_aux_loss(model: nn.Module, valid_tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the last forward's auxiliary losses (summed over layers) times the
+    micro-batch's valid tokens, to add to the loss sum (the JAX job's aux x tokens)."""
+    layers = moe_layers(model)
+    tokens = _sum(torch.as_tensor(valid_tokens, dtype=torch.float32), layers[0].route_group)
+    return sum(layer.aux for layer in layers) * tokens
+
+
+def routing_stats(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The last forward's statistics as the JAX job's aux reports them (summed over layers;
+    the load per layer): trainspec.core.records.moe_fields reads them. None without experts."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    return {"moe_load": torch.stack([layer.stats["load"] for layer in layers]),
+            "moe_dropped": sum(layer.stats["dropped"] for layer in layers).float(),
+            "moe_balance": sum(layer.stats["balance"] for layer in layers),
+            "moe_z": sum(layer.stats["z"] for layer in layers),
+            "moe_layers": torch.tensor(float(len(layers)))}
