@@ -52,7 +52,7 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float, group) -> di
     tokens = rows * ranks
     probs = torch.softmax(logits, -1)
     # a stable descending sort: of equal probabilities the lower expert first (the core's rule)
-    picked, chosen = (x[:, :top_k] for x in torch.sort(probs, -1, descending=True, stable=True))
+    picked, chosen = (x[:, :top_k] for x in torch.sort(probs, dim=-1, descending=True, stable=True))
     gates = picked / picked.sum(-1, keepdim=True)
     choice = F.one_hot(chosen, experts)                                     # (rows, k, e)
     counts = choice.sum(0)                                                  # (k, e)
