@@ -43,3 +43,15 @@ def test_each_backend_module_registers_a_backend():
         found = registry.backend(name)
         assert isinstance(found, Backend)
         assert type(found).__module__ == f"trainspec.{name}.backend"
+
+
+def test_every_run_resumes_through_the_trunks_one_signature():
+    """`Run.resume(init_fn=None, *args)` is defined once, in the trunk: each backend's Run says
+    only what its step's state is (`_resume_job`)."""
+    from trainspec.core.run import Run
+    from trainspec.jax.run import Run as JaxRun
+    from trainspec.torch.run import Run as TorchRun
+
+    for backend_run in (JaxRun, TorchRun):
+        assert issubclass(backend_run, Run) and backend_run.resume is Run.resume
+        assert "_resume_job" in vars(backend_run)

@@ -48,6 +48,16 @@ def _own_loop(run_dir, steps, announce=None):
     return run.summary()
 
 
+def test_resume_without_init_fn_names_it(tmp_path):
+    """The trunk's one signature, `resume(init_fn=None, *args)`: JAX plans the state's layout
+    from init_fn, so it is required, and its absence is said before anything is built."""
+    spec = _spec()
+    step = wrap(loss_step(own_model.make(spec).loss), spec)
+    with Run(spec, tmp_path, step, 2, progress=False) as run:
+        with pytest.raises(TypeError, match="init_fn is required"):
+            run.resume()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("own")

@@ -46,17 +46,20 @@ def test_learning_rate_is_the_jax_optimizers(warmup, total):
                             rel_tol=1e-5, abs_tol=1e-9), count
 
 
+def _poison(model, value):
+    """An init_fn of `Run.resume`: the head's weights set to `value` in place."""
+    model.head.weight.fill_(value)
+
+
 def _own_loop(spec, run_dir, steps, adapter, poison=False, skipped=(), **options):
     """An own loop on one rank through the torch Run: (the step, the run, its losses).
+    `poison`: resume with an init_fn that makes the head non-finite (on a fresh start);
     `skipped`: data indices the loop's data leaves out; `options`: the Run's."""
     job = TorchStep(spec, adapter.build_mesh(spec), steps, adapter.device)
-    if poison:
-        with torch.no_grad():
-            job.model.head.weight.fill_(float("nan"))
     data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), job.rows()
     run = Run(spec, run_dir, job, steps, progress=False, **options)
     with run:
-        state = run.resume()
+        state = run.resume(_poison, float("nan")) if poison else run.resume()
         for batch in run.batches(lambda i: data.batch(batch_index(i, set(skipped)), rows)):
             state, metrics = run.step(state, batch)
             state = run.after_step(state, metrics)
@@ -82,6 +85,14 @@ def test_halt_policy_stops_at_the_first_nonfinite_step(tmp_path, adapter):
     spec = tiny_spec("metrics.interval=1", "checkpoint.interval=0", "health.nan.policy=halt")
     with pytest.raises(HealthHalt, match="step 1"):
         _own_loop(spec, tmp_path, 4, adapter, poison=True)
+
+
+def test_resume_calls_init_fn_only_without_a_checkpoint(tmp_path, adapter):
+    """A resume loads checkpoint 2: the poisoning init_fn is not called, every loss finite."""
+    spec = tiny_spec("metrics.interval=1", "checkpoint.interval=2", "health.nan.policy=halt")
+    _own_loop(spec, tmp_path, 2, adapter)
+    _, run, losses = _own_loop(spec, tmp_path, 4, adapter, poison=True)
+    assert run.start == 2 and all(math.isfinite(losses[step]) for step in (3, 4)), losses
 
 
 ROLLBACK = ["metrics.interval=1", "checkpoint.interval=4"]

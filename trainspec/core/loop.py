@@ -1,7 +1,7 @@
 """The training loop of every backend, and the checkpoints' protocol that fills it.
 
     with Run(spec, run_dir, checkpointer, steps) as run:     # trainspec.core.run
-        state = run.resume(step, target, init)               # newest good checkpoint, or init()
+        state = run.restore(step, target, init)              # newest good checkpoint, or init()
         for batch in run.batches(data):                      # from the resume point to `steps`
             state, metrics = step(state, batch)
             state = run.after_step(state, metrics)           # records, fingerprints, checkpoints
@@ -62,7 +62,7 @@ def train(run, build: Callable[[Any], tuple]) -> dict:
     the schedule to build it for (`run.total_steps`: a resumed run keeps its own)."""
     with run:
         step, target, init, data = build(run)
-        state = run.resume(step, target, init)
+        state = run.restore(step, target, init)
         for batch in run.batches(data):
             state, metrics = run.step(state, batch)  # the run's step: a rollback may rebuild it
             state = run.after_step(state, metrics)

@@ -14,6 +14,7 @@ for a step of theirs).
   before every checkpoint and at the end; on a bad step a rollback to the newest good checkpoint
   that skips the offending batches from then on; on a non-finite state no step showed, a replay
   from that checkpoint that checks every state, to find the step that made it;
+- the rollbacks are trainspec.core.run_rollback's (a part of Run kept apart);
 - checkpoints when due; after SIGTERM/SIGINT a checkpoint of that step, then Preempted; after a
   guard's halt a checkpoint of the last good state, named in the HealthHalt;
 - fault injection (trainspec.core.faults) at the points of the loop it names;
@@ -36,24 +37,23 @@ from trainspec.core.arrivals import StepMarks
 from trainspec.core.faults import Faults
 from trainspec.core.goodput import Goodput
 from trainspec.core.pipeline.schedule import run_record
-from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector, rolls_back
+from trainspec.core.health import HealthHalt, ReplicaMismatch, StragglerDetector
 from trainspec.core.backend import Engine
 from trainspec.core.loop import Checkpointer, Preempted, StopSignals, progress_bar
 from trainspec.core.profile import TraceWindow
 from trainspec.core.recorder import Recorder
 from trainspec.core.run_files import AlreadyTrained, resume_line, resume_mark, save_spec
+from trainspec.core.run_rollback import Job, Rollbacks
 from trainspec.core.sinks import sinks_for
 
 log = logging.getLogger("trainspec")
 
-# What the loop trains: (step, target, init, data) as `resume` and `batches` take them.
-Job = tuple[Engine, Any, Callable[[], Any], Callable[[int], dict]]
 # (excluded device ids) -> the job on the devices left: how a run rolls back after replicas
 # diverged (trainspec.jax.train builds the reference job again on them).
 Rebuild = Callable[[list[int]], Job]
 
 
-class Run:
+class Run(Rollbacks):
     """One invocation's run services over `run_dir`; a context manager around the loop.
 
     `steps`: train to this step. `restart`: set the checkpoints aside and start from step 0.
@@ -73,16 +73,7 @@ class Run:
         self.pipeline: dict | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = steps
-        self.rollbacks: list[dict] = []
-        # health.nan.policy = rollback: the data indices left out of the stream, the loss
-        # window of the spike rule, and the step whose verdict is still to be read
-        self.rolls_back = rolls_back(spec.health.nan)
-        self.skipped_batches: set[int] = set()
-        self.spikes = bad_steps.LossSpikes(spec.health.spikes)
-        self._pending = bad_steps.PendingVerdicts()
-        self._search_until = 0  # a non-finite state's search: check every state to this step
-        self._bad_step_rollbacks = 0
-        self.rollback_mark: dict | None = None
+        self._init_rollbacks(spec)
         self.summary_fields: dict = {}  # the caller's own (preflight, say)
         self.step: Engine | None = None
         self.start: int | None = None  # where this invocation resumed
@@ -112,12 +103,25 @@ class Run:
         return self
 
     # -- resume ----------------------------------------------------------------------------
-    def resume(self, step: Engine, target, init: Callable[[], Any]):
-        """The state to train from: the newest good checkpoint placed like `target` (restored
-        straight into the step's planned layout), or, only when there is none, `init()`."""
-        return self._restore(step, target, init)
+    def resume(self, init_fn: Callable | None = None, *args):
+        """The state to train from, the same call on every backend: the newest good checkpoint,
+        restored straight into the step's planned layout, or, only when there is none, the
+        state `init_fn(*args)` starts from. What `init_fn` is, is the backend's Run's to say
+        (trainspec.jax.Run: it builds the state, as `step.init` takes it; trainspec.torch.Run:
+        optional, it initialises the step's model in place); the loop of `trainspec train`
+        restores its own job with `restore`."""
+        return self.restore(*self._resume_job(init_fn, *args))
 
-    def _restore(self, step: Engine, target, init: Callable[[], Any]):
+    def _resume_job(self, init_fn: Callable | None, *args) -> tuple[Engine, Any, Callable[[], Any]]:
+        """(the engine, the target a checkpoint is placed like, what builds the state when there
+        is none) for `resume(init_fn, *args)`: a backend's Run knows its step."""
+        raise TypeError("trainspec.core.run.Run holds no step: resume a trainspec.jax.Run or "
+                        "trainspec.torch.Run, or restore(step, target, init) a job")
+
+    def restore(self, step: Engine, target, init: Callable[[], Any]):
+        """The state to train `step` from: the newest good checkpoint placed like `target`
+        (restored straight into the step's planned layout), or, only when there is none,
+        `init()`."""
         t0 = time.perf_counter()
         state, meta = self.ckpt.restore_latest(target)
         if meta is None:
@@ -282,110 +286,6 @@ class Run:
         for i, (step, _) in enumerate(self._times):
             self.stragglers.observe(step, every[:, i])
         self._times.clear()
-
-    # -- bad steps (health.nan.policy = rollback) ------------------------------------------
-    def _rolled_back_after_bad_step(self, metrics: dict, now: bool) -> bool:
-        """Judge the steps whose verdict is due (bad_steps.PendingVerdicts: a few steps late,
-        in batches) by their loss and gradient norm; with `now` (a checkpoint or the last
-        step follows) every step not yet judged, this one too, waiting for it, and then the
-        state itself, so that no checkpoint and no final state holds a non-finite element.
-        While a search for the step that made a non-finite state is on, every step is judged
-        so. On a bad step, roll back; returns whether it did."""
-        inputs = self.step.verdict_inputs(metrics) if self.rolls_back else None
-        if inputs is None:  # no rollback policy, or a step without the guard
-            return False
-        searching = self.at <= self._search_until
-        now = now or searching
-        self._pending.add(self.at, inputs)
-        # a record reads this step's metrics anyway: judging every pending step first adds
-        # no wait
-        due = self._pending.due(now or self.recorder.due(self.at))
-        for step, reason in bad_steps.bad_verdicts(due, self.step.read_verdicts, self.spikes):
-            self._roll_back_bad_step(step, reason)
-            return True
-        if now and not self.step.state_is_finite(self.state):
-            if searching:  # every state since the checkpoint was checked: this step made it
-                self._roll_back_bad_step(self.at, f"non-finite state after step {self.at}")
-            else:
-                self._search_for_bad_step()
-            return True
-        return False
-
-    def _roll_back_bad_step(self, bad: int, reason: str) -> None:
-        """Back to the newest good checkpoint, the bad step's batches skipped from then on, or
-        the halt when there is none or the policy's rollbacks are spent."""
-        self._halt_unless_rollback_possible(reason)
-        self._bad_step_rollbacks += 1
-        # The batches are those after the checkpoint restored, known only once it has read
-        # back: the newest (`last_saved`) may prove bad and be passed over for an older one.
-        skipped = self.roll_back(reason, (self.step, *self._job, self._data), skip=lambda at: (
-            bad_steps.batches_to_skip(self.spec.health.nan, bad, at, self.skipped_batches)))
-        self.rollbacks[-1].update(bad_step=bad, skipped_batches=skipped)
-        self.rollback_mark = {"rolled_back_from_step": bad}
-
-    def _search_for_bad_step(self) -> None:
-        """A non-finite state that no step's loss or gradient norm showed (a parameter the
-        loss does not read, an update that overflowed): some step since the newest checkpoint
-        made it, and which one is not known. Back to that checkpoint with nothing skipped,
-        the state checked after every step up to this one: the first non-finite state names
-        its step, which is then rolled back from like any bad step. The search is not counted
-        against health.nan.max_rollbacks (the rollback it ends in is); it cannot repeat
-        without a new finding at a later step."""
-        found = self.at
-        reason = (f"non-finite state at step {found}, which no loss or gradient norm showed: "
-                  "replayed with the state checked after every step")
-        self._halt_unless_rollback_possible(reason)
-        self._search_until = found
-        self.roll_back(reason, (self.step, *self._job, self._data))
-        self.rollbacks[-1].update(bad_step=None, skipped_batches=[], searched_to_step=found)
-
-    def _halt_unless_rollback_possible(self, reason: str) -> None:
-        self._timed_checkpoint_io(self.ckpt.wait)  # `last_saved` is then complete
-        halt = bad_steps.halt_line(self.spec.health.nan, reason, self._bad_step_rollbacks,
-                                   self.ckpt.last_saved, self.ckpt.directory)
-        if halt is not None:
-            raise halt
-
-    # -- replicas, rollback -------------------------------------------------------------------
-    def _rolled_back_after_divergence(self, checkpointing: bool = False) -> bool:
-        """Compare replica fingerprints when due (always before a checkpoint, which must never
-        hold a corrupted replica). On a mismatch under `rollback` with a `rebuild`: roll back
-        onto the devices left; returns whether it did."""
-        checkpointing = checkpointing or self.ckpt.due(self.at, self.steps)
-        n = self.step.spec.health.fingerprints.interval
-        if not ((n > 0 and self.at % n == 0) or checkpointing):
-            return False
-        try:
-            self.step.check_replicas(self.state, self.at, self.ckpt.last_saved)
-            return False
-        except ReplicaMismatch as err:
-            if self.step.spec.health.fingerprints.policy == "halt" or self.rebuild is None:
-                raise
-            self.roll_back(str(err), self.rebuild(err.devices), excluded=err.devices)
-            return True
-
-    def roll_back(self, reason: str, job: Job, excluded: list[int] = (),
-                  skip: Callable[[int], list[int]] | None = None) -> list[int]:
-        """Go back to the newest good checkpoint on `job` (a step, the target its state is
-        placed like, its `init()` when there is none, its data) and train on from there: the
-        steps since are lost progress, their records are redone. Every rollback is listed in
-        the summary with its `reason`. `skip(restored step)`: the data indices to leave out
-        from then on, added to `skipped_batches` before the first batch is read; returned."""
-        self.rollbacks.append({"step": self.at, "excluded": list(excluded), "reason": reason})
-        self._timed_checkpoint_io(self.ckpt.wait)
-        diverged_at = self.at
-        step, target, init, self._data = job
-        self._restore(step, target, init)
-        self.rollbacks[-1]["restored_step"] = self.at
-        skipped = skip(self.at) if skip is not None else []
-        self.skipped_batches.update(skipped)
-        if step.participants != self.stragglers.participants:  # processes were left out
-            self.stragglers = StragglerDetector(self.spec.health.stragglers, step.participants)
-            self._times.clear()
-        self.goodput.lose_steps(diverged_at - self.at)
-        self._prefetched = self._batch(self.at)
-        self._open_records(self._prefetched)
-        return skipped
 
     # -- checkpoints, stops ------------------------------------------------------------------
     def _timed_checkpoint_io(self, io, *args) -> None:

@@ -52,9 +52,13 @@ class Run(core_run.Run):
                          **options)
         self.jax_step = JaxEngine(step, model_flops, schedule, eval_data)
 
-    def resume(self, init_fn, *args):
-        """The state to train from: the newest good checkpoint, restored straight into the
-        step's planned shardings, or, only when there is none, `step.init(init_fn, *args)`."""
+    def _resume_job(self, init_fn, *args):
+        """`resume(init_fn, *args)`: the newest good checkpoint, restored straight into the
+        step's planned shardings, or, only when there is none, `step.init(init_fn, *args)`.
+        `init_fn` is required: it is what the planned shardings are read from."""
+        if init_fn is None:
+            raise TypeError("trainspec.jax.Run.resume(init_fn, *args): init_fn is required "
+                            "(the step plans its state's layout from it)")
         wrapped = self.jax_step.wrapped
-        return self._restore(self.jax_step, abstract_state(wrapped, init_fn, *args),
-                             lambda: wrapped.init(init_fn, *args))
+        return (self.jax_step, abstract_state(wrapped, init_fn, *args),
+                lambda: wrapped.init(init_fn, *args))

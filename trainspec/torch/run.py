@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainspec.core import flops
 from trainspec.core import run as core_run
 from trainspec.torch.runtime import TorchRuntime
@@ -96,8 +98,17 @@ class Run(core_run.Run):
                          steps or spec.train.steps, **options)
         self.torch_step = TorchEngine(step, adapter, model_flops)
 
-    def resume(self):
-        """The step, with the newest checkpoint loaded into it (resharded onto its layout), or
-        as it was built when there is none."""
+    def _resume_job(self, init_fn=None, *args):
+        """`resume(init_fn=None, *args)`: the step, with the newest checkpoint loaded into it
+        (resharded onto its layout), or, when there is none, as it was built, after
+        `init_fn(model, *args)` (when given) set its model's parameters in place, without
+        gradients (the model as the step holds it: sharded parameters are DTensors)."""
         step = self.torch_step.job
-        return self._restore(self.torch_step, step, lambda: step)
+
+        def init():
+            if init_fn is not None:
+                with torch.no_grad():
+                    init_fn(step.model, *args)
+            return step
+
+        return self.torch_step, step, init
