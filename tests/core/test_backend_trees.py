@@ -55,3 +55,26 @@ def test_every_run_resumes_through_the_trunks_one_signature():
     for backend_run in (JaxRun, TorchRun):
         assert issubclass(backend_run, Run) and backend_run.resume is Run.resume
         assert "_resume_job" in vars(backend_run)
+
+
+def _methods(part) -> list[str]:
+    return [name for name, value in vars(part).items()
+            if callable(value) and (name == "__call__" or not name.startswith("_"))]
+
+
+def test_each_engine_implements_every_part_of_the_engine():
+    """trainspec.core.backend.Engine is made of small parts; both backends' engines have each
+    part's methods (a part's attributes are set per instance)."""
+    from trainspec.core import backend
+    from trainspec.jax.engine import JaxEngine
+    from trainspec.torch.engine import TorchEngine
+
+    parts = (backend.Stepping, backend.HostValues, backend.Tracing, backend.FiniteChecks,
+             backend.ReplicaChecks, backend.JobProcesses)
+    engine_methods = {name for name in dir(backend.Engine)
+                      if name == "__call__" or not name.startswith("_")}
+    assert sorted(name for part in parts for name in _methods(part)) == sorted(engine_methods)
+    for part in parts:
+        for engine in (JaxEngine, TorchEngine):
+            missing = [name for name in _methods(part) if not hasattr(engine, name)]
+            assert not missing, (engine.__name__, part.__name__, missing)

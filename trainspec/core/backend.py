@@ -6,9 +6,11 @@ each a module of the same name in every backend's package (trainspec/jax, trains
 - `runtime`: the job's processes and devices: join, leave, the process grid, device ids,
   gathering small objects (`Runtime` below);
 - `mesh`: the spec's mesh as the framework's own device-mesh object;
-- `engine`: a built step as the run loop drives it: run it, bring its values to the host,
-  check them and the state for non-finite values, corrupt a copy for fault tests, compare
-  replica fingerprints (`Engine` below, driven by trainspec.core.run.Run);
+- `engine`: a built step as the run loop drives it (`Engine` below, driven by
+  trainspec.core.run.Run), made of small parts: run it (`Stepping`), bring its values to the
+  host (`HostValues`), trace it (`Tracing`), check values and state for non-finite elements
+  (`FiniteChecks`), compare replica fingerprints and corrupt a copy for fault tests
+  (`ReplicaChecks`), agree with the job's other processes (`JobProcesses`);
 - `checkpoint`: the byte-moving half of checkpoints under the trunk's checkpoint policy
   (trainspec.core.loop.Checkpointer);
 - `capabilities`: what it does with every field of the spec and every flag of `trainspec train`
@@ -109,20 +111,9 @@ class Collectives(abc.ABC):
         raise NotImplementedError(f"{self.name} implements no collectives.compression")
 
 
-class Engine(Protocol):
-    """A built step as trainspec.core.run.Run drives it (trainspec.jax.engine.JaxEngine,
-    trainspec.torch.engine.TorchEngine). `state` is the backend's own: a pytree, or a module
-    with its optimizer. The decisions around it (records, the non-finite and rollback policy,
-    checkpoints, combining semi-sync groups) are the trunk's."""
+class Stepping(Protocol):
+    """Running the step: train, evaluate, wait for the queued work."""
 
-    framework: str             # "jax", "torch": named in records and summaries
-    spec: Any                  # the spec it runs (after any exclusion of devices)
-    mesh_shape: dict[str, int]
-    gns_note: str | None       # why the gradient noise scale is not measured (None: it is)
-    is_writer: bool            # writes the run's files (process 0)
-    process_index: int
-    participants: list[str]    # the processes whose step times are compared (stragglers)
-    local_signals: bool        # whether the loop catches SIGTERM/SIGINT in this process
     eval_data: Any             # eval batch i (this process's rows) under [eval]; None: none
 
     def __call__(self, state, batch) -> tuple[Any, dict]: ...
@@ -130,14 +121,15 @@ class Engine(Protocol):
     def evaluate(self, state, batch) -> tuple[float, float]:
         """The held-out loss sum and valid tokens of `batch` under `state` (no update)."""
 
-    # -- [profile]: a trace of the steps the spec names (trainspec.core.profile) ------------
-    def start_trace(self, directory: Path) -> None:
-        """Start the framework's profiler, its trace to go into `directory`."""
+    def finish(self, state) -> None:
+        """Wait for the step's work to be done (asynchronous dispatch)."""
 
-    def stop_trace(self) -> None:
-        """Stop it and write the trace."""
 
-    # -- the step's values on the host (trainspec.core.recorder) -------------------------
+class HostValues(Protocol):
+    """The step's values on the host, for the records (trainspec.core.recorder) and summary."""
+
+    gns_note: str | None       # why the gradient noise scale is not measured (None: it is)
+
     def facts(self, state, batch) -> dict:
         """The record's static fields (FLOPs, peak, memory, communication, compile time),
         measured once for this step on this batch's shapes (it may compile the step)."""
@@ -155,7 +147,21 @@ class Engine(Protocol):
     def summary_fields(self) -> dict:
         """Fields of the backend's own for the run summary."""
 
-    # -- finite checks: the policy is trainspec.core.health's (rolls_back) -----------------
+
+class Tracing(Protocol):
+    """[profile]: a trace of the steps the spec names (trainspec.core.profile)."""
+
+    def start_trace(self, directory: Path) -> None:
+        """Start the framework's profiler, its trace to go into `directory`."""
+
+    def stop_trace(self) -> None:
+        """Stop it and write the trace."""
+
+
+class FiniteChecks(Protocol):
+    """Reading non-finite values: the policy (skip, halt, rollback) is trainspec.core.health's
+    and trainspec.core.bad_steps'; the backend counts and reads on its devices."""
+
     def reset_guard(self, step: int, skipped: int, consecutive: int) -> None:
         """Start the non-finite guard `step` steps in, with a checkpoint's counts."""
 
@@ -176,23 +182,45 @@ class Engine(Protocol):
     def state_is_finite(self, state) -> bool:
         """Every floating element of the state finite, the same answer on every process."""
 
+
+class ReplicaChecks(Protocol):
+    """Replica fingerprints (trainspec.core.fingerprint), and the fault that tests them."""
+
     def check_replicas(self, state, step: int, last_good_step: int | None) -> None:
-        """Raise ReplicaMismatch naming the copies that differ from their majority
-        (fingerprints, trainspec.core.fingerprint)."""
+        """Raise ReplicaMismatch naming the copies that differ from their majority."""
 
     def corrupt(self, state, target: int):
         """Fault injection: `state` with one bit flipped in `target`'s (device or rank) copy."""
 
-    def finish(self, state) -> None:
-        """Wait for the step's work to be done (asynchronous dispatch)."""
 
-    # -- the job's processes ---------------------------------------------------------------
+class JobProcesses(Protocol):
+    """This process among the job's: who writes, who is compared, what they agree on."""
+
+    is_writer: bool            # writes the run's files (process 0)
+    process_index: int
+    participants: list[str]    # the processes whose step times are compared (stragglers)
+    local_signals: bool        # whether the loop catches SIGTERM/SIGINT in this process
+
     def gather_times(self, local: np.ndarray) -> np.ndarray:
         """Every process's step times (processes x steps) from this process's `local` ones."""
 
     def stop_signal(self, step: int, received: int | None) -> int | None:
         """The signal to stop for after `step`, the same on every process (`received`: the
         one this process caught, if any)."""
+
+
+class Engine(Stepping, HostValues, Tracing, FiniteChecks, ReplicaChecks, JobProcesses, Protocol):
+    """A built step as trainspec.core.run.Run drives it (trainspec.jax.engine.JaxEngine,
+    trainspec.torch.engine.TorchEngine): the parts above, each a cohesive few methods that one
+    piece of the trunk uses (the recorder reads HostValues, the rollbacks FiniteChecks and
+    ReplicaChecks, the profile window Tracing, stragglers and stop signals JobProcesses).
+    `state` is the backend's own: a pytree, or a module with its optimizer. The decisions
+    around it (records, the non-finite and rollback policy, checkpoints, combining semi-sync
+    groups) are the trunk's."""
+
+    framework: str             # "jax", "torch": named in records and summaries
+    spec: Any                  # the spec it runs (after any exclusion of devices)
+    mesh_shape: dict[str, int]
 
 
 class Backend(abc.ABC):

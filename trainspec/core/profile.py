@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainspec.core.backend import Engine, JobProcesses, Tracing
 from trainspec.core.errors import UserInputError
 
 DIRECTORY = "profile"
@@ -14,7 +15,7 @@ DIRECTORY = "profile"
 class TraceWindow:
     """The steps this process traces, and whether its profiler is running."""
 
-    def __init__(self, spec, run_dir: Path, step):
+    def __init__(self, spec, run_dir: Path, step: JobProcesses):
         p = spec.profile
         if p.start_step and p.process >= len(step.participants):
             raise UserInputError(f"profile.process: {p.process}, but the job has "
@@ -24,13 +25,13 @@ class TraceWindow:
         self.directory = Path(run_dir) / DIRECTORY
         self.running = False
 
-    def before_step(self, at: int, step) -> None:
+    def before_step(self, at: int, step: Tracing) -> None:
         if self.here and at == self.first:
             self.directory.mkdir(parents=True, exist_ok=True)
             step.start_trace(self.directory)
             self.running = True
 
-    def after_step(self, at: int, step, state) -> None:
+    def after_step(self, at: int, step: Engine, state) -> None:
         """Stops the trace after its last step (or at the end of the run, `at` None)."""
         if self.running and (at is None or at >= self.last):
             step.finish(state)  # the traced steps' queued work belongs in the trace
