@@ -21,30 +21,34 @@ from tiny import TINY
 pytestmark = pytest.mark.slow
 
 STEPS, RTOL = 20, 1e-5
-SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=0"]  # every step recorded
+# every step recorded; no held-out evaluation (not compared here; it would cost every run an
+# eval program on JAX and eval passes on every torch rank)
+SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=0", "eval.interval=0"]
 DATA1 = "mesh.axes.data.size=1"
 FSDP = "mesh.axes.fsdp.size=-1"
 ACCUMULATE = "batch.micro_batch=8"  # 2 micro-batches of the 16 rows
 # layout -> (JAX reference family, torch ranks, torch spec overrides). The tiny model's 2 heads
-# allow a tensor axis of 2.
+# allow a tensor axis of 2. A one-axis layout runs on 2 ranks: the same reduction and sharding
+# code as on 4, at half the processes; the two-axis layouts need 4.
 LAYOUTS = {
-    "data": ("plain", 4, []),
-    "fsdp": ("plain", 4, [DATA1, FSDP]),
+    "data": ("plain", 2, []),
+    "fsdp": ("plain", 2, [DATA1, FSDP]),
     "tensor": ("plain", 2, [DATA1, "mesh.axes.tensor.size=2"]),
     "data_x_tensor": ("plain", 4, ["mesh.axes.tensor.size=2"]),
     "fsdp_x_tensor": ("plain", 4, [DATA1, FSDP, "mesh.axes.tensor.size=2"]),
-    "zero1": ("plain", 4, ["layout.optimizer_state=shard_over_data"]),
+    "zero1": ("plain", 2, ["layout.optimizer_state=shard_over_data"]),
     "data2_x_fsdp2_micro": ("accumulation", 4,
                             ["mesh.axes.data.size=2", "mesh.axes.fsdp.size=2", ACCUMULATE]),
 }
 FAMILIES = {"plain": [], "accumulation": [ACCUMULATE]}
 
 
-def _train(run_dir: Path, overrides: list[str], *extra: str) -> dict[str, np.ndarray]:
+def _train(run_dir: Path, overrides: list[str], *extra: str,
+           steps: int = STEPS) -> dict[str, np.ndarray]:
     """`trainspec train` into `run_dir`; the per-step loss and gradient norm it recorded."""
-    run_cli_ok(train_command(run_dir, [*SETS, *overrides], *extra, steps=STEPS, summary=False))
+    run_cli_ok(train_command(run_dir, [*SETS, *overrides], *extra, steps=steps, summary=False))
     records = read_records(run_dir)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     return {key: np.array([r[key] for r in records]) for key in ("loss", "grad_norm")}
 
 
@@ -89,8 +93,9 @@ def test_torch_follows_jax_from_the_same_start(jax_runs, torch_runs, layout):
 
 
 def test_without_init_from_torch_misses_the_tolerance(tmp_path, jax_runs):
-    """Its own draws (the same distributions, other numbers): the comparison above can fail."""
-    torch = _train(tmp_path / "own_start", [], "--framework", "torch", "--nprocs", "4")
-    worst, _ = _largest_relative_difference(torch["loss"], jax_runs["plain"][1]["loss"])
+    """Its own draws (the same distributions, other numbers): the comparison above can fail,
+    from the first steps on."""
+    torch = _train(tmp_path / "own_start", [], "--framework", "torch", "--nprocs", "2", steps=2)
+    worst, _ = _largest_relative_difference(torch["loss"], jax_runs["plain"][1]["loss"][:2])
     print(f"torch from its own draws: largest relative loss difference {worst:.2e}")
     assert worst > 100 * RTOL
