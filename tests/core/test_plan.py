@@ -44,6 +44,9 @@ def test_parameter_table_matches_the_flax_model():
     (["--devices", "8", "--params", "1e9", "--d-model", "512"], "cannot be combined with --d-model"),
     (["--devices", "8", "--params", "1000"], "--params: 1e+03 is outside the sizes"),
     (["--devices", "8", "--params", "nan"], "--params: nan is outside the sizes"),
+    (["--devices", "8", "--top", "0"], "argument --top: expected an integer >= 1"),
+    (["--devices", "8", "--devices-per-host", "0"], "--devices-per-host: expected an integer"),
+    (["--devices", "8", "--peak-flops", "-1"], "--peak-flops must be a positive FLOP/s"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main(["plan", *argv]) == 2

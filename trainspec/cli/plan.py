@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainspec.cli.options import add_outputs, add_overrides, integer, real
+from trainspec.cli.options import add_outputs, add_overrides, at_least, integer, real
 from trainspec.cli.summary import plural
 from trainspec.core.errors import UserInputError
 
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     add_overrides(p)
     p.add_argument("--devices", type=integer, required=True, help="device count")
     p.add_argument("--hardware", default="cpu", help="profile name or .toml file (default cpu)")
-    p.add_argument("--devices-per-host", type=integer,
+    p.add_argument("--devices-per-host", type=at_least(1),
                    help="devices in one ICI domain (default: the profile's)")
     p.add_argument("--all-layouts", action="store_true",
                    help="rank every pipeline x data x fsdp x tensor factorisation (default: the "
@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--calibrate", type=Path, metavar="BENCH_JSON",
                    help="fit the ICI link to `trainspec bench collectives --json` rows")
     p.add_argument("--peak-flops", type=real, help="measured matmul peak FLOP/s (all dtypes)")
-    p.add_argument("--top", type=integer, default=10, help="rows of the ranked table (default 10)")
+    p.add_argument("--top", type=at_least(1), default=10, help="rows of the ranked table (default 10)")
     add_outputs(p, json="write all predictions as JSON",
                 plot="PNG: best step time and memory vs device count "
                      f"({PLOT_COUNTS[0]}..{PLOT_COUNTS[-1]}, per-device batch held)")
@@ -129,6 +129,8 @@ def run(args) -> int:
 
     if args.devices < 1:
         raise UserInputError(f"--devices must be at least 1, got {args.devices}")
+    if args.peak_flops is not None and not 0 < args.peak_flops < float("inf"):
+        raise UserInputError(f"--peak-flops must be a positive FLOP/s, got {args.peak_flops}")
     spec, profile = _spec(args), _profile(args)
     predict = predictor(profile)
     if args.all_layouts:
