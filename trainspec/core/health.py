@@ -64,7 +64,7 @@ def nan_guard_step(policy: NanSpec, guard: dict, finite, where: Callable = np.wh
     every update is taken (trainspec.core.bad_steps judges it later); under `halt` the
     first one trips it. Once tripped the guard takes no further update, so the state it keeps is
     the one before the first bad step, however many steps ran after it. `guard` values are
-    integer arrays (NumPy or jax.numpy); `where` is that library's `where`.
+    integer arrays (NumPy, jax.numpy or torch tensors); `where` is that library's `where`.
     """
     if rolls_back(policy):  # every update is kept: the run loop judges the step
         return {**guard, "step": guard["step"] + 1}, True
@@ -76,7 +76,7 @@ def nan_guard_step(policy: NanSpec, guard: dict, finite, where: Callable = np.wh
     take = finite & ~was_tripped
     new = {
         "step": step,
-        "skipped": guard["skipped"] + where(finite | was_tripped, 0, 1).astype(guard["skipped"].dtype),
+        "skipped": where(finite | was_tripped, guard["skipped"], guard["skipped"] + 1),
         "consecutive": where(was_tripped, guard["consecutive"], consecutive),
         "tripped_at": where(trips, step, guard["tripped_at"]),
     }

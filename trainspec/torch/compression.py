@@ -65,7 +65,7 @@ def decode(wire: torch.Tensor, compression: str, block: int, n: int) -> torch.Te
 class CompressedSum:
     """The data all-reduce of one rank's flat float32 gradient, compressed. With error feedback
     the rank's residual lives here from step to step (`residual`, None until the first): a
-    call leaves the new one `pending`, and `commit()` keeps it once the step's update is taken
+    call leaves the new one `pending`, and `commit(take)` keeps it where the step's update is taken
     (a step the non-finite guard skips changes no state, its residual included)."""
 
     def __init__(self, compression: str, block: int, error_feedback: bool, group):
@@ -75,9 +75,15 @@ class CompressedSum:
         self.residual: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
 
-    def commit(self) -> None:
-        if self.pending is not None:
-            self.residual, self.pending = self.pending, None
+    def commit(self, take: torch.Tensor | bool = True) -> None:
+        """Keep the pending residual where `take` (True, or a bool tensor decided on the
+        device)."""
+        if self.pending is None:
+            return
+        if take is not True:
+            kept = self.residual if self.residual is not None else torch.zeros_like(self.pending)
+            self.pending = torch.where(take, self.pending, kept)
+        self.residual, self.pending = self.pending, None
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
         """The sum over the group of every replica's compressed `flat + residual` (float32)."""

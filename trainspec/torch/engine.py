@@ -1,8 +1,9 @@
 """The torch backend's engine (trainspec.core.backend.Engine): a wrapped step of one rank
-(trainspec.torch.step) as the run loop drives it. PyTorch runs eagerly: metrics are host
-numbers when the step returns, and nothing is compiled (`compile_time_s` is null). The
-decisions around it are the trunk's (trainspec.core.run); the non-finite guard is the core's
-state machine (trainspec.core.health), applied per step.
+(trainspec.torch.step) as the run loop drives it. The step reads nothing on the host: its
+metrics stay tensors until a record reads them (`to_host`), and the non-finite guard, the
+core's state machine (trainspec.core.health), decides each step on the device
+(trainspec.torch.guard). Nothing is compiled (`compile_time_s` is null). The decisions around
+it are the trunk's (trainspec.core.run).
 """
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from trainspec.core import flops
-from trainspec.core.health import (
-    check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step)
+from trainspec.core.health import check_nan_guard
 from trainspec.core.semi_sync import combine_groups, stack_groups
 from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.comm import BUS_FACTOR, CommCounter, mesh_axes_of
+from trainspec.torch.guard import DeviceGuard
 from trainspec.torch.layout import local_block
 from trainspec.torch.peak import peak_flops
-from trainspec.torch.step import WrappedStep
+from trainspec.torch.step import WrappedStep, to_host
 
 # Record fields that PyTorch's eager execution does not measure (no compiled program to
 # analyse): null, as the record format prescribes for an unknown value.
@@ -33,9 +34,9 @@ NOT_MEASURED = ("xla_flops_per_step", "hardware_flops_per_step", "hfu", "compile
 
 
 class TorchEngine:
-    """The engine (trainspec.core.backend.Engine) over a wrapped torch `step` of this rank; the state is the step
-    itself; its metrics are host numbers when it returns. `model_flops`: the model's
-    analytic FLOPs (MFU is null without them)."""
+    """The engine (trainspec.core.backend.Engine) over a wrapped torch `step` of this rank; the
+    state is the step itself; its metrics are tensors until `to_host`. `model_flops`: the
+    model's analytic FLOPs (MFU is null without them)."""
 
     framework = "torch"
     local_signals = True  # every rank catches them; `stop_signal` agrees on one
@@ -48,7 +49,7 @@ class TorchEngine:
         self.gns_note = step.gns_note  # None when the step measures the noise scale
         self.process_index, self.is_writer = adapter.process_index, adapter.is_writer()
         self.participants = [f"rank {r}" for r in range(adapter.process_count)]
-        self.guard = init_nan_guard()
+        self.guard = DeviceGuard(self.spec.health.nan, step.device)
         self._stop_vote = None  # the all-reduce of the last step's stop signals, in flight
         self._facts: dict | None = None  # the records' facts, until the first step counted
         self.semi_sync: dict | None = None  # the summary's semi_sync entry, once counted
@@ -75,9 +76,9 @@ class TorchEngine:
         """The step; the first one after `facts` runs with its collectives counted, and the
         facts (the records' and summary's) gain the communication volume."""
         if self._facts is None:
-            return state, state(batch, apply=self._take)
+            return state, state.device_step(batch, self.guard)
         with CommCounter() as counter:
-            metrics = state(batch, apply=self._take)
+            metrics = state.device_step(batch, self.guard)
         axes_of, outer = mesh_axes_of(state.mesh), state.outer
         if outer is None:
             self._facts.update(counter.volume(axes_of))
@@ -92,11 +93,6 @@ class TorchEngine:
                               "outer_comm_bus_bytes": size * BUS_FACTOR[kind](len(ranks))}
         self._facts = None
         return state, metrics
-
-    def _take(self, finite: bool) -> bool:
-        """The core's non-finite state machine: whether this step's update is applied."""
-        self.guard, take = nan_guard_step(self.spec.health.nan, self.guard, np.bool_(finite))
-        return bool(take)
 
     # -- records ---------------------------------------------------------------------------
     def facts(self, state, batch) -> dict[str, Any]:
@@ -130,6 +126,7 @@ class TorchEngine:
         """(metrics, tokens, noise-scale parts) of a record. Under [semi_sync] each group's own
         (nothing crossed the data axes in its steps): gathered over the data group here, at
         the record only; the metrics by group, the tokens summed over groups."""
+        tree = to_host(tree)
         if self.job.outer is None:
             return tree
         every: list = [None] * self.job.outer.groups
@@ -149,7 +146,8 @@ class TorchEngine:
 
     # -- health ----------------------------------------------------------------------------
     def reset_guard(self, step: int, skipped: int, consecutive: int) -> None:
-        self.guard = init_nan_guard(step, skipped, consecutive)
+        self.guard = DeviceGuard(self.spec.health.nan, self.job.device, step, skipped,
+                                 consecutive)
         if self.job.outer is not None:  # the outer schedule follows the data position
             self.job.outer.steps_done = step
 
@@ -158,13 +156,13 @@ class TorchEngine:
         guards its own steps: every group's guard is read (at records and checkpoints), so
         that every rank halts when one group's guard tripped."""
         if self.job.outer is None:
-            return check_nan_guard(self.spec.health.nan, self.guard)
+            return self.guard.check()
         every: list = [None] * self.job.outer.groups
-        dist.all_gather_object(every, self.guard, group=self.job.data_group)
+        dist.all_gather_object(every, to_host(self.guard.state), group=self.job.data_group)
         return max(check_nan_guard(self.spec.health.nan, guard) for guard in every)
 
     def nonfinite_counts(self) -> dict[str, int]:
-        return nan_guard_counts(self.guard)
+        return self.guard.counts()
 
     def verdict_inputs(self, metrics: dict):
         """The step's host metrics (loss and gradient norm are global: every rank judges
@@ -174,7 +172,7 @@ class TorchEngine:
         if self.job.outer is None:
             return metrics
         every: list = [None] * self.job.outer.groups
-        dist.all_gather_object(every, metrics, group=self.job.data_group)
+        dist.all_gather_object(every, to_host(metrics), group=self.job.data_group)
         return combine_groups(stack_groups(every))
 
     @staticmethod

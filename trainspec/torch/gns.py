@@ -14,7 +14,6 @@ the current noise scale from the recent steps' parts (trainspec.core.gns.NoiseSc
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -49,7 +48,7 @@ class StepNoiseScale:
         self._micro.append((self.norms.local_squares(grads, parts), tokens.float()))
         self._previous = [b.detach().clone() for b in now]
 
-    def _micro_small(self) -> tuple[float, float]:
+    def _micro_small(self) -> tuple[torch.Tensor, torch.Tensor]:
         squares = {axes: torch.stack([s[axes] for s, _ in self._micro])
                    for axes in self._micro[0][0]}
         tokens = torch.stack([t for _, t in self._micro])
@@ -57,41 +56,41 @@ class StepNoiseScale:
             dist.all_reduce(tokens, group=self.replica_group)
         per_micro = self.norms.total(squares) / tokens.clamp(min=1.0).pow(2)
         self._micro, self._previous = [], None
-        return float(per_micro.sum()) / self.k, float(tokens.sum()) / self.k
+        return per_micro.sum().double() / self.k, tokens.sum().double() / self.k
 
     # -- over replicas -----------------------------------------------------------------------
-    def _replica_small(self, grads: list[torch.Tensor],
-                       tokens: torch.Tensor) -> tuple[float, float]:
-        """From this replica's gradient sum (before the data all-reduce) and this rank's
-        tokens: (mean over replicas of |G_r|^2, mean replica batch in tokens)."""
+    def replica_part(self, grads: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor | None:
+        """This replica's (|G_r|^2, B_r) from its gradient sum (before the data all-reduce) and
+        this rank's tokens, to be summed over the data group (None unless measured over
+        replicas)."""
+        if self.source != REPLICAS:
+            return None
         tokens = tokens.float().reshape(1).clone()
         if self.replica_group is not None:
             dist.all_reduce(tokens, group=self.replica_group)
         tokens = tokens.clamp(min=1.0)
         square = self.norms.total(self.norms.local_squares(grads))
-        both = torch.stack([square / tokens[0] ** 2, tokens[0]])
-        dist.all_reduce(both, group=self.data_group)
-        small_sq, b_small = (both / self.replicas).tolist()
-        return small_sq, b_small
+        return torch.stack([square / tokens[0] ** 2, tokens[0]])
 
-    def small_batch(self, grads: list[torch.Tensor], tokens: torch.Tensor) -> tuple | None:
-        """The small batch's (|G_small|^2, B_small), before the data all-reduce; None when
-        nothing is measured."""
+    def small_batch(self, summed: torch.Tensor | None = None) -> tuple | None:
+        """The small batch's (|G_small|^2, B_small) as float64 tensors; None when nothing is
+        measured. Over replicas, from the replica parts summed over the data group."""
         if self.source == REPLICAS:
-            return self._replica_small(grads, tokens)
+            small_sq, b_small = (summed / self.replicas).double()
+            return small_sq, b_small
         if self.source == MICRO_BATCHES:
             return self._micro_small()
         return None
 
     @staticmethod
-    def parts(small: tuple | None, grad_norm: float, tokens: float) -> dict[str, float]:
-        """The step's `gns_grad_sq` and `gns_trace` from the small batch and the big one (the
-        whole batch: its mean gradient's norm and valid tokens)."""
+    def parts(small: tuple | None, grad_norm: torch.Tensor,
+              tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The step's `gns_grad_sq` and `gns_trace` (float64, on the device) from the small
+        batch and the big one (the whole batch: its mean gradient's norm and valid tokens);
+        one batch size gives values that are not finite."""
         if small is None:
             return {}
-        small_sq, b_small = (np.float64(v) for v in small)
-        with np.errstate(divide="ignore", invalid="ignore"):  # one batch size: not finite
-            grad_sq, trace = unbiased_parts(small_sq, np.float64(grad_norm) ** 2, b_small,
-                                            np.float64(tokens))
-        return {"gns_grad_sq": float(grad_sq), "gns_trace": float(trace)}
-
+        small_sq, b_small = small
+        grad_sq, trace = unbiased_parts(small_sq, grad_norm.double() ** 2, b_small,
+                                        tokens.double())
+        return {"gns_grad_sq": grad_sq, "gns_trace": trace}

@@ -56,6 +56,6 @@ class Norms:
             total = total + square
         return total
 
-    def norm(self, tensors: Sequence[torch.Tensor]) -> float:
-        """Global L2 norm of `tensors`."""
-        return float(torch.sqrt(self.total(self.local_squares(tensors))))
+    def norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of `tensors` (a float32 scalar on the device: nothing is read)."""
+        return torch.sqrt(self.total(self.local_squares(tensors)))

@@ -53,10 +53,11 @@ class DataReduction:
             packed(self.order(blocks), lambda flat: flat.copy_(self.compressed(flat)),
                    torch.float32)
 
-    def commit(self) -> None:
-        """The step's update is taken: so is its new error-feedback residual."""
+    def commit(self, take: torch.Tensor) -> None:
+        """Where the step's update is taken (`take`, a bool tensor), so is its new
+        error-feedback residual."""
         if self.compressed is not None:
-            self.compressed.commit()
+            self.compressed.commit(take)
 
     # -- the residual in checkpoints ----------------------------------------------------------
     def residual_state(self) -> ExtraState | None:

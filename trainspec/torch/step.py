@@ -6,9 +6,12 @@ non-finite policy of `[health.nan]`, replica fingerprints and checkpoints.
 
 Gradients: each micro-batch's loss *sum* is back-propagated; FSDP2 reduce-scatters the sums over
 the fsdp axis once per step, the local gradients are all-reduced over the data axes once per step
-(trainspec/torch/reduction.py: packed into one buffer, as the JAX step fuses them; compressed with
-error feedback under `collectives.compression`), and everything is divided once by the valid
-tokens of the whole global batch (trainspec/core/accumulation.py's rule). `remat.policy`
+(while the last backward runs, in buckets: trainspec/torch/overlap.py; under fsdp or
+`collectives.compression`, after it, packed into one buffer: trainspec/torch/reduction.py), and
+everything is divided once by the valid tokens of the whole global batch
+(trainspec/core/accumulation.py's rule). `device_step` reads nothing on the host: the
+non-finite verdict, the schedule's rate and clipping are decided on the device and the spec's
+fused optimizers skip a dropped update there (docs/adapters.md, "host reads"). `remat.policy`
 checkpoints the units (trainspec/torch/remat.py), `layout.optimizer_state` may split the
 optimizer state over the data replicas (trainspec/torch/optimizer_state.py), and `metrics.gns`
 adds the gradient noise scale's parts to the metrics (trainspec/torch/gns.py).
@@ -17,11 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,27 +30,28 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainspec.core.collectives_reference import to_groups
 from trainspec.core.errors import UserInputError
-from trainspec.core.health import (
-    ReplicaMismatch, check_nan_guard, init_nan_guard, nan_guard_counts, nan_guard_step, odd_copies)
-from trainspec.core.reference_train import learning_rate
+from trainspec.core.health import ReplicaMismatch, odd_copies
 from trainspec.core.spec import Spec
 from trainspec.torch.mesh import group_of
 from trainspec.torch.runtime import TORCH_DTYPES, TorchRuntime, fingerprint
 from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.context import ContextSplit
 from trainspec.torch.gns import StepNoiseScale
+from trainspec.torch.guard import DeviceGuard
 from trainspec.torch.layout import (
     apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
     shard_units)
 from trainspec.torch.norms import Norms
 from trainspec.torch.moe import lay_out_experts, routing_stats, weighted_aux_loss
-from trainspec.torch.optim import clip_by_global_norm, spec_optimizer
+from trainspec.torch.optim import spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
+from trainspec.torch.overlap import OverlappedReduction
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
 from trainspec.torch.replicated import ReplicatedSum
 from trainspec.torch.semi_sync import OuterStep
 from trainspec.torch.support import batch_axes, check_layout, token_axes
+from trainspec.torch.update import DeviceUpdate
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -99,7 +101,6 @@ class WrappedStep:
         _check_mesh(mesh, self.dims.shape)
         self.spec, self.mesh, self.device, self.loss_fn = spec, mesh, device, loss_fn
         self.total_steps = total_steps or spec.train.steps
-        self.spec_schedule = spec_schedule
         p = spec.precision
         self.param_dtype, self.grad_dtype = TORCH_DTYPES[p.param], TORCH_DTYPES[p.grad_reduce]
         self.compute_dtype = TORCH_DTYPES[p.compute]
@@ -151,12 +152,19 @@ class WrappedStep:
         spread = tuple(a for a in self.dims.names if a in context + expert)
         self.spread = ReplicatedSum(mesh, spread, self.model.named_parameters()) \
             if spread else None
-        self.reduction = None
+        self.reduction = self.overlapped = None
         self.outer = OuterStep(spec.semi_sync, self.params, self.data_group) \
             if spec.semi_sync is not None else None
         if self.data_group is not None and self.outer is None:
-            self.reduction = DataReduction(spec.collectives, self.data_group, self.grad_dtype,
-                                           self.model.named_parameters(), self.packing_order)
+            # the replicated sum over context and expert ranks precedes the data reduction
+            if self.fsdp or spec.collectives.compression != "none" or self.spread is not None:
+                self.reduction = DataReduction(spec.collectives, self.data_group,
+                                               self.grad_dtype, self.model.named_parameters(),
+                                               self.packing_order)
+            else:  # DDP's overlap; the step's scalars ride in it where they sum over the same axes
+                self.overlapped = OverlappedReduction(self.data_group, self.grad_dtype,
+                                                      self.params)
+        self.scalars_ride = self.overlapped is not None and summed == self.data_axes
         optimizer = (spec_optimizer(spec.optimizer, self.params) if optimizer_fn is None
                      else optimizer_fn(self.params))
         _check_optimizer(optimizer, self.model)
@@ -168,17 +176,25 @@ class WrappedStep:
         self.optimizer = optimizer  # as built, unless its state is split or has company
         if shard_group is not None or residual is not None:
             self.optimizer = StepOptimizer(optimizer, shard_group, residual)
-        self.updates = 0  # applied updates: the schedule's count (a skipped step adds none)
+        self.update = DeviceUpdate(self.optimizer, spec.optimizer if spec_schedule else None,
+                                   device)
         self.nan_guard = nan_guard
-        self.guard = init_nan_guard()
+        self.guard = DeviceGuard(spec.health.nan, device)
         self._loss_checked = False
+
+    @property
+    def updates(self) -> int:
+        """The updates applied (read on the host: at checkpoints)."""
+        return int(self.update.count)
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        self.update.count.fill_(value)
 
     def learning_rate(self, updates: int) -> float:
         """The learning rate of update `updates`: the spec's schedule over the run length, or
         the optimizer's own (its first group's) without `spec_schedule`."""
-        if self.spec_schedule:
-            return learning_rate(self.spec.optimizer, self.total_steps, updates)
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self.update.learning_rate(updates, self.total_steps)
 
     def _build(self, model_fn) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
@@ -218,56 +234,68 @@ class WrappedStep:
 
     # -- the step ------------------------------------------------------------------------------
     def __call__(self, batch: Mapping, apply: Callable[[bool], bool] | None = None) -> dict:
-        """One step. `apply(finite)`, when given, decides whether the update is taken in place
-        of the step's own guard (a loop that runs the policy itself); every rank reaches the
-        same decision from the same global loss and gradient norm. Raises HealthHalt when
-        the guard trips (the model keeps the last good step's state)."""
-        self.optimizer.zero_grad(set_to_none=False)
+        """One step; its global metrics as host numbers. `apply(finite)`, when given, decides
+        whether the update is taken in place of the step's own guard (a loop that runs the
+        policy itself); every rank reaches the same decision from the same global loss and
+        gradient norm. Raises HealthHalt when the guard trips (the model keeps the last good
+        step's state). A loop that reads metrics only now and then calls `device_step`."""
+        if apply is not None:
+            decide = lambda finite: torch.as_tensor(apply(bool(finite)), device=self.device)
+        else:
+            decide = self.guard if self.nan_guard else None
+        metrics = to_host(self.device_step(batch, decide))
+        if self.nan_guard and apply is None:
+            metrics["skipped_steps"] = self.guard.check()
+        return metrics
+
+    def device_step(self, batch: Mapping,
+                    decide: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+        """One step that reads nothing on the host: its metrics are tensors on the device
+        (`to_host` reads them), and `decide(finite)` (a bool tensor to a bool tensor; None:
+        every update is taken) decides on the device whether the update is applied
+        (trainspec/torch/update.py: where that verdict is still read on the host)."""
+        # the local blocks (a fused optimizer's zero_grad would mix DTensors and tensors)
+        held = [local_block(q.grad) for q in self.params if q.grad is not None]
+        if held:
+            torch._foreach_zero_(held)
         sums, routing = self._accumulate(batch)
         if self.spread is not None:
             self.spread()
         grads = [q.grad for q in self.params if q.grad is not None]
-        small_batch = self.noise_scale.small_batch(grads, sums[1])  # before the reduction
+        replica_part = self.noise_scale.replica_part(grads, sums[1])  # before the reduction
+        if self.overlapped is not None:
+            riding = sums if replica_part is None else torch.cat([sums, replica_part])
+            summed = self.overlapped.finish(riding if self.scalars_ride else None)
+            if self.scalars_ride:
+                sums, replica_part = summed[:2], (summed[2:] if replica_part is not None else None)
         if self.reduction is not None:
             self.reduction()
-        if self.batch_group is not None:
+        if self.batch_group is not None and not self.scalars_ride:
             dist.all_reduce(sums, group=self.batch_group)
-        loss_sum, tokens = sums.tolist()
-        denom = max(tokens, 1.0)
-        for g in grads:
-            g.div_(denom)
+        if replica_part is not None and not self.scalars_ride:
+            dist.all_reduce(replica_part, group=self.data_group)
+        small_batch = self.noise_scale.small_batch(replica_part)
+        loss_sum, tokens = sums[0], sums[1]
+        blocks = [local_block(g) for g in grads]
+        if blocks:
+            torch._foreach_div_(blocks, tokens.clamp(min=1.0))
         grad_norm = self.norms.norm(grads)
-        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-        lr = self.learning_rate(self.updates)
-        taken = self._decide(finite, apply)
-        if taken:
-            if self.spec_schedule:
-                clip_by_global_norm(grads, grad_norm, self.spec.optimizer.grad_clip_norm)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-            self.optimizer.step()
-            if self.reduction is not None:
-                self.reduction.commit()
-            self.updates += 1
-        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "learning_rate": lr,
-                   "valid_tokens": tokens if taken else 0.0, "nonfinite": int(not finite),
+        finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
+        take = decide(finite) if decide is not None else torch.ones((), dtype=torch.bool,
+                                                                     device=self.device)
+        lr = self.update(blocks, grad_norm, take, self.total_steps)
+        if self.reduction is not None:
+            self.reduction.commit(take)
+        metrics = {"loss": loss_sum.double() / tokens.clamp(min=1.0).double(),
+                   "grad_norm": grad_norm, "learning_rate": lr,
+                   "valid_tokens": torch.where(take, tokens, 0.0), "nonfinite": (~finite).int(),
                    **self.noise_scale.parts(small_batch, grad_norm, tokens)}
         if routing:  # the experts' statistics, summed over micro-batches (as JAX's aux)
-            metrics["aux"] = {name: value.tolist() for name, value in routing.items()}
+            metrics["aux"] = {name: value.detach() for name, value in routing.items()}
         if self.outer is not None:  # this group's values: the run combines the groups'
             metrics["loss_tokens"] = tokens
             self.outer.after_inner_step()
-        if self.nan_guard and apply is None:
-            metrics["skipped_steps"] = check_nan_guard(self.spec.health.nan, self.guard)
         return metrics
-
-    def _decide(self, finite: bool, apply: Callable[[bool], bool] | None) -> bool:
-        if apply is not None:
-            return apply(finite)
-        if not self.nan_guard:
-            return True
-        self.guard, take = nan_guard_step(self.spec.health.nan, self.guard, np.bool_(finite))
-        return bool(take)
 
     def _accumulate(self, batch: Mapping) -> tuple[torch.Tensor, dict]:
         """Gradients of the summed token losses over k micro-batches (rows j, j+k, ... of this
@@ -282,6 +310,8 @@ class WrappedStep:
         for j in range(k):
             if self.fsdp:  # reduce-scatter once, after the last micro-batch (or after each)
                 self.model.set_requires_gradient_sync(every or j == k - 1)
+            if self.overlapped is not None and j == k - 1:  # this backward completes them
+                self.overlapped.arm()
             with self._compute():
                 loss_sum, tokens = self._loss({key: v[j::k] for key, v in local.items()})
                 stats = routing_stats(self.model)
@@ -404,7 +434,7 @@ class WrappedStep:
     def save(self, checkpointer: TorchCheckpointer, step: int) -> None:
         """Checkpoint the state after `step` (its data position), replicas checked first."""
         self.check_replicas(step, checkpointer.last_saved or 0)
-        counts = nan_guard_counts(self.guard)
+        counts = self.guard.counts()
         checkpointer.save(step, self.model, self.optimizer, self.total_steps, self.updates,
                           counts["skipped_steps"], self.mesh_shape,
                           counts["consecutive_nonfinite"], outer=self.outer)
@@ -418,9 +448,44 @@ class WrappedStep:
         if self.outer is not None:
             self.outer.steps_done = meta["data_position"]
         self.total_steps, self.updates = meta["total_steps"], meta["updates"]
-        self.guard = init_nan_guard(meta["data_position"], meta["skipped_steps"],
-                                    meta.get("consecutive_nonfinite", 0))
+        self.guard = DeviceGuard(self.spec.health.nan, self.device, meta["data_position"],
+                                 meta["skipped_steps"], meta.get("consecutive_nonfinite", 0))
         return meta["data_position"]
+
+
+def _check_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> None:
+    have = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+    if have != sizes:
+        raise UserInputError(f"mesh: its axes {have} are not the spec's mesh.axes {sizes} on "
+                             f"{mesh.size()} ranks")
+
+
+def _check_optimizer(optimizer, model: nn.Module) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserInputError(f"optimizer_fn: returned a {type(optimizer).__name__}, not a "
+                             "torch.optim.Optimizer")
+    held = {id(q) for group in optimizer.param_groups for q in group["params"]}
+    missing = [n for n, q in model.named_parameters() if q.requires_grad and id(q) not in held]
+    if missing:
+        raise UserInputError(
+            f"optimizer_fn: {len(missing)} trainable parameters are not in its optimizer (first: "
+            f"{missing[0]}); build it from the parameters it is given, which are laid out")
+
+
+def _describe(value) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}: ({', '.join(_describe(v) for v in value)})"
+    if isinstance(value, torch.Tensor):
+        grad = ", no grad" if not value.requires_grad else ""
+        return f"a tensor of shape {tuple(value.shape)}{grad}"
+    return f"a {type(value).__name__}"
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
 
 
 def _with_attention(model_fn: Callable, attention: Callable) -> nn.Module:
@@ -468,3 +533,15 @@ def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tenso
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     return groups
+
+
+def to_host(tree):
+    """A step's metrics (a tree of dicts, lists and tuples) with every tensor read as a host
+    number: a record's one synchronisation."""
+    if isinstance(tree, torch.Tensor):
+        return tree.tolist()
+    if isinstance(tree, dict):
+        return {k: to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_host(v) for v in tree)
+    return tree
