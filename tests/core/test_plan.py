@@ -47,11 +47,25 @@ def test_parameter_table_matches_the_flax_model():
     (["--devices", "8", "--top", "0"], "argument --top: expected an integer >= 1"),
     (["--devices", "8", "--devices-per-host", "0"], "--devices-per-host: expected an integer"),
     (["--devices", "8", "--peak-flops", "-1"], "--peak-flops must be a positive FLOP/s"),
+    ([], "--devices is required (or --published NAME)"),
+    (["--published", "gpt-5"], "--published: unknown 'gpt-5'; known: llama3-405b-8k"),
+    (["--published", "deepseek-v3", "--devices", "8", "--set", "batch.seq_len=8"],
+     "cannot be combined with --devices, --set"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_published_layout_with_its_mfu_and_json(tmp_path, capsys):
+    out = tmp_path / "llama.json"
+    assert main(["plan", "--published", "llama3-405b-8k", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "on 16,384 h100_sxm: tensor 8 x pipeline 16 x data 128" in text and ": fits" in text
+    saved = json.loads(out.read_text())
+    assert saved["fits"] and 0.75 * 0.38 <= saved["mfu"] <= 1.25 * 0.43
+    assert f"MFU {100 * saved['mfu']:.1f}%" in text
 
 
 def test_ranked_table_json_and_plot_from_8_to_100k_devices(tmp_path, capsys):

@@ -12,7 +12,7 @@ from trainspec.core.decoder_shape import DecoderShape
 from trainspec.core.plan.hardware import load_profile
 from trainspec.core.plan.published import (
     DEEPSEEK_V3, DEEPSEEK_V3_LAYOUT, LLAMA_3_405B, LLAMA_3_405B_8K, LLAMA_3_405B_128K,
-    MIXTRAL_8X7B)
+    MIXTRAL_8X7B, MIXTRAL_8X7B_8)
 from trainspec.core.plan.sharded_decoder import (
     MIXED, Layout, Precision, comm_bytes, estimate, hardware_flops_per_token, layouts,
     local_params, memory, ranked)
@@ -54,21 +54,18 @@ def test_deepseek_v3_fits_on_2048_h800():
     assert not estimate(DEEPSEEK_V3, alone, load_profile("h800")).fits
 
 
-BF16_STATE = Precision(param=2, grad=2, optimizer=4)  # precision.param = "bfloat16"
-MIXTRAL_8 = Layout({"expert": 8}, micro_batch=1, micro_batches=8, seq_len=4096,
-                   precision=BF16_STATE, full_remat=True)
 
 
 def test_mixtral_fits_on_8_h100_with_16_bit_state_and_is_ranked_with_the_other_axes():
     h100 = load_profile("h100_sxm")
-    assert estimate(MIXTRAL_8X7B, MIXTRAL_8, h100).fits
+    assert estimate(MIXTRAL_8X7B, MIXTRAL_8X7B_8, h100).fits
     # mixed precision (16 bytes a parameter) needs more than 8 x 80 GB in any layout
     ranks = ranked([estimate(MIXTRAL_8X7B, lay, h100) for lay in
-                    layouts(8, dataclasses.replace(MIXTRAL_8, precision=MIXED),
+                    layouts(8, dataclasses.replace(MIXTRAL_8X7B_8, precision=MIXED),
                             ("fsdp", "tensor", "expert"))])
     assert ranks and not any(e.fits for e in ranks)
     ranks = ranked([estimate(MIXTRAL_8X7B, lay, h100)
-                    for lay in layouts(8, MIXTRAL_8, ("fsdp", "tensor", "expert"))])
+                    for lay in layouts(8, MIXTRAL_8X7B_8, ("fsdp", "tensor", "expert"))])
     expert_8 = next(e for e in ranks if e.layout.size("expert") == 8)
     assert expert_8.fits and ranks[0].fits
     assert ranks[0].step_time_s <= expert_8.step_time_s

@@ -24,8 +24,14 @@ def register(subparsers) -> None:
         description=__doc__)
     p.add_argument("--spec", type=Path, help="spec file (default: the default spec)")
     add_overrides(p)
-    p.add_argument("--devices", type=integer, required=True, help="device count")
-    p.add_argument("--hardware", default="cpu", help="profile name or .toml file (default cpu)")
+    p.add_argument("--devices", type=integer, help="device count (required, except with "
+                   "--published)")
+    p.add_argument("--hardware", help="profile name or .toml file (default cpu; with --published "
+                   "the hardware it ran on)")
+    p.add_argument("--published", metavar="NAME",
+                   help="a published model in the layout it was trained with (llama3-405b-8k, "
+                   "llama3-405b-128k, deepseek-v3, mixtral-8x7b), by the planner of published "
+                   "architectures (docs/plan.md)")
     p.add_argument("--devices-per-host", type=at_least(1),
                    help="devices in one ICI domain (default: the profile's)")
     p.add_argument("--all-layouts", action="store_true",
@@ -81,7 +87,7 @@ def _profile(args):
 
     from trainspec.core.plan.hardware import calibrate, load_profile
 
-    profile = load_profile(args.hardware)
+    profile = load_profile(args.hardware or "cpu")
     if args.devices_per_host:
         profile = dataclasses.replace(profile, devices_per_host=args.devices_per_host,
                                       ici_domain_devices=None)
@@ -127,6 +133,14 @@ def predictor(profile):
 def run(args) -> int:
     from trainspec.core.plan import search
 
+    if args.published is not None:
+        from trainspec.cli import plan_published
+        flags = ("spec", "devices", "devices_per_host", "all_layouts", "params", *MODEL_FLAGS,
+                 "calibrate", "peak_flops", "plot")
+        given = [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) not in (None, False)]
+        return plan_published.run(args, given + (["--set"] if args.overrides else []))
+    if args.devices is None:
+        raise UserInputError("--devices is required (or --published NAME)")
     if args.devices < 1:
         raise UserInputError(f"--devices must be at least 1, got {args.devices}")
     if args.peak_flops is not None and not 0 < args.peak_flops < float("inf"):

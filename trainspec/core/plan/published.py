@@ -57,6 +57,11 @@ DEEPSEEK_V3_LAYOUT = Layout(
     {"pipeline": 16, "expert": 64, "data": 2}, micro_batch=1, micro_batches=120, seq_len=4096,
     precision=DEEPSEEK_PRECISION, zero=1, full_remat=True)
 
+# No published 8-GPU training layout (Megatron-LM users report 16 H100 with expert 8); on 8:
+# expert 8 with 16-bit parameters and optimizer state (precision.param = "bfloat16")
+MIXTRAL_8X7B_8 = Layout({"expert": 8}, micro_batch=1, micro_batches=8, seq_len=4096,
+                        precision=Precision(param=2, grad=2, optimizer=4), full_remat=True)
+
 LLAMA_3_405B_128K = Layout(
     {"tensor": 8, "context": 16, "pipeline": 16, "data": 8}, micro_batch=1, micro_batches=16,
     seq_len=131072, zero=1, full_remat=True)
@@ -71,3 +76,11 @@ LLAMA_3_405B_8K = Layout(
     {"tensor": 8, "pipeline": 16, "data": 128}, micro_batch=1, micro_batches=16, seq_len=8192,
     precision=Precision(param=2, grad=4, optimizer=12), zero=2,
     schedule="interleaved_1f1b", virtual_stages=8)
+
+# `trainspec plan --published NAME`: each with the hardware it ran on
+PUBLISHED = {
+    "llama3-405b-8k": (LLAMA_3_405B, LLAMA_3_405B_8K, "h100_sxm"),
+    "llama3-405b-128k": (LLAMA_3_405B, LLAMA_3_405B_128K, "h100_sxm"),
+    "deepseek-v3": (DEEPSEEK_V3, DEEPSEEK_V3_LAYOUT, "h800"),
+    "mixtral-8x7b": (MIXTRAL_8X7B, MIXTRAL_8X7B_8, "h100_sxm"),
+}
