@@ -44,10 +44,8 @@ def _check(result, run_dir):
     assert "Traceback" not in out, out
     errors = [line for line in out.splitlines() if "trainspec: error:" in line]
     # the process that hit the full disk says so, as the OS says it, whichever framework
-    # wrote (a checkpoint or a record); a rank that then lost it as a peer may say that too,
-    # before the launcher stops it
-    assert errors and "No space left on device" in errors[0], out
-    assert all("collectives.timeout_s:" in line for line in errors[1:]), out
+    # wrote (a checkpoint or a record); the ranks that then lost it as a peer add nothing
+    assert len(errors) == 1 and "No space left on device" in errors[0], out
     lines = (run_dir / "metrics.jsonl").read_bytes().split(b"\n")
     assert lines[-1] == b""  # ends with a whole record
     assert all(json.loads(line)["step"] for line in lines[:-1])

@@ -224,3 +224,25 @@ def test_a_refusal_every_rank_says_is_one_line():
     assert re.fullmatch(r"\[rank \d\] trainspec: error: batch.global_batch: 7 is not a "
                         r"multiple of 2", said[0]), out
     assert said[1:] in ([], ["[rank 2] trainspec: error: --run-dir: rank 2 alone"]), out
+
+
+def test_a_peer_that_only_lost_the_rank_that_said_why_adds_no_line():
+    """Rank 0 stops with its one line (a full disk, say); rank 1's next collective then
+    fails for want of rank 0, and it says so while the launcher stops it: rank 0's line is the
+    job's one line."""
+    script = ("import os, signal, sys, time\n"
+              "if os.environ['TRAINSPEC_PROCESS_ID'] == '0':\n"
+              "    time.sleep(1.5)\n"
+              "    print('trainspec: error: --run-dir r: No space left on device', flush=True)\n"
+              "    sys.exit(2)\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # still saying its line\n"
+              "time.sleep(2.5)\n"
+              "print('trainspec: error: collectives.timeout_s: step 3\\'s all_reduce waited up "
+              "to 5 s for rank(s) 0, which did not arrive (rank 0 is gone)', flush=True)\n"
+              "time.sleep(600)\n")
+    job = subprocess.run([*LAUNCH, "--nprocs", "2", "--grace", "4", "--", sys.executable, "-c",
+                          script], capture_output=True, text=True, timeout=60)
+    out = job.stdout + job.stderr
+    assert job.returncode == 2, out
+    said = [line for line in out.splitlines() if not re.match(r"\[launch\] rank \d pid", line)]
+    assert said == ["[rank 0] trainspec: error: --run-dir r: No space left on device"], out

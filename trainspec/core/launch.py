@@ -157,8 +157,10 @@ class _Said:
 
 def _pump(rank: int, stream, out, verbose: bool, said: _Said) -> None:
     for line in iter(stream.readline, ""):
+        late = []
         if found := arrivals.BLAME.search(line):  # this rank names the ranks it waited for
-            said.blamed.setdefault(rank, [int(r) for r in found.group(1).split(",")])
+            late = [int(r) for r in found.group(1).split(",")]
+            said.blamed.setdefault(rank, late)
         if not verbose and "NOT connected" not in line:
             line, pieces = GLOO_CONNECTED.subn("", line)
             if not line.strip(string.digits + string.whitespace if pieces else string.whitespace):
@@ -168,6 +170,8 @@ def _pump(rank: int, stream, out, verbose: bool, said: _Said) -> None:
                 said.refused.add(rank)
                 if line in said.refusals:  # another rank said it already
                     continue
+                if late and set(late) <= said.refused:  # they left saying why: this rank
+                    continue  # only lost them (a full disk on one rank fails its peers' next step)
                 said.refusals.add(line)
             _say(f"[rank {rank}] {line}", out)
     stream.close()
