@@ -4,8 +4,8 @@ Run as 4 ranks: `trainspec launch --nprocs 4 -- python bench/torch_adapter_overh
 [ROUND_STEPS] [MODELS]`, MODELS a comma-separated list of "small" (131K parameters, global
 batch 16 x 32: a step of a few ms, where a fixed cost per step shows) and "default" (the
 default spec's model and batch), both by default. For each model, every loop trains the same
-model (trainspec.torch.model.Transformer), on the same rows of the same batches, with AdamW
-and global-norm clipping, in two pairs:
+model (trainspec.torch.models.transformer.Transformer), on the same rows of the same batches,
+with AdamW and global-norm clipping, in two pairs:
 - "adapter (data)": the run loop's step (trainspec.torch.engine.TorchEngine over
   trainspec.torch.train.TorchStep, an unrecorded step: nothing read on the host) with every
   rank a data replica (token-weighted loss, the gradients all-reduced in buckets while the
@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainspec.torch.engine import TorchEngine
 from trainspec.torch.runtime import TorchRuntime
-from trainspec.torch.model import Transformer, next_token_loss
+from trainspec.torch.models.transformer import Transformer, next_token_loss
 from trainspec.torch.train import TorchStep
 from trainspec.core.spec import default_spec, load_spec
 from trainspec.core.data import ByteBatches

@@ -27,7 +27,7 @@ MOVED = {
     "spec_jax.adapters.torch": "trainspec.torch.runtime",
     "spec_jax.adapters.torch_checkpoint": "trainspec.torch.checkpoint",
     "spec_jax.adapters.torch_collectives": "trainspec.torch.collectives",
-    "spec_jax.adapters.torch_model": "trainspec.torch.model",
+    "spec_jax.adapters.torch_model": "trainspec.torch.models.transformer",
     "spec_jax.adapters.torch_step": "trainspec.torch.step",
     "spec_jax.adapters.torch_support": "trainspec.torch.support",
     "spec_jax.adapters.torch_train": "trainspec.torch.train",

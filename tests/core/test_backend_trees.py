@@ -8,10 +8,17 @@ from trainspec.core import registry
 from trainspec.core.backend import Backend
 
 # runtime, mesh, engine, checkpoint (the store), capabilities, collectives: the contract's
-# parts; step: the wrapped step a user's model goes through; train, run: the reference job and
-# the run services for a user's loop; conformance: the suite's view; backend: the registration.
+# parts; step: the wrapped step a user's model goes through; models, train, run: the reference
+# models, the reference job and the run services for a user's loop; conformance: the suite's
+# view; backend: the registration.
 PARTS = ("backend", "runtime", "mesh", "engine", "checkpoint", "capabilities", "collectives",
-         "step", "train", "run", "conformance")
+         "step", "models", "train", "run", "conformance")
+
+
+def test_the_reference_models_are_the_same_modules():
+    """models/ holds the same model modules in both trees (the transformer, its MoE MLP)."""
+    jax, torch = (_modules(f"{name}/models") for name in ("jax", "torch"))
+    assert jax == torch == {"transformer", "moe"}
 ROOT = Path(trainspec.__file__).parent
 
 

@@ -17,7 +17,7 @@ from trainspec.core import export, params_file
 from trainspec.core.spec import load_spec
 from trainspec.jax.export import trained_params
 from trainspec.jax.models.transformer import Transformer as FlaxTransformer
-from trainspec.torch.model import Transformer as TorchTransformer, from_flax
+from trainspec.torch.models.transformer import Transformer as TorchTransformer, from_flax
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ rank's half-shard P/2 plus the step's few scalars; the bus bytes follow nccl-tes
 
 from cli_runs import read_records, run_cli_ok, train_command
 from tiny import TINY, tiny_spec
-from trainspec.torch.model import Transformer
+from trainspec.torch.models.transformer import Transformer
 
 SCALARS = 64  # bytes of loss sums, token counts and the like, at most
 

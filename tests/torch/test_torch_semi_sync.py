@@ -18,7 +18,7 @@ import pytest
 from cli_runs import read_records, read_summary, run_cli, run_cli_ok, train_command
 from tiny import TINY
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
-from trainspec.torch.model import Transformer
+from trainspec.torch.models.transformer import Transformer
 
 pytestmark = pytest.mark.slow  # two JAX runs and eight torch jobs: over a minute on 2 cores
 

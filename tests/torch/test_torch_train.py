@@ -56,7 +56,7 @@ def test_learns_and_summarises(reference):
 def test_records_count_the_gradient_all_reduce(reference):
     """Data parallel: one all-reduce of the float32 gradient (P) on `data` per step, plus the
     step's few scalars (docs/metrics.md section 5, trainspec/torch/comm.py)."""
-    from trainspec.torch.model import Transformer
+    from trainspec.torch.models.transformer import Transformer
 
     p = 4 * sum(x.numel() for x in Transformer(tiny_spec().model).parameters())
     for record in read_records(reference):

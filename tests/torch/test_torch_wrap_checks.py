@@ -27,7 +27,7 @@ from trainspec.core.health import HealthHalt
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.layout import default_tensor_plan, shard_units
-from trainspec.torch.model import Transformer
+from trainspec.torch.models.transformer import Transformer
 
 SETS = ["batch.seq_len=16", "batch.global_batch=4", "optimizer.warmup_steps=1"]
 

@@ -18,7 +18,7 @@ from trainspec.cli.main import main
 from trainspec.core import user_model
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.torch.describe import parameter_layout
-from trainspec.torch.model import Transformer
+from trainspec.torch.models.transformer import Transformer
 from trainspec.torch.support import check_layout
 
 HERE = Path(__file__).resolve().parent

@@ -30,7 +30,7 @@ from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.checkpoint import TorchCheckpointer
 from trainspec.torch.compression import CompressedSum
 from trainspec.torch.layout import local_block
-from trainspec.torch.model import Transformer, from_flax
+from trainspec.torch.models.transformer import Transformer, from_flax
 from trainspec.torch.train import TorchStep
 
 RECORDED = ("loss", "grad_norm", "gns_grad_sq", "gns_trace")

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 
 import trainspec.torch.context
-import trainspec.torch.moe
+import trainspec.torch.models.moe
 from trainspec.core.data import ByteBatches
 from trainspec.core.golden import ragged_batch
 from trainspec.core.params_file import unflatten
 from trainspec.core.spec import load_spec
-from trainspec.torch.model import Transformer, from_flax
+from trainspec.torch.models.transformer import Transformer, from_flax
 from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.train import TorchStep
 
@@ -41,8 +41,9 @@ def _route_later_rows_first(logits, *args):
     return {**routed, "weights": routed["weights"].flip(0)}
 
 
-_ROUTE = trainspec.torch.moe.route
-BREAKAGES["router_drops_earlier_rows"] = (trainspec.torch.moe, "route", _route_later_rows_first)
+_ROUTE = trainspec.torch.models.moe.route
+BREAKAGES["router_drops_earlier_rows"] = (trainspec.torch.models.moe, "route",
+                                          _route_later_rows_first)
 
 
 def build(job, adapter, overrides) -> TorchStep:

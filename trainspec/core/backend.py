@@ -16,7 +16,8 @@ each a module of the same name in every backend's package (trainspec/jax, trains
 - `capabilities`: what it does with every field of the spec and every flag of `trainspec train`
   (trainspec.core.capabilities);
 - `collectives`: the spec's collectives on the framework's groups (`Collectives` below);
-- `model`, `train`: the reference model and the reference job in the run loop;
+- `models`, `train`: the reference models (the transformer, its mixture-of-experts MLP) and
+  the reference job in the run loop;
 - `backend`: the `Backend` object the package registers under the `trainspec.backends` entry
   points (pyproject.toml), which the CLI finds through trainspec.core.registry.
 

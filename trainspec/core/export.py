@@ -4,8 +4,8 @@ The reference model's parameters (by flax path, trainspec.core.reference_train.p
 in a Hugging Face style directory: `model.safetensors` with Llama's tensor names in torch's
 (out, in) layout, and `config.json` with Llama's field names for the shape. The architecture is
 trainspec's reference transformer (trainspec/jax/models/transformer.py,
-trainspec/torch/model.py), not Llama's: `model_type` says so, and `from_hf` gives the flax
-tree back for either implementation to load.
+trainspec/torch/models/transformer.py), not Llama's: `model_type` says so, and `from_hf` gives the
+flax tree back for either implementation to load.
 """
 from __future__ import annotations
 

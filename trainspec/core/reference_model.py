@@ -1,7 +1,7 @@
 """The reference transformer in NumPy: its loss and gradient, by hand, in any float dtype.
 
-The same maths as trainspec/jax/models/transformer.py and trainspec/torch/model.py (RMSNorm
-with statistics per position, causal multi-head attention scaled by head_dim^-1/2, the tanh
+The same maths as trainspec/jax/models/transformer.py and trainspec/torch/models/transformer.py
+(RMSNorm with statistics per position, causal multi-head attention scaled by head_dim^-1/2, the tanh
 form of GELU, a bias-free head, cross-entropy over the masked tokens), on parameters in the
 flax tree layout (`{"embedding", "block_0": {"query": {"kernel"}, ...}, "final_norm", "head"}`).
 Run in float64 it is the conformance suite's oracle (trainspec/core/golden.py); it imports no

@@ -101,7 +101,7 @@ class TorchBackend(Backend):
         dims = check_layout(spec, world)
         with torch.device("meta"):
             if model is None:
-                from trainspec.torch.model import Transformer
+                from trainspec.torch.models.transformer import Transformer
 
                 built, units = Transformer(spec.model), ("blocks.*",)
             else:

@@ -7,7 +7,7 @@ from trainspec.core.capabilities import (
     INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, pipeline_fields_unused, refused,
     roles_not_split)
 
-REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/model.py)"
+REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/models/transformer.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
 
 
@@ -77,7 +77,7 @@ TORCH = Capabilities("torch", dict([
                                   "FSDP2 fully_shard; tensor: DTensor column/row-wise plans; "
                                   "context: each rank its chunks of every sequence, attention "
                                   "across them (trainspec/torch/context.py); expert: each rank "
-                                  "its rows and its experts (trainspec/torch/moe.py)")),
+                                  "its rows and its experts (trainspec/torch/models/moe.py)")),
     ("mesh.axes.*.size", honoured("a DeviceMesh with the spec's names, sizes and row-major "
                                   "order, one rank per device",
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"),
@@ -136,7 +136,7 @@ TORCH = Capabilities("torch", dict([
     ("model.n_heads", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.d_ff", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.moe.experts", honoured(
-        "every block's MLP (trainspec/torch/moe.py), routed over the whole micro-batch; "
+        "every block's MLP (trainspec/torch/models/moe.py), routed over the whole micro-batch; "
         "experts split over the expert axis, rows moved by all-to-all", MOE_BESIDE)),
     *((f"model.moe.{name}", honoured("the core's routing rule, as JAX's"))
       for name in ("top_k", "capacity_factor", "load_balance_weight", "z_loss_weight")),

@@ -8,7 +8,7 @@ from trainspec.torch.runtime import TorchRuntime
 
 class TorchConformance(TorchRuntime, Adapter):
     def train_steps(self, spec, params, batches):
-        from trainspec.torch.model import Transformer, from_flax, to_flax
+        from trainspec.torch.models.transformer import Transformer, from_flax, to_flax
         from trainspec.torch.params_file import whole_params
         from trainspec.torch.train import TorchStep
 

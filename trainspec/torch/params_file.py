@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from trainspec.core import params_file
 from trainspec.core.spec import ModelSpec
 from trainspec.core.reference_train import leaves
-from trainspec.torch.model import Transformer, from_flax, to_flax
+from trainspec.torch.models.transformer import Transformer, from_flax, to_flax
 
 
 def state_dict(flat: dict[str, np.ndarray], model: ModelSpec) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ from trainspec.torch.layout import (
     apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
     shard_units)
 from trainspec.torch.norms import Norms
-from trainspec.torch.moe import lay_out_experts, routing_stats, weighted_aux_loss
+from trainspec.torch.models.moe import lay_out_experts, routing_stats, weighted_aux_loss
 from trainspec.torch.optim import spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.overlap import OverlappedReduction
@@ -301,7 +301,7 @@ class WrappedStep:
         """Gradients of the summed token losses over k micro-batches (rows j, j+k, ... of this
         rank's rows); (loss sum, valid tokens) of this rank, and the MoE layers' routing
         statistics summed over the micro-batches ({} without experts). With MoE layers
-        (trainspec.torch.moe) their auxiliary losses join the loss sum."""
+        (trainspec.torch.models.moe) their auxiliary losses join the loss sum."""
         k = self.spec.batch.accumulation_steps
         local = self._local_rows(batch)
         sums = torch.zeros(2, dtype=torch.float32, device=self.device)

@@ -6,8 +6,9 @@ records (trainspec/core/metrics.schema.json), progress bar and summary keys as t
 (trainspec/jax/train.py); one rank per device, rank 0 writes the job's files. PyTorch runs
 eagerly, so the non-finite guard (the core's state machine) is applied per step.
 
-The reference job's step (`TorchStep`) is the reference Transformer (trainspec/torch/model.py)
-through the same wrapped step as a user's model (trainspec/torch/step.py). Its FSDP2 units are
+The reference job's step (`TorchStep`) is the reference Transformer
+(trainspec/torch/models/transformer.py) through the same wrapped step as a user's model
+(trainspec/torch/step.py). Its FSDP2 units are
 the blocks; its tensor-parallel plan is the default one (query/key/value and mlp_in
 column-split, out and mlp_out row-split, the vocabulary head column-split with its output
 gathered; the embedding table stays replicated). The model casts its matmul operands to
@@ -45,7 +46,7 @@ from trainspec.torch.params_file import save_initial, state_dict
 from trainspec.torch.engine import TorchEngine
 from trainspec.torch.run import TorchRunCheckpointer
 from trainspec.torch.context import causal_attention
-from trainspec.torch.model import Transformer, flax_path, next_token_loss
+from trainspec.torch.models.transformer import Transformer, flax_path, next_token_loss
 from trainspec.torch.support import check_run, check_spec
 from trainspec.torch.step import WrappedStep
 

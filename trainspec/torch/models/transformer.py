@@ -21,7 +21,7 @@ from torch import nn
 
 from trainspec.core.spec import ModelSpec
 from trainspec.torch.context import causal_attention
-from trainspec.torch.moe import FAN_IN, MoEMlp
+from trainspec.torch.models.moe import FAN_IN, MoEMlp
 
 RMS_EPSILON = 1e-6  # flax.linen.RMSNorm's default
 
