@@ -99,6 +99,11 @@ def test_tensor_and_pipeline_traffic_zero_2_and_the_executed_schedule_by_hand():
     assert comm["pipeline"] == 2 * 2 * activation * 4  # 2 v boundary sends, 4 micro-batches
     dense, expert = local_params(SMALL, lay)
     assert comm["data"] == (dense + expert) * (2 + 2)  # reduce-scatter and all-gather
+    # fsdp (ZeRO-3): each micro-batch gathers the parameters twice and reduce-scatters the
+    # gradients, S the gathered size
+    fsdp = dataclasses.replace(lay, sizes={"fsdp": 2, "data": 2})
+    shard = sum(local_params(SMALL, fsdp))
+    assert comm_bytes(SMALL, fsdp)["fsdp"] == (2 * 2 + 2) * shard * 2 * 4
     mem = memory(SMALL, lay)
     assert mem["gradients"] == pytest.approx((dense / 2 + expert / 2) * 2)  # over data
     # stage 0 of the executed interleaved schedule holds 5 chunks of half a stage (Megatron's
