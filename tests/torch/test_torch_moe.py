@@ -7,6 +7,7 @@ statistics are reported per step as JAX's (trainspec.core.records.moe_fields rea
 import numpy as np
 import pytest
 
+from cli_runs import read_records, read_summary, run_cli_ok, train_command
 from sequence_job import run_layouts
 from tiny import TINY
 
@@ -60,3 +61,18 @@ def test_a_router_dropping_the_wrong_tokens_misses_the_tolerance(runs):
     first, want = runs["broken_router"]["loss"][0], runs["data4_limited"]["loss"][0]
     assert runs["broken_router"]["moe_dropped"][0] == runs["data4_limited"]["moe_dropped"][0]
     assert abs(first - want) > 10 * RTOL * abs(want)
+
+
+def test_the_train_command_records_the_expert_fields_once(tmp_path):
+    """`trainspec train --framework torch` with experts over an expert axis: every record has
+    the expert fields, and the raw sums they are made of are not in its `aux` again; the
+    summary gives the all-to-alls' bytes on the expert axis."""
+    run_dir = tmp_path / "run"
+    run_cli_ok(train_command(run_dir, [*MOE, *EXPERT4, LIMITED, "metrics.interval=1",
+                                       "checkpoint.interval=0"], steps=2, framework="torch",
+                             nprocs=4))
+    for record in read_records(run_dir):
+        assert record["moe_dropped_tokens"] > 0 and record["moe_load_max_over_mean"] >= 1
+        assert record["moe_load_balance_loss"] > 0 and record["moe_z_loss"] > 0
+        assert "aux" not in record, record["aux"]
+    assert read_summary(run_dir)["comm_bytes_by_axis"]["expert"] > 0

@@ -30,6 +30,7 @@ from trainspec.core.adapter import GUARANTEES, Adapter
 from trainspec.core import conformance as cases
 from trainspec.core.capabilities import schema_fields
 from trainspec.core.conformance import Row
+from trainspec.core.conformance_experts import experts_row
 from trainspec.core.conformance_steps import records_row, step_rows
 from trainspec.core.golden import ragged_batch  # noqa: F401  (tests build batches with it)
 from trainspec.core.mesh import resolve_mesh
@@ -182,7 +183,7 @@ def run(adapter: Adapter, quick: bool = False) -> list[Row]:
     """Every family's row; `quick` runs the collectives on QUICK_LAYOUTS and QUICK_DTYPES only."""
     return [*_collective_rows(adapter, quick), _special_row(adapter), _illegal_row(adapter),
             _guarantee_row(adapter), *_compression_rows(adapter), _capability_row(adapter),
-            *step_rows(adapter), records_row(adapter)]
+            *step_rows(adapter), experts_row(adapter), records_row(adapter)]
 
 
 class _Counting(SimulatedDevices):

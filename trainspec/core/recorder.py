@@ -129,6 +129,7 @@ class Recorder:
             (metrics, self._pending_tokens, self._pending_gns))
         now_metrics = combine_groups(now_metrics)
         extra_fields = extra(now_metrics) if extra else {}
+        aux = records.user_aux(now_metrics.get("aux"))
         for grad_sq, trace in gns_parts:
             if np.isfinite(grad_sq) and np.isfinite(trace):  # a skipped (non-finite) step
                 self.noise_scale.update(grad_sq, trace)
@@ -154,7 +155,7 @@ class Recorder:
                                       self._pending_wait, self.goodput.summary(now)),
             **self.per_record(),
             **record_fields(self.noise_scale.estimate()),
-            **({"aux": aux_fields(now_metrics["aux"])} if now_metrics.get("aux") else {}),
+            **({"aux": aux_fields(aux)} if aux else {}),
             **records.moe_fields(now_metrics.get("aux")),
             **extra_fields,
         }

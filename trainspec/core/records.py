@@ -196,6 +196,16 @@ def interval_fields(facts: dict, steps: int, wall_s: float, valid_tokens: float,
     }
 
 
+# The step's aux values the expert fields are made of (the model's raw sums): a record carries
+# the fields, not these again under `aux`.
+MOE_AUX = ("moe_load", "moe_dropped", "moe_balance", "moe_z", "moe_layers")
+
+
+def user_aux(aux) -> dict:
+    """A step's aux values less the experts' raw sums (MOE_AUX), which moe_fields reads."""
+    return {k: v for k, v in aux.items() if k not in MOE_AUX} if isinstance(aux, dict) else aux
+
+
 def moe_fields(aux) -> dict:
     """The expert fields of a record from a step's `aux` metrics, where the model reports them
     (trainspec.jax.models.moe: per-layer expert load and the dropped, balance and z sums with

@@ -43,12 +43,17 @@ def tree_map(fn, *trees):
 
 
 def param_shapes(c: ModelSpec) -> dict:
-    """The flax parameter tree's shapes (trainspec/jax/models/transformer.py)."""
+    """The flax parameter tree's shapes (trainspec/jax/models/transformer.py; with `moe`, each
+    block's MLP is trainspec/jax/models/moe.py's router and expert kernels)."""
     hd = c.d_model // c.n_heads
+    mlp = ({"mlp_in": {"kernel": (c.d_model, c.d_ff)}, "mlp_out": {"kernel": (c.d_ff, c.d_model)}}
+           if c.moe is None else
+           {"moe": {"router": (c.d_model, c.moe.experts),
+                    "mlp_in": (c.moe.experts, c.d_model, c.d_ff),
+                    "mlp_out": (c.moe.experts, c.d_ff, c.d_model)}})
     block = {"attn_norm": {"scale": (c.d_model,)}, "mlp_norm": {"scale": (c.d_model,)},
              **{n: {"kernel": (c.d_model, c.n_heads, hd)} for n in ("query", "key", "value")},
-             "out": {"kernel": (c.n_heads, hd, c.d_model)},
-             "mlp_in": {"kernel": (c.d_model, c.d_ff)}, "mlp_out": {"kernel": (c.d_ff, c.d_model)}}
+             "out": {"kernel": (c.n_heads, hd, c.d_model)}, **mlp}
     return {"embedding": (c.vocab_size, c.d_model), "final_norm": {"scale": (c.d_model,)},
             "head": {"kernel": (c.d_model, c.vocab_size)},
             **{f"block_{i}": block for i in range(c.n_layers)}}
@@ -74,6 +79,8 @@ def initial_params(c: ModelSpec, seed: int) -> dict:
             return np.ones(shape, np.float32)
         n_in = 2 if path.endswith("/out/kernel") else 1  # attention's out: (heads, kv) in
         fan_in = 1 if path == "embedding" else math.prod(shape[:n_in])
+        if "/moe/mlp_" in path:  # an expert's kernel: (experts, in, out)
+            fan_in = shape[1]
         return (_normal(seed, path, shape) * fan_in**-0.5).astype(np.float32)
     return _build(param_shapes(c), draw)
 
