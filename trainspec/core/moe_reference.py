@@ -13,7 +13,7 @@ import numpy as np
 
 from trainspec.core.moe import load_balance_loss, moe_layer, z_loss
 from trainspec.core.reference_model import _attention, _cast, _gelu, _rms_norm
-from trainspec.core.spec import MoESpec
+from trainspec.core.spec_sequence import MoESpec
 
 
 def _moe_block(x, w, moe: MoESpec) -> tuple[np.ndarray, float, int]:
