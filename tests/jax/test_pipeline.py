@@ -1,6 +1,7 @@
-"""The reference model with a pipeline axis (trainspec.jax.pipeline): the same losses as without
-one from the same initial parameters, the same loss sums and gradients under a ragged mask (the
-token-weighted rule), and the schedules and layouts the JAX implementation refuses by name."""
+"""The reference model with a pipeline axis (trainspec.jax.pipeline): under each schedule the
+core generates, the same losses as without one from the same initial parameters, the same loss
+sums and gradients under a ragged mask (the token-weighted rule), and what the JAX
+implementation refuses by name."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -18,10 +19,9 @@ from trainspec.jax.pipeline import pipelined_loss
 from trainspec.jax.train import build_job
 
 SMALL = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
-         "batch.seq_len=16", "batch.global_batch=16", "batch.micro_batch=8",
-         'pipeline.schedule="gpipe"']
+         "batch.seq_len=16", "batch.global_batch=16", "batch.micro_batch=8"]
 STEPS = 10
-pytestmark = pytest.mark.slow  # three layouts compiled and ten steps each: about a minute
+pytestmark = pytest.mark.slow  # five layouts compiled and ten steps each
 
 
 def spec_of(axes: str, *extra: str):
@@ -43,14 +43,20 @@ def unpipelined() -> list[float]:
     return losses(spec_of("data={size=2},fsdp={size=2},tensor={size=2}"))
 
 
-@pytest.mark.parametrize("axes, microbatches", [
-    ('data={size=2},stage={role="pipeline",size=2},tensor={size=2}', 2),
-    ('stage={role="pipeline",size=4},data={size=2}', 4),
-], ids=["data2-pipeline2-tensor2", "pipeline4-data2"])
-def test_ten_steps_equal_the_unpipelined_run(unpipelined, axes, microbatches):
-    # two accumulation micro-batches of 8 sequences, each split into `microbatches`
-    # pipeline micro-batches per data shard; the same seed: the same initial parameters
-    pipelined = losses(spec_of(axes, f"pipeline.microbatches={microbatches}"))
+@pytest.mark.parametrize("axes, schedule", [
+    ('data={size=2},stage={role="pipeline",size=2},tensor={size=2}', "1f1b"),
+    ('fsdp={size=2},stage={role="pipeline",size=4},data={size=1},tensor={size=1}', "1f1b"),
+    ('data={size=2},stage={role="pipeline",size=2},tensor={size=2}', "interleaved_1f1b"),
+    ('stage={role="pipeline",size=4},data={size=2}', "gpipe"),
+], ids=["data2-pipeline2-tensor2-1f1b", "fsdp2-pipeline4-1f1b",
+        "data2-pipeline2-tensor2-interleaved", "pipeline4-data2-gpipe"])
+def test_ten_steps_equal_the_unpipelined_run(unpipelined, axes, schedule):
+    # two accumulation micro-batches of 8 sequences, each split into as many pipeline
+    # micro-batches as stages per batch shard (interleaved: 2 virtual stages of one layer
+    # each); the same seed: the same initial parameters
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    pipelined = losses(spec_of(axes, f'pipeline.schedule="{schedule}"',
+                               f"pipeline.virtual_stages={virtual}"))
     np.testing.assert_allclose(pipelined, unpipelined, rtol=0, atol=1e-5)
 
 
@@ -86,9 +92,10 @@ def test_a_ragged_mask_gives_the_same_loss_sums_and_gradients():
 
 
 @pytest.mark.parametrize("extra, field, words", [
-    (['pipeline.schedule="1f1b"'], "pipeline.schedule", "runs gpipe"),
     (['pipeline.schedule="zero_bubble_v"'], "pipeline.schedule", "'zero_bubble_v'"),
     (["pipeline.layers_per_stage=[1, 3]"], "pipeline.layers_per_stage", "equal stages"),
+    (['collectives.compression="bf16"'], "collectives.compression", "pipeline axis to be 1"),
+    (['collectives.backend="hierarchical"'], "collectives.backend", 'use backend = "xla"'),
 ])
 def test_what_the_jax_pipeline_does_not_run_is_refused_by_name(extra, field, words):
     spec = spec_of('stage={role="pipeline",size=2},data={size=4}', *extra)

@@ -1,7 +1,8 @@
 """The reference implementation of trainspec on JAX/XLA.
 
-The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`, `grad_step`, and
-`Run` (the run services of `trainspec train` for your own loop).
+The public entry points: `load_spec`, `build_mesh`, `wrap`, `loss_step`, `grad_step`,
+`Stages` and `pipelined` (a model's blocks as a pipeline), and `Run` (the run services of
+`trainspec train` for your own loop).
 They are imported on first use, so that importing a framework-free module below this package
 (the compiled `_xla_ext` registration, say) does not build the whole implementation.
 """
@@ -16,6 +17,8 @@ _ENTRY_POINTS = {
     "grad_step": "trainspec.jax.step_forms",
     "wrap": "trainspec.jax.wrapping",  # a WrappedStep, or a SemiSyncStep under `[semi_sync]`
     "Run": "trainspec.jax.run",
+    "Stages": "trainspec.jax.pipeline",  # a model's stage boundaries, for a pipeline axis
+    "pipelined": "trainspec.jax.pipeline",
 }
 
 __all__ = ["Spec", "UserInputError", "default_spec", "load_spec", *_ENTRY_POINTS]

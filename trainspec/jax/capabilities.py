@@ -5,6 +5,7 @@ run. Every field is listed by name, so that a new one is declared, not assumed. 
 like every table."""
 from __future__ import annotations
 
+from trainspec.core.pipeline.schedule import GENERATED
 from trainspec.core.capabilities import (
     INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 from trainspec.jax.backends import backend
@@ -43,6 +44,14 @@ def _pipelined(when: str, test, reason: str) -> Refusal:
                    lambda value, r: bool(r.split("pipeline")) and test(value, r), reason)
 
 
+# The pipelined loss is a shard_map over the pipeline axis, which does not run inside the
+# per-replica vmap that reduces gradients through a custom-call backend (trainspec.jax.step).
+PIPELINE_THROUGH_XLA = _pipelined(
+    "hierarchical", lambda name, r: backend(name).beside_xla and not backend(name).native,
+    "{value} reduces per-replica gradients, which a pipelined loss does not give: use "
+    "backend = \"xla\" with a split pipeline axis")
+
+
 def _reference(*fields: str) -> list:
     return [(f, honoured()) for f in fields]
 
@@ -64,26 +73,32 @@ JAX = Capabilities("jax", dict([
     ("batch.micro_batch", honoured("with loss_step: token-weighted accumulation")),
     *_reference("batch.seq_len"),
     ("remat.policy", honoured("jax.checkpoint policies per block")),
-    ("pipeline.microbatches", honoured("the reference model's blocks as a pipeline over the "
-                                       "pipeline axis inside the step (trainspec.jax.pipeline)")),
-    ("pipeline.schedule", honoured("gpipe", _pipelined(
-        "unless gpipe", lambda schedule, r: schedule != "gpipe",
-        "the JAX implementation runs gpipe (a circular forward and its backward by autodiff: "
-        "trainspec.jax.pipeline), not {value!r}"))),
-    ("pipeline.virtual_stages", honoured("1 (gpipe)")),
+    ("pipeline.microbatches", honoured("a model's blocks (the reference model's, or those a "
+                                       "user names in trainspec.jax.Stages) as a pipeline over "
+                                       "the pipeline axis inside the step")),
+    ("pipeline.schedule", honoured("gpipe, 1f1b, interleaved_1f1b: the core's slots run in "
+                                   "order (trainspec.jax.pipeline)", _pipelined(
+        "zero_bubble_v", lambda schedule, r: schedule not in GENERATED,
+        "the JAX implementation runs the schedules the core generates "
+        f"({', '.join(GENERATED)}), not {{value!r}}"))),
+    ("pipeline.virtual_stages", honoured("model chunks per stage, looped placement")),
     ("pipeline.layers_per_stage", honoured("equal stages", _pipelined(
         "when the stages differ", lambda counts, r: len(set(counts)) > 1,
         "the JAX implementation stacks each stage's blocks and needs equal stages, got {value}"))),
     ("collectives.backend", honoured("xla, ext (the xla_ext custom calls; on GPUs through "
                                      "NCCL, compiled and not yet run on a GPU) or hierarchical",
-                                     EXT_BESIDE_XLA)),
+                                     EXT_BESIDE_XLA, PIPELINE_THROUGH_XLA)),
     ("collectives.timeout_s", honoured(
         "the ext custom calls' wait, and XLA:CPU's collectives across processes (gloo) in a "
         "job trainspec joins (trainspec.jax.runtime); on GPU the ext CUDA handlers' wait "
         "(the NCCL communicator aborted; not yet run on a GPU) and, for XLA's collectives, "
         "NCCL's own")),
     ("collectives.compression", honoured("bf16 or int8 on the data axes, with loss_step",
-                                         COMPRESSION_ON_HIERARCHICAL)),
+                                         COMPRESSION_ON_HIERARCHICAL, Refusal(
+        "unless none, with a split pipeline axis",
+        lambda compression, r: compression != "none" and bool(r.split("pipeline")),
+        "{value} needs the pipeline axis to be 1: the pipelined loss's gradients are reduced "
+        "by XLA (trainspec.jax.pipeline)"))),
     *_reference("collectives.error_feedback", "collectives.compression_block", "metrics.sink",
                 "metrics.path", "metrics.interval", "metrics.flops_convention",
                 "metrics.peak_flops_per_device"),
@@ -136,8 +151,9 @@ JAX = Capabilities("jax", dict([
     ("--model", honoured("a user's model, loss and data through wrap(loss_step(...))",
                          Refusal("with a split pipeline axis",
                                  lambda value, r: bool(value) and bool(r.split("pipeline")),
-                                 "the JAX implementation pipelines the reference model only; "
-                                 "set the pipeline axis to 1"))),
+                                 "trainspec train pipelines the reference model only; set "
+                                 "the pipeline axis to 1, or run your model's stages with "
+                                 "trainspec.jax.pipelined in your own loop (docs/wrapping.md)"))),
     ("--init-from", honoured("the file's parameters placed straight into the step's shardings "
                              "(each process its own shards); a resume wins",
                              INIT_FROM_WITH_MODEL)),

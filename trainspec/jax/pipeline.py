@@ -1,78 +1,250 @@
-"""Pipeline stages of the reference transformer inside the wrapped step (docs/pipeline.md).
+"""A model's stack of identical blocks run as a pipeline over the mesh's `pipeline` axis inside
+the wrapped step, in the order of the core's schedule (docs/pipeline.md).
 
-The loss of one accumulation micro-batch runs its blocks as a pipeline over the mesh's
-`pipeline` axis: the micro-batch is split into m pipeline micro-batches (micro-batch i holds
-rows i, i+m, ...: docs/spec.md), and in each of m + p − 1 ticks every stage applies its layers
-to what it holds (a vmap over the stage dimension, split over the pipeline axis) and passes the
-result on to the next stage (a shift along that dimension, which XLA lowers to a
-collective-permute). Stage s runs micro-batch t − s at tick t: the forward of the core's GPipe
-schedule (trainspec.core.pipeline.schedule). The backward is its reverse, by autodiff: at the
-reverse of tick t stage s runs the backward of micro-batch t − s, the last stage first, and the
-cotangents travel back through the transposed shifts. The loss is the sum of the per-token
-losses of all pipeline micro-batches with the count of their valid tokens, so the step's
-token-weighted accumulation is unchanged.
+A model names its stage boundaries with `Stages`: what runs before the blocks (`embed`), one
+block (`block`), the blocks' parameter names in order, and what runs after them with the loss
+(`head_loss`). `pipelined(stages, spec, n, axis)` gives the loss_fn that `loss_step` takes.
+
+The loss of one accumulation micro-batch splits it into m pipeline micro-batches (micro-batch
+i holds rows i, i+m, ...: docs/spec.md). The embedding runs before the pipeline, split over the
+batch axes. The pipeline is one `shard_map` manual over the pipeline axis only (the data, fsdp
+and tensor axes stay XLA's): a scan over the ticks of the executed schedule
+(trainspec.core.pipeline.ticks), in which each stage runs the operation its row says, by a
+`lax.switch` on its own stage index, so each device computes only its own operation. Then the
+activations move one stage on and the cotangents one stage back (two ppermutes every tick;
+what carries nothing lands in a buffer's trash slot). A stage keeps the input of each
+micro-batch in flight and recomputes its forward inside the backward (`jax.vjp`), so a
+schedule's activation memory is its buffer: m inputs under GPipe, at most p under 1F1B. The
+last chunk's forward runs inside its backward together with the head and the loss.
+
+Gradients are computed by the schedule, not by autodiff of it: a `custom_vjp` whose forward
+runs the whole schedule and returns the loss sum with the gradients as residuals, scaled by the
+loss sum's cotangent in the backward. The step's token-weighted accumulation is unchanged.
 
 The blocks' parameters stay one leaf per block, laid out as without a pipeline (replicated
-over the pipeline axis); each stage's are stacked and constrained to its devices inside the
-step, and each stage computes only its own layers. The embedding and the head are computed
-before and after the pipeline, split over the batch axes like the rest of the step.
+over the pipeline axis, so checkpoints are the same for any stage count); the step stacks each
+stage's chunks and hands each stage its own.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from trainspec.core.pipeline.stages import chunk_layers
+from trainspec.core.pipeline import schedule as core_schedule
+from trainspec.core.pipeline.stages import INTERLEAVED, chunk_layers
+from trainspec.core.pipeline.ticks import BACKWARD_KIND, FORWARD_KIND, Ticks, tables
+from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 from trainspec.jax.models.transformer import (
     Transformer, as_logits, block_class, embed, final_norm, head, next_token_loss)
 
 
-def _along(axis: str, x):
-    """`x` split over the pipeline axis along its leading (stage) dimension."""
-    return jax.lax.with_sharding_constraint(x, P(axis, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """Where a model's pipeline stages begin and end (docs/wrapping.md, "Pipeline").
+
+    `embed(params, batch) -> x`: everything before the blocks, x of shape (rows, ...);
+    `block(block_params, x) -> x`: one block, the same function for every block;
+    `blocks`: the top-level keys of `params` holding the blocks' parameters, in order;
+    `head_loss(params, y, batch) -> (loss_sum, valid_tokens)`: everything after the blocks,
+    on one pipeline micro-batch's rows of every batch leaf."""
+
+    embed: Callable[[Any, Any], jax.Array]
+    block: Callable[[Any, jax.Array], jax.Array]
+    blocks: Sequence[str]
+    head_loss: Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array]]
 
 
-def stacked_stages(params: dict, layers: list[range], axis: str):
-    """The blocks' parameters as one tree of [stages, layers per stage, ...] leaves, each
-    stage's slice on that stage's devices."""
-    per_stage = [jax.tree.map(lambda *ls: jnp.stack(ls), *(params[f"block_{i}"] for i in rng))
-                 for rng in layers]
-    return jax.tree.map(lambda *ss: _along(axis, jnp.stack(ss)), *per_stage)
+@dataclasses.dataclass(frozen=True)
+class PipelinedLoss:
+    """loss_fn(params, batch) -> (loss_sum, valid_tokens, {}) of a model run as a pipeline of
+    `stages` stages. The wrapped step recognises it: a split pipeline axis needs one."""
+
+    fn: Callable
+    schedule: str
+    stages: int
+    microbatches: int
+    virtual: int
+    ticks: Ticks  # what each stage runs at each tick: the executed schedule
+
+    def __call__(self, params, batch):
+        return self.fn(params, batch)
 
 
-def pipelined_loss(model: Transformer, spec: Spec, stages: int, axis: str):
-    """loss_fn(params, batch) -> (loss_sum, valid_tokens, aux) of `model` with its blocks run
-    as a pipeline of `stages` stages over mesh axis `axis`."""
-    c, dtype, param_dtype = model.config, model.dtype, model.param_dtype
-    m = spec.pipeline.microbatches or stages
-    layers = chunk_layers(c.n_layers, stages, spec.pipeline.layers_per_stage)
-    block = block_class(model.remat)(c, dtype, param_dtype, model.attention)
+def _microbatched(tree, m: int):
+    """Every leaf (rows, ...) -> (m, rows / m, ...), micro-batch i holding rows i, i+m, ..."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1),
+                        tree)
 
-    def run_stage(stage_params, x):
-        for j in range(len(layers[0])):
-            x = block.apply({"params": jax.tree.map(lambda a: a[j], stage_params)}, x)
-        return x
+
+def _stacked_chunks(params, blocks: Sequence[str], layers: list[range], p: int, v: int):
+    """Leaves [p, v, layers per chunk, ...]: [s, c] holds model chunk c·p + s."""
+    chunk = [jax.tree.map(lambda *ls: jnp.stack(ls), *(params[blocks[i]] for i in rng))
+             for rng in layers]
+    return jax.tree.map(lambda *cs: jnp.stack(cs).reshape(v, p, *cs[0].shape).swapaxes(0, 1),
+                        *chunk)
+
+
+def _run_schedule(stages: Stages, ticks: Ticks, axis: str, p: int, v: int):
+    """(chunks, rest, xs, micro) -> (loss_sum, tokens, d chunks, d rest, d xs): the schedule
+    run as one shard_map over `axis`."""
+    last = p * v - 1
+    table = np.stack([np.asarray(getattr(ticks, name), np.int32) for name in (
+        "kind", "microbatch", "chunk", "input_slot", "gradient_slot", "receive_activation",
+        "receive_gradient")], axis=-1)  # [tick, stage, field]
+
+    def run_chunk(chunk_params, x):
+        def one(x, block_params):
+            return stages.block(block_params, x), None
+        return jax.lax.scan(one, x, chunk_params)[0]
+
+    def body(chunks, rest, xs, micro, table):
+        s = jax.lax.axis_index(axis)
+        chunks = jax.tree.map(lambda a: a[0], chunks)  # this stage's [v, layers, ...]
+        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
+        buffer = lambda n: jnp.zeros((n + 1, *xs.shape[1:]), xs.dtype)  # noqa: E731
+
+        def tick(carry, row):
+            acts, grads, d_chunks, d_rest, d_xs, loss, tokens = carry
+            kind, i, c, in_slot, g_slot, recv_act, recv_grad = (row[s, f] for f in range(7))
+            k = c * p + s
+            x = jnp.where(k == 0, _at(xs, i), _at(acts, in_slot))
+            params_c = jax.tree.map(lambda a: _at(a, c), chunks)
+            mb = jax.tree.map(lambda a: _at(a, i), micro)
+
+            def idle(_):
+                return jnp.zeros_like(x), jnp.zeros_like(x), d_chunks, d_rest, loss, tokens
+
+            def forward(_):
+                return run_chunk(params_c, x), jnp.zeros_like(x), d_chunks, d_rest, loss, tokens
+
+            def backward(_):
+                _, vjp = jax.vjp(run_chunk, params_c, x)
+                d_params, dx = vjp(_at(grads, g_slot))
+                return (jnp.zeros_like(x), dx, _added(d_chunks, c, d_params), d_rest, loss,
+                        tokens)
+
+            def last_backward(_):
+                def chunk_loss(params_c, rest, x):
+                    return stages.head_loss(rest, run_chunk(params_c, x), mb)
+                (loss_i, tokens_i), vjp = jax.vjp(chunk_loss, params_c, rest, x)
+                d_params, d_r, dx = vjp((jnp.ones_like(loss_i), jnp.zeros_like(tokens_i)))
+                return (jnp.zeros_like(x), dx, _added(d_chunks, c, d_params),
+                        jax.tree.map(jnp.add, d_rest, d_r), loss + loss_i,
+                        tokens + tokens_i.astype(tokens.dtype))
+
+            # the last chunk's forward runs inside its backward, with the head and the loss
+            branch = jnp.where(kind == FORWARD_KIND, jnp.where(k == last, 0, 1),
+                               jnp.where(kind == BACKWARD_KIND, jnp.where(k == last, 3, 2), 0))
+            y, dx, d_chunks, d_rest, loss, tokens = jax.lax.switch(
+                branch, (idle, forward, backward, last_backward), None)
+            d_xs = _add_at(d_xs, i, jnp.where((kind == BACKWARD_KIND) & (k == 0), dx, 0))
+            y = jax.lax.ppermute(y, axis, [(a, (a + 1) % p) for a in range(p)])
+            dx = jax.lax.ppermute(dx, axis, [(a, (a - 1) % p) for a in range(p)])
+            acts = jax.lax.dynamic_update_index_in_dim(acts, y, recv_act, 0)
+            grads = jax.lax.dynamic_update_index_in_dim(grads, dx, recv_grad, 0)
+            return (acts, grads, d_chunks, d_rest, d_xs, loss, tokens), None
+
+        start = (buffer(ticks.activation_slots), buffer(ticks.gradient_slots), zeros(chunks),
+                 zeros(rest), zeros(xs), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (_, _, d_chunks, d_rest, d_xs, loss, tokens), _ = jax.lax.scan(tick, start, table)
+        total = lambda t: jax.lax.psum(t, axis)  # noqa: E731  only one stage's is nonzero
+        return (total(loss), total(tokens), jax.tree.map(lambda a: a[None], d_chunks),
+                total(d_rest), total(d_xs))
+
+    def run(chunks, rest, xs, micro):
+        return jax.shard_map(
+            body, in_specs=(P(axis), P(), P(), P(), P()),
+            # check_vma off: every value inside varies over the axis (each stage's own switch)
+            out_specs=(P(), P(), P(axis), P(), P()), axis_names={axis}, check_vma=False,
+        )(chunks, rest, xs, micro, jnp.asarray(table))
+
+    return run
+
+
+# Indexing by a traced position as dynamic slices, not gathers and scatters: inside the
+# shard_map beside a split tensor axis, XLA's SPMD partitioner failed a check on a gather.
+def _at(a, position):
+    return jax.lax.dynamic_index_in_dim(a, position, 0, keepdims=False)
+
+
+def _add_at(a, position, update):
+    return jax.lax.dynamic_update_index_in_dim(a, _at(a, position) + update.astype(a.dtype),
+                                               position, 0)
+
+
+def _added(tree, c, update):
+    return jax.tree.map(lambda a, u: _add_at(a, c, u), tree, update)
+
+
+def pipelined(stages: Stages, spec: Spec, n_stages: int, axis: str) -> PipelinedLoss:
+    """The loss_fn of the model `stages` describes, its blocks run as a pipeline of
+    `n_stages` stages over mesh axis `axis` under the spec's `[pipeline]` schedule."""
+    section, p = spec.pipeline, n_stages
+    v = section.virtual_stages if section.schedule == INTERLEAVED else 1
+    m = section.microbatches or p
+    chunks = p * v
+    counts = list(section.layers_per_stage) or [len(stages.blocks) // chunks] * chunks
+    if sum(counts) != len(stages.blocks) or len(set(counts)) != 1:
+        raise UserInputError(
+            f"Stages.blocks: {len(stages.blocks)} blocks do not split into {chunks} equal "
+            f"chunks of {counts} ({p} stages x {v} virtual stages): each stage's blocks are "
+            "stacked")
+    layers = chunk_layers(len(stages.blocks), chunks, counts)
+    ticks = tables(core_schedule.run(section.schedule, p, m, v))
+    run = _run_schedule(stages, ticks, axis, p, v)
+
+    def split(params):
+        rest = {k: a for k, a in params.items() if k not in set(stages.blocks)}
+        return _stacked_chunks(params, stages.blocks, layers, p, v), rest
+
+    @jax.custom_vjp
+    def through_pipeline(chunks, rest, xs, micro):
+        return run(chunks, rest, xs, micro)[:2]
+
+    def forward(chunks, rest, xs, micro):
+        loss, tokens, *grads = run(chunks, rest, xs, micro)
+        return (loss, tokens), grads
+
+    def backward(grads, cotangents):
+        scale = lambda t: jax.tree.map(lambda g: (g * cotangents[0]).astype(g.dtype), t)  # noqa: E731
+        return (*map(scale, grads), None)
+
+    through_pipeline.defvjp(forward, backward)
 
     def loss_fn(params, batch):
-        x = embed(batch["inputs"], params["embedding"], c.vocab_size, dtype)
-        rows, length, width = x.shape
-        # [m, rows / m, length, width]: pipeline micro-batch i holds rows i, i + m, ...
-        xs = x.reshape(rows // m, m, length, width).swapaxes(0, 1)
-        stacked = stacked_stages(params, layers, axis)
-        held = _along(axis, jnp.zeros((stages, *xs.shape[1:]), xs.dtype))
-        outputs = []
-        for tick in range(m + stages - 1):
-            fed = xs[tick] if tick < m else jnp.zeros_like(xs[0])
-            held = _along(axis, jnp.concatenate([fed[None], held[:-1]]))
-            held = jax.vmap(run_stage, spmd_axis_name=axis)(stacked, held)
-            if tick >= stages - 1:
-                outputs.append(held[-1])
-        y = jnp.stack(outputs).swapaxes(0, 1).reshape(rows, length, width)
-        y = final_norm(dtype, param_dtype).apply({"params": params["final_norm"]}, y)
-        logits = as_logits(head(c, dtype, param_dtype).apply({"params": params["head"]}, y))
-        loss_sum, tokens = next_token_loss(logits, batch["targets"], batch["mask"])
+        chunks, rest = split(params)
+        xs = _microbatched(stages.embed(params, batch), m)
+        loss_sum, tokens = through_pipeline(chunks, rest, xs, _microbatched(batch, m))
         return loss_sum, tokens, {}
 
-    return loss_fn
+    return PipelinedLoss(loss_fn, section.schedule, p, m, v, ticks)
+
+
+def transformer_stages(model: Transformer) -> Stages:
+    """The reference transformer's stages: the embedding, its blocks, the norm and head."""
+    c, dtype, param_dtype = model.config, model.dtype, model.param_dtype
+    block = block_class(model.remat)(c, dtype, param_dtype, model.attention)
+
+    def head_loss(params, y, batch):
+        y = final_norm(dtype, param_dtype).apply({"params": params["final_norm"]}, y)
+        logits = as_logits(head(c, dtype, param_dtype).apply({"params": params["head"]}, y))
+        return next_token_loss(logits, batch["targets"], batch["mask"])
+
+    return Stages(
+        embed=lambda params, batch: embed(batch["inputs"], params["embedding"], c.vocab_size,
+                                          dtype),
+        block=lambda params, x: block.apply({"params": params}, x),
+        blocks=[f"block_{i}" for i in range(c.n_layers)],
+        head_loss=head_loss)
+
+
+def pipelined_loss(model: Transformer, spec: Spec, n_stages: int, axis: str) -> PipelinedLoss:
+    """The reference transformer's loss_fn with its blocks run as a pipeline."""
+    return pipelined(transformer_stages(model), spec, n_stages, axis)

@@ -33,6 +33,7 @@ from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.core.spec import Spec
 from trainspec.jax.health import nan as nan_guard
 from trainspec.jax.mesh import build_mesh, check_hierarchical, users_mesh
+from trainspec.jax.pipeline import PipelinedLoss
 from trainspec.jax.metrics import comm, gns
 from trainspec.jax.step_forms import (
     GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
@@ -46,6 +47,27 @@ from trainspec.jax.step_forms import (
 MAX_STEPS_IN_FLIGHT = 8
 # The metrics a rollback verdict reads (SemiSyncStep weighs the groups' losses by tokens).
 VERDICT_METRICS = ("loss", "grad_norm", "loss_tokens", "valid_tokens")
+
+
+def pipelined_loss_of(step_fn, dims: ParallelDims) -> PipelinedLoss | None:
+    """The step's pipelined loss, checked against the mesh's pipeline axis. A split pipeline
+    axis needs one: any other step would run every layer on every stage, replicated."""
+    loss = step_fn.loss_fn if isinstance(step_fn, LossStep) else None
+    axes = dims.split("pipeline")
+    if not isinstance(loss, PipelinedLoss):
+        if axes:
+            raise UserInputError(
+                f"mesh.axes.{axes[0]}.size: {dims.stages} pipeline stages need a loss built "
+                "with trainspec.jax.pipelined (the model's stage boundaries: docs/wrapping.md); "
+                "this step would run every layer on every stage. Set it to 1, or build the "
+                "loss with trainspec.jax.pipelined")
+        return None
+    if loss.stages != dims.stages:
+        raise UserInputError(
+            f"mesh.axes.{(dims.axes_with_role('pipeline') or ('pipeline',))[0]}.size: the loss "
+            f"was built by trainspec.jax.pipelined for {loss.stages} stages, the mesh has "
+            f"{dims.stages}")
+    return loss
 
 
 class WrappedStep:
@@ -83,6 +105,7 @@ class WrappedStep:
         self.backend = backend(spec.collectives.backend)  # what its collectives can do
         check_batch(spec, self.dims, layout.batch_axes(spec, self.mesh))
         check_hierarchical(spec, self.mesh)
+        self.pipelined = pipelined_loss_of(step_fn, self.dims)
         k = spec.batch.accumulation_steps
         if k > 1 and not isinstance(step_fn, LossStep):
             raise UserInputError(
@@ -102,8 +125,11 @@ class WrappedStep:
                 f"collectives.compression: {spec.collectives.compression} needs a step built "
                 "with trainspec.jax.loss_step(loss_fn)")
         # metrics.gns: where the small batch comes from, or why nothing is measured
+        # A pipelined loss is not vmapped over replicas (its shard_map cannot run under
+        # that vmap): its small batches are the micro-batches
         self.gns_source, self.gns_note = gns.resolve(
-            spec.metrics.gns, self.replicas, k, isinstance(step_fn, (LossStep, GradStep)))
+            spec.metrics.gns, 1 if self.pipelined else self.replicas, k,
+            isinstance(step_fn, (LossStep, GradStep)))
         self.batches = BatchPlacement(spec, self.mesh)
         self.state_shardings = None
         self._jitted = None
@@ -284,8 +310,12 @@ class WrappedStep:
         # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
         # or when the spec names a collectives backend other than XLA's own.
         # GNS over replicas needs each replica's gradient before the reduction, too.
-        if self.data_axes and (k > 1 or not self.backend.native
-                               or self.gns_source == gns.REPLICAS or self.compressed):
+        # A pipelined loss is a shard_map over the pipeline axis, which cannot run inside that
+        # per-replica vmap: XLA reduces its gradients (the capability table refuses compression
+        # and custom-call backends with a split pipeline axis).
+        if self.data_axes and not self.pipelined and (
+                k > 1 or not self.backend.native or self.gns_source == gns.REPLICAS
+                or self.compressed):
             return self._replica_reduced_step_fn(precision)
 
         def constrain(micro):  # keep each micro-batch split over the batch shards

@@ -147,7 +147,12 @@ class Transformer(nn.Module):
 
 
 def next_token_loss(logits, targets, mask):
-    """(sum of per-token cross-entropy over valid tokens, number of valid tokens)."""
-    per_token = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    """(sum of per-token cross-entropy over valid tokens, number of valid tokens).
+
+    The target's log-probability picked by a one-hot product, exactly as a gather would: XLA's
+    partitioner fails a check on the gather of vocab-split logits inside the pipeline's
+    shard_map (trainspec.jax.pipeline), beside a split tensor axis."""
+    picked = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    per_token = -jnp.sum(jax.nn.log_softmax(logits) * picked, axis=-1)
     mask = mask.astype(jnp.float32)
     return jnp.sum(per_token * mask), jnp.sum(mask)
