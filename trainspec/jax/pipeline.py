@@ -235,7 +235,7 @@ def transformer_stages(model: Transformer) -> Stages:
     def head_loss(params, y, batch):
         y = final_norm(dtype, param_dtype).apply({"params": params["final_norm"]}, y)
         logits = as_logits(head(c, dtype, param_dtype).apply({"params": params["head"]}, y))
-        return next_token_loss(logits, batch["targets"], batch["mask"])
+        return next_token_loss(logits, batch["targets"], batch["mask"], one_hot=True)
 
     return Stages(
         embed=lambda params, batch: embed(batch["inputs"], params["embedding"], c.vocab_size,

@@ -146,13 +146,17 @@ class Transformer(nn.Module):
         return as_logits(head(c, self.dtype, self.param_dtype, name="head")(x))
 
 
-def next_token_loss(logits, targets, mask):
+def next_token_loss(logits, targets, mask, one_hot: bool = False):
     """(sum of per-token cross-entropy over valid tokens, number of valid tokens).
 
-    The target's log-probability picked by a one-hot product, exactly as a gather would: XLA's
-    partitioner fails a check on the gather of vocab-split logits inside the pipeline's
-    shard_map (trainspec.jax.pipeline), beside a split tensor axis."""
-    picked = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-    per_token = -jnp.sum(jax.nn.log_softmax(logits) * picked, axis=-1)
+    `one_hot`: the target's log-probability picked by a one-hot product rather than a gather
+    (the same values): inside the pipeline's shard_map beside a split tensor axis, XLA's
+    partitioner fails a check on the gather of vocab-split logits (trainspec.jax.pipeline)."""
+    log_probs = jax.nn.log_softmax(logits)
+    if one_hot:
+        per_token = -jnp.sum(log_probs * jax.nn.one_hot(targets, logits.shape[-1],
+                                                        dtype=logits.dtype), axis=-1)
+    else:
+        per_token = -jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
     mask = mask.astype(jnp.float32)
     return jnp.sum(per_token * mask), jnp.sum(mask)
