@@ -1,13 +1,10 @@
 """Runs tests/torch/torch_sequence_worker.py on 4 gloo ranks: each layout's per-step records."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from rank_jobs import launch_worker
 from trainspec.core.spec import DEFAULT_SPEC_PATH
 
-HERE = Path(__file__).resolve().parent
 RANKS = 4
 
 
@@ -20,11 +17,6 @@ def run_layouts(tmp: Path, layouts: dict[str, list[str]], steps: int,
            "layouts": layouts, "params": str(params) if params else None,
            "broken": broken or {}}
     (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run(
-        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", str(RANKS), "--",
-         sys.executable, str(HERE / "torch_sequence_worker.py"), str(tmp / "job.json")],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_worker(Path(__file__).resolve().parent / "torch_sequence_worker.py",
+                  tmp / "job.json", RANKS)
     return json.loads((tmp / "torch.json").read_text())
