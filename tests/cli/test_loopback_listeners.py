@@ -1,6 +1,6 @@
 """A local job listens on loopback only: during a 2-process JAX run and a 4-rank torch run, no
-socket of the job's processes listens on every interface (0.0.0.0 or ::): not JAX's
-coordinator, not torch rank 0's TCPStore, not gloo's."""
+socket of the job's processes listens anywhere but loopback: not JAX's coordinator, not torch
+rank 0's TCPStore, not gloo's."""
 import os
 import subprocess
 import time
@@ -15,6 +15,8 @@ pytestmark = pytest.mark.slow  # two jobs started and watched: about 100 s on 2 
 
 LISTEN = "0A"  # the TCP state LISTEN in /proc/net/tcp*
 WILDCARD = {"00000000", "00000000000000000000000000000000"}
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1 (an IPv6 socket bound to it) as /proc has them
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
 def _descendants(pid):
@@ -86,6 +88,8 @@ def test_a_local_job_listens_on_loopback_only(tmp_path, framework, nprocs):
     assert seen, "the job's listeners were seen"
     wildcard = sorted(port for address, port in seen if address in WILDCARD)
     assert not wildcard, f"listening on every interface: ports {wildcard} ({seen})"
+    elsewhere = sorted((address, port) for address, port in seen if address not in LOOPBACK)
+    assert not elsewhere, f"listening off loopback: {elsewhere}"
 
 
 def test_the_coordinator_listens_on_its_own_address_unless_told(monkeypatch):

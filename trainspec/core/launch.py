@@ -202,6 +202,7 @@ class Launch:
             PROCESS_ID: str(rank),
             "PYTHONUNBUFFERED": "1",
             "TRAINSPEC_BIND": self.bind,  # shown by `trainspec doctor`
+            **_loopback_gloo(),
         }
 
     def start(self) -> None:
@@ -282,6 +283,15 @@ class Launch:
             return status if status > 0 else 128 - status  # -9 (killed) -> 137, like a shell
         finally:
             self.drain()
+
+
+def _loopback_gloo() -> dict[str, str]:
+    """torch's gloo listens for its peers on the address this host's name resolves to (not
+    always loopback) unless GLOO_SOCKET_IFNAME names an interface: a job on this host alone
+    gets the loopback one, where the user named none."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or "lo" not in dict(socket.if_nameindex()).values():
+        return {}
+    return {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 def describe_status(status: int) -> str:
