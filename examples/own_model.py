@@ -46,5 +46,6 @@ def make(spec) -> UserModel:
 
     # 2 FLOPs per multiply-add of the two kernels, forward + backward = 3 x forward, per row
     flops = 6 * (FEATURES * HIDDEN + HIDDEN) * spec.batch.global_batch
-    return UserModel(init, loss, batches, flops_per_step=flops,
+    # rows of 8 features, no sequence: a row is what the records count as a token
+    return UserModel(init, loss, batches, flops_per_step=flops, sequences=False,
                      schedule=lambda updates: LEARNING_RATE, eval_batches=eval_batches)

@@ -36,5 +36,6 @@ def make(spec) -> UserModel:
 
     # 2 FLOPs per multiply-add of the two weights, forward + backward = 3 x forward, per row
     flops = 6 * (FEATURES * HIDDEN + HIDDEN) * spec.batch.global_batch
+    # rows of 8 features, no sequence: a row is what the records count as a token
     return UserModel(model, loss, batches, flops_per_step=flops, optimizer=optimizer,
-                     eval_batches=eval_batches)
+                     eval_batches=eval_batches, sequences=False)

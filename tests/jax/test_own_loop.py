@@ -15,6 +15,8 @@ from run_dirs import recorded_losses
 from tiny import LAYOUTS, TINY, tiny_spec
 from trainspec.cli.main import main
 from trainspec.core.records import json_schema, read_jsonl
+from trainspec.core.spec import load_spec
+from trainspec.core.user_model import spec_for
 from trainspec.jax import Run, loss_step, wrap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +38,8 @@ def _spec():
 
 def _own_loop(run_dir, steps, announce=None):
     """The loop docs/wrapping.md shows, around the user's loss and data."""
-    spec = _spec()
-    model = own_model.make(spec)
+    model = own_model.make(_spec())
+    spec = spec_for(_spec(), model)  # rows without sequences: one token each
     step = wrap(loss_step(model.loss), spec)
     with Run(spec, run_dir, step, steps, model_flops=model.model_flops(spec),
              schedule=model.schedule, progress=False, announce=announce) as run:
@@ -79,6 +81,7 @@ def test_an_own_loop_writes_records_checkpoints_and_a_summary(uninterrupted):
         assert r["aux"]["abs_error_sum"] >= (16 * r["loss"]) ** 0.5 > 0
     flops = 6 * (FEATURES * HIDDEN + HIDDEN) * 16  # per row x 16 rows a step
     assert {r["model_flops_per_step"] for r in records} == {flops} and records[-1]["mfu"] > 0
+    assert {r["batch_tokens"] for r in records} == {16}  # its 16 rows, not rows x a seq_len
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 6]  # keep 2
     assert summary["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
     assert summary["accumulation_steps"] == 2 and summary["last_checkpoint"] == 6
@@ -93,6 +96,8 @@ def test_the_cli_trains_the_model_and_an_own_loop_resumes_it_bitwise(uninterrupt
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "trained 4 steps on mesh data=4 x fsdp=2 x tensor=1 (2 micro-batches per step)" in out
+    assert {r["batch_tokens"] for r in read_jsonl(tmp_path)} == {16}  # rows, no invented length
+    assert load_spec(tmp_path / "spec.toml").batch.seq_len == 1
     said = []
     summary = _own_loop(tmp_path, 6, announce=said.append)
     assert said == ["resumed from step 4 (mesh data=4 x fsdp=2 x tensor=1 → "

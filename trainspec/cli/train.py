@@ -133,6 +133,7 @@ def _run(args) -> int:
     if args.exclude_devices:
         spec = exclude(spec, args.exclude_devices)  # devices (ranks) of the job as launched
     model = user_model.load(args.model, spec) if args.model else None  # checked before ranks
+    spec = user_model.spec_for(spec, model)
     if ranks is not None:
         backend.check_model(spec, model)  # before the ranks take any memory
         for note in notes:

@@ -35,6 +35,7 @@ def run(args) -> int:
     spec = load_spec(args.spec, args.overrides)
     check_sinks(spec)  # what train would refuse
     model = user_model.load(args.model, spec) if args.model else None
+    spec = user_model.spec_for(spec, model)
     lines = backend.describe(spec, model, args.nprocs)  # refuses the spec before it is "valid"
     print(f"spec {args.spec}: valid (spec_version {spec.spec_version})")
     print("\n".join(lines))

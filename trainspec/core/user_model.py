@@ -19,6 +19,7 @@ from typing import Any
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.flops import tokens_per_step
+from trainspec.core.spec import load_spec
 
 TRAINSPEC_ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,10 @@ class UserModel:
     - `eval_batches(index) -> {name: NumPy array}`: optional, the eval hook of `[eval]`:
       held-out global batch `index` (0-based, as `batches`), whose loss `loss` gives the
       records' `eval_loss`; `eval.interval > 0` without it is refused in one line.
+    - `sequences`: False for a model whose rows have no sequence dimension (a regression, a
+      classifier of vectors): a row is then the unit the records count as a token, and the job
+      runs with `batch.seq_len = 1` (`spec_for`), so no length the data does not have enters
+      `batch_tokens`, `padded_tokens_per_s` or the FLOPs per token.
     - `tensor_plan`, `fsdp_units`: torch only, `trainspec.torch.wrap`'s arguments of those
       names ({module name: ParallelStyle}; module-name rules for FSDP2 units); None: the
       defaults. On JAX the spec's `layout.rules` split a model by its logical axis names.
@@ -62,6 +67,7 @@ class UserModel:
     tensor_plan: dict | None = None
     fsdp_units: Sequence[str] | None = None
     eval_batches: Callable[[int], dict] | None = None
+    sequences: bool = True
 
     def train_rows(self, rows: slice) -> Callable[[int], dict]:
         """Batch `index`, this process's `rows` of it."""
@@ -76,6 +82,17 @@ class UserModel:
         if self.flops_per_step is None:
             return None
         return PerToken(self.flops_per_step / tokens_per_step(spec))
+
+
+def spec_for(spec, model: UserModel | None):
+    """The spec a job runs under with `model` (None: the reference job's): a model without
+    sequences counts one token per row, so `batch.seq_len` is 1 whatever the spec says (the
+    spec a run dir keeps, and the one a resume must match)."""
+    if model is None or model.sequences or spec.batch.seq_len == 1:
+        return spec
+    data = spec.to_dict()
+    data["batch"]["seq_len"] = 1
+    return load_spec(data)
 
 
 def _rows_of(batches: Callable[[int], dict], rows: slice) -> Callable[[int], dict]:
