@@ -160,6 +160,7 @@ def test_a_users_model_trains_and_resumes_through_the_command(tmp_path):
     summary = read_summary(tmp_path)
     assert summary["final_loss"] < summary["initial_loss"] and summary["framework"] == "torch"
     assert records[-1]["model_flops_per_step"] == 6 * (8 * 32 + 32) * 16  # the model's own
+    assert {r["batch_tokens"] for r in records} == {16}  # its rows: no sequence, no seq_len
     assert {r["learning_rate"] for r in records} == {3e-2}  # its optimizer's own, as on JAX
     # [eval]: the model's eval_batches after steps 4 and 8, in both invocations
     evaluated = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
