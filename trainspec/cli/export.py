@@ -1,5 +1,6 @@
 """`trainspec export RUN --to safetensors [--out DIR]`: a reference-model run's trained weights
-as a Hugging Face style directory (trainspec/core/export.py), from its newest good checkpoint."""
+as a Hugging Face style directory (trainspec/core/export.py), from its newest good checkpoint,
+read by the backend that wrote it (found through the registry)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +21,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from trainspec.core import export
-    from trainspec.core.run_files import refuse_foreign_checkpoints, saved_spec
+    from trainspec.core import export, registry
+    from trainspec.core.run_files import checkpoint_framework, saved_spec
     from trainspec.core.spec import load_spec
 
     if args.to not in FORMATS:
@@ -33,17 +34,12 @@ def run(args) -> int:
     if spec.model.moe is not None:
         raise UserInputError("export: model.moe: the export layout holds the dense reference "
                              "model only")
-    try:
-        refuse_foreign_checkpoints(args.run / spec.checkpoint.dir, "jax")
-    except UserInputError:
-        raise UserInputError(f"export: {args.run} holds torch checkpoints; export reads a JAX "
-                             "run's (orbax) checkpoints") from None
-    from trainspec.jax.devices import ensure_host_devices
-
-    ensure_host_devices()
-    from trainspec.jax.export import trained_params
-
-    params, step = trained_params(spec, args.run)
+    framework = checkpoint_framework(args.run / spec.checkpoint.dir)
+    if framework is None:
+        raise UserInputError(f"export: {args.run} holds no checkpoint to export (train it with "
+                             "checkpoint.interval > 0)")
+    params, step = registry.backend(framework).trained_params(spec, args.run)
     out = export.write(args.out or args.run / "export", params, spec.model, step)
-    print(f"exported step {step} of {args.run}: {out / export.WEIGHTS}, {out / export.CONFIG}")
+    print(f"exported step {step} of {args.run} ({framework}): {out / export.WEIGHTS}, "
+          f"{out / export.CONFIG}")
     return 0

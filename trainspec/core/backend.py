@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from trainspec.core.capabilities import Capabilities
+from trainspec.core.errors import UserInputError
 
 GUARANTEES = ("deterministic", "nondeterministic")  # docs/spec.md, section 4
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "permute")
@@ -285,6 +286,12 @@ class Backend(abc.ABC):
         """The trainspec.core.adapter.Adapter the suite runs against for `target` (one of
         `conformance_targets`), in the joined job; `join=False`: for reading its
         declarations only, no devices touched."""
+
+    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int]:
+        """(the reference model's parameters by flax path as NumPy arrays, the step) of the
+        newest good checkpoint this backend wrote in `run_dir`, read whole in this process
+        (`trainspec export`); UserInputError where there is none."""
+        raise UserInputError(f"export: the {self.name} backend exports no checkpoints")
 
     def suite_ranks(self, devices: int) -> int | None:
         """The processes to start for a conformance run over `devices` devices, or None when

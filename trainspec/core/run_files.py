@@ -52,6 +52,18 @@ def refuse_foreign_checkpoints(checkpoint_dir: Path, framework: str) -> None:
                     f"resume it with --framework {other}, or give this run another --run-dir")
 
 
+def checkpoint_framework(checkpoint_dir: Path) -> str | None:
+    """The implementation that wrote the newest checkpoint in `checkpoint_dir` (by the file
+    each leaves in a step's directory), or None where there is none."""
+    steps = [p for p in Path(checkpoint_dir).iterdir() if p.name.isdigit()] \
+        if Path(checkpoint_dir).is_dir() else []
+    for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):
+        for framework, marker in CHECKPOINT_MARKERS.items():
+            if (step_dir / marker).exists():
+                return framework
+    return None
+
+
 def write_json_atomically(path: Path, payload: dict) -> None:
     _write_atomically(path, json.dumps(payload, indent=2) + "\n")
 

@@ -100,6 +100,13 @@ class JaxBackend(Backend):
                 "layout (path, shape, partition spec):",
                 *("  " + line for line in layout.describe(step.state_pspecs, abstract_state))]
 
+    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int]:
+        """The newest good orbax checkpoint, restored onto this process's (host) devices."""
+        self.present_devices(None)
+        from trainspec.jax.export import trained_params
+
+        return trained_params(spec, run_dir)
+
     def suite_ranks(self, devices: int) -> None:
         """The suite runs in this process, on `devices` CPU devices when there are no others."""
         self.present_devices(devices)

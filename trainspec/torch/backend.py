@@ -66,6 +66,12 @@ class TorchBackend(Backend):
 
             check_init(model)
 
+    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int]:
+        """The newest good checkpoint, whatever world size wrote it, read whole here."""
+        from trainspec.torch.export import trained_params
+
+        return trained_params(spec, run_dir)
+
     def train(self, spec, run_dir: Path, runtime, **options) -> dict:
         from safetensors import SafetensorError
 
