@@ -10,7 +10,8 @@ The two hooks a model uses (the reference transformer does; a user's model can):
 - `attention_for(spec)`: causal attention of (batch, length, heads, head_dim) arrays in that
   order, masked by global position. Under a split context axis it runs in a `shard_map`: each
   rank keeps its queries and either passes its key/value block around the ring (`ppermute`,
-  n - 1 times) merging the partial softmaxes online, as trainspec.core.ring_attention, or
+  n - 1 times) merging the partial softmaxes online, each block scored under the positions of
+  the rank it came from (trainspec.core.ring_attention: held_block, merge_block), or
   all-gathers the blocks first. Without a split context axis it is
   `jax.nn.dot_product_attention`.
 """
@@ -23,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trainspec.core.context import positions, split_order
+from trainspec.core.ring_attention import held_block
 from trainspec.core.spec import Spec
 
 
@@ -68,12 +70,11 @@ def _local_attention(q, k, v, axes, n, table, ring: bool):
     b, t, h, d = q.shape
     state = (jnp.full((b, h, t), -jnp.inf), jnp.zeros((b, h, t)), jnp.zeros((b, t, h, d)))
     if ring:
-        k_pos = q_pos
         for step in range(n):
-            state = _merge(state, q, k, v, q_pos, k_pos, scale)
+            state = _merge(state, q, k, v, q_pos, table[held_block(rank, step, n)], scale)
             if step < n - 1:  # pass the block on: rank r receives rank r - 1's
                 perm = [(i, (i + 1) % n) for i in range(n)]
-                k, v, k_pos = (jax.lax.ppermute(x, axes, perm) for x in (k, v, k_pos))
+                k, v = (jax.lax.ppermute(x, axes, perm) for x in (k, v))
     else:
         k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
         v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
