@@ -1,7 +1,7 @@
 """A user's own flax model over a pipeline axis (docs/wrapping.md, "Pipeline"): its stage
 boundaries named with `trainspec.jax.Stages`, it trains with the losses of the same model
 without a pipeline; a loss that names none is refused in one line naming the axis, never run
-replicated on every stage."""
+replicated on every stage; the schedule the loss runs is the one a run records."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -13,6 +13,8 @@ import pytest
 from flax.training.train_state import TrainState
 
 from trainspec.core.errors import UserInputError
+from trainspec.core.pipeline.schedule import bubble_formula, run_record
+from trainspec.core.pipeline.ticks import timeline
 from trainspec.core.spec import load_spec
 from trainspec.jax import Stages, loss_step, pipelined, wrap
 
@@ -101,3 +103,17 @@ def test_blocks_that_do_not_split_evenly_are_refused_naming_them():
                    NET_STAGES.head_loss)
     with pytest.raises(UserInputError, match=r"^Stages\.blocks: 3 blocks do not split"):
         pipelined(three, spec_of(PIPELINE), 2, "stage")
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_the_loss_runs_the_schedule_a_run_records(schedule, virtual):
+    # the record (trainspec.core.run: run_record) is the slot list of the core's schedule; the
+    # loss's tick tables, read back as slots, are that list: what runs is what is recorded
+    spec = spec_of(PIPELINE, f'pipeline.schedule="{schedule}"', "pipeline.microbatches=2",
+                   f"pipeline.virtual_stages={virtual}")
+    loss = pipelined(NET_STAGES, spec, 2, "stage")
+    executed = timeline(loss.ticks, virtual)
+    record = run_record(spec, {"stage": 2, "data": 4})
+    assert [" ".join(map(str, row)) for row in executed.slots] == record["slots"]
+    assert executed.idle_fraction() == record["idle_fraction"] == pytest.approx(
+        bubble_formula(schedule, 2, 2, virtual))
