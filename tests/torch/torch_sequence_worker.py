@@ -59,8 +59,9 @@ def train(step: TorchStep, steps: int) -> dict:
     data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
     for i in range(steps):
         metrics = step({k: v[step.rows()] for k, v in ragged_batch(data, i).items()})
-        for key in ("loss", "grad_norm"):
-            record.setdefault(key, []).append(metrics[key])
+        for key in ("loss", "grad_norm", "gns_grad_sq", "gns_trace"):
+            if key in metrics:
+                record.setdefault(key, []).append(metrics[key])
         for key, value in metrics.get("aux", {}).items():
             record.setdefault(key, []).append(np.asarray(value).tolist())
     return record
