@@ -102,3 +102,33 @@ def test_the_coordinator_listens_on_its_own_address_unless_told(monkeypatch):
     assert coordinator_bind("trainspec-0.trainspec:12355") == "0.0.0.0:12355"
     monkeypatch.setenv(COORDINATOR_BIND, "::")
     assert coordinator_bind("[fd00::1]:80") == "[::]:80"
+
+
+@pytest.mark.parametrize("coordinator,gloo_host", [("127.0.0.1:1234", "127.0.0.1"),
+                                                   ("trainspec-0.trainspec:1234", None)])
+def test_xla_gloo_of_a_local_job_listens_on_loopback(monkeypatch, coordinator, gloo_host):
+    """XLA:CPU's gloo would listen on the address the host's name resolves to (here the
+    loopback one, so the job above cannot tell): a local job's CPU client names 127.0.0.1 to
+    it; a multi-host job's is jax's own."""
+    import jax
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    from trainspec.core.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+    from trainspec.jax import runtime
+
+    factories, made = {}, {}
+    monkeypatch.setattr(xla_bridge, "register_backend_factory",
+                        lambda name, factory, **_: factories.setdefault(name, factory))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: None)
+    monkeypatch.setattr(_jax, "make_gloo_tcp_collectives", lambda **kw: made.update(kw))
+    monkeypatch.setattr(xla_bridge, "make_cpu_client", lambda collectives=None: "client")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=5")
+    for name, value in ((COORDINATOR, coordinator), (NUM_PROCESSES, "2"), (PROCESS_ID, "0")):
+        monkeypatch.setenv(name, value)
+    assert runtime.initialize_from_env()
+    if gloo_host is None:
+        assert factories == {}
+        return
+    assert factories["cpu"]() == "client"
+    assert made["hostname"] == gloo_host

@@ -24,7 +24,7 @@ import numpy as np
 from trainspec.core.backend import Runtime
 from trainspec.core.job_env import described_job, env_int
 from trainspec.core.launch import (  # noqa: F401 (re-exported)
-    COORDINATOR, NUM_PROCESSES, PROCESS_ID, coordinator_bind)
+    COORDINATOR, NUM_PROCESSES, PROCESS_ID, coordinator_bind, split_host_port)
 from trainspec.core.spec import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 CLUSTER = "TRAINSPEC_CLUSTER"
@@ -32,6 +32,7 @@ INIT_TIMEOUT = "TRAINSPEC_INIT_TIMEOUT_S"
 # Read by XLA:CPU when jax creates its CPU client (the first device query); whole seconds.
 # GPU collectives (NCCL) do not read it; it is harmless there.
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # a coordinator there: a job on this host
 
 
 def initialize_from_env(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> bool:
@@ -45,6 +46,8 @@ def initialize_from_env(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT
     job = described_job()
     if job is not None:
         _bound_cpu_collectives(collective_timeout_s)
+        if split_host_port(job.coordinator)[0] in LOOPBACK_HOSTS:
+            _gloo_listens_on("127.0.0.1")
         jax.distributed.initialize(
             job.coordinator, num_processes=job.processes, process_id=job.process_id,
             initialization_timeout=timeout,
@@ -56,6 +59,23 @@ def initialize_from_env(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT
         jax.distributed.initialize(initialization_timeout=timeout)
         return True
     return False
+
+
+def _gloo_listens_on(host: str) -> None:
+    """XLA:CPU's gloo listens for its peers on the address this host's name resolves to (not
+    always loopback); a job on this host alone has it listen on `host`. jax has no option for
+    it, so its CPU client factory is replaced by one naming the host (the same private names in
+    jax 0.10.2 to 0.12)."""
+    from jax._src import config as jax_config, distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def cpu_client():
+        if jax_config.cpu_collectives_implementation.value != "gloo":
+            return xla_bridge.make_cpu_client()
+        return xla_bridge.make_cpu_client(collectives=_jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname=host))
+
+    xla_bridge.register_backend_factory("cpu", cpu_client, priority=0, fail_quietly=False)
 
 
 def _bound_cpu_collectives(timeout_s: float) -> None:
