@@ -37,7 +37,7 @@ class MetricsReader(Protocol):
 
 
 class OnHost:
-    """The reader of an implementation whose metrics are host numbers already (eager torch)."""
+    """The reader of a step whose metrics are host numbers already (a loop of its own)."""
 
     @staticmethod
     def to_host(tree):
