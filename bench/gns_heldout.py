@@ -11,8 +11,12 @@ per-sequence gradients of --held-out sequences the run never draws (another data
 interval over chunks of 32 sequences; and next to the held-out |G|^2 the run's own one-step
 estimate on the same state (the next step's, which measures the state before its update).
     python bench/gns_heldout.py [--steps 60] [--at 40,50,60 | --at 30:60] [--held-out 1024]
+                                [--dump PARTS.json]
+--dump writes every step's two-batch parts and the held-out parts at each state of --at, for
+bench/gns_coverage.py to score estimators against the held-out value over their window.
 """
 import argparse
+import json
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -67,7 +71,8 @@ def held_out_reference(loss_fn, params, seq_len: int, sequences: int, rng) -> di
     mean_sq = gram.sum() / n**2
     trace = (squares.sum() - n * mean_sq) / (n - 1)
     return {"b": b_simple(np.ones(chunks)), "p05": np.percentile(boot, 5),
-            "p95": np.percentile(boot, 95), "grad_sq": mean_sq - trace / n}
+            "p95": np.percentile(boot, 95), "grad_sq": mean_sq - trace / n,
+            "trace": seq_len * trace}
 
 
 def main() -> None:
@@ -75,6 +80,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--at", type=steps_arg, default=None, help="steps to compare (default: last)")
     p.add_argument("--held-out", type=int, default=1024, help="held-out sequences")
+    p.add_argument("--dump", help="write the run's per-step parts and the held-out parts (JSON)")
     args = p.parse_args()
     at = set(args.at or [args.steps])
     spec = default_spec()
@@ -85,6 +91,7 @@ def main() -> None:
     print(f"{'step':>5} {'window':>6} {'estimate':>9} {'90% interval':>17}   "
           f"{'held-out':>9} {'90% bootstrap':>17}   {'|G|^2 held-out':>14} {'one step':>9}")
     pending = None  # (the line so far, held-out |G|^2) until the next step measures that state
+    held_out = {}  # state (updates applied) -> held-out parts
     for step in range(1, args.steps + 2):
         state, metrics = job.step(state, job.data.batch(step - 1))
         parts.append(jax.device_get((metrics["gns_grad_sq"], metrics["gns_trace"])))
@@ -95,9 +102,15 @@ def main() -> None:
             e = estimate(*np.asarray(parts).T)
             ref = held_out_reference(loss_fn, jax.device_get(state.params), spec.batch.seq_len,
                                      args.held_out, rng)
+            held_out[step] = {"grad_sq": float(ref["grad_sq"]), "trace": float(ref["trace"])}
             pending = (f"{step:>5} {e.window:>6} {fmt(e.b_simple):>9} "
                        f"{fmt(e.low):>8}-{fmt(e.high):<8}   {ref['b']:>9.0f} "
                        f"{ref['p05']:>8.0f}-{ref['p95']:<8.0f}", ref["grad_sq"])
+    if args.dump:  # parts[i] is step i+1's, measured on the state after i updates
+        with open(args.dump, "w") as f:
+            json.dump({"steps": args.steps, "held_out_sequences": args.held_out,
+                       "run_parts": np.asarray(parts, np.float64).tolist(),
+                       "held_out": held_out}, f)
 
 
 if __name__ == "__main__":
