@@ -96,6 +96,7 @@ def test_a_ragged_mask_gives_the_same_loss_sums_and_gradients():
     (["pipeline.layers_per_stage=[1, 3]"], "pipeline.layers_per_stage", "equal stages"),
     (['collectives.compression="bf16"'], "collectives.compression", "pipeline axis to be 1"),
     (['collectives.backend="hierarchical"'], "collectives.backend", 'use backend = "xla"'),
+    (["semi_sync.inner_steps=4"], "semi_sync.inner_steps", "pipeline axis to 1"),
 ])
 def test_what_the_jax_pipeline_does_not_run_is_refused_by_name(extra, field, words):
     spec = spec_of('stage={role="pipeline",size=2},data={size=4}', *extra)

@@ -143,8 +143,12 @@ JAX = Capabilities("jax", dict([
     ("health.fingerprints.policy", honoured("halt, or rollback on the remaining devices")),
     *_reference("health.stragglers.window", "health.stragglers.k",
                 "health.stragglers.min_excess"),
+    ("semi_sync.inner_steps", honoured("DiLoCo, through trainspec.jax.wrap", _pipelined(
+        "when present", lambda steps, r: steps is not None,
+        "semi_sync runs each group's step under a vmap, in which the pipeline's shard_map does "
+        "not run: set the pipeline axis to 1"))),
     *((f"semi_sync.{name}", honoured("DiLoCo, through trainspec.jax.wrap"))
-      for name in ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum")),
+      for name in ("outer_optimizer", "outer_lr", "outer_momentum")),
     # the flags of `trainspec train`
     *_reference("--spec", "--steps", "--run-dir", "--set", "--summary-json", "--host-devices",
                 "--exclude-devices", "--restart", "--quiet", "--framework"),
