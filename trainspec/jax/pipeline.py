@@ -108,6 +108,8 @@ def _run_schedule(stages: Stages, ticks: Ticks, axis: str, p: int, v: int):
         s = jax.lax.axis_index(axis)
         chunks = jax.tree.map(lambda a: a[0], chunks)  # this stage's [v, layers, ...]
         zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
+        # the gradients summed over micro-batches in float32, whatever precision.compute is
+        float32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)  # noqa: E731
         buffer = lambda n: jnp.zeros((n + 1, *xs.shape[1:]), xs.dtype)  # noqa: E731
 
         def tick(carry, row):
@@ -151,19 +153,22 @@ def _run_schedule(stages: Stages, ticks: Ticks, axis: str, p: int, v: int):
             grads = jax.lax.dynamic_update_index_in_dim(grads, dx, recv_grad, 0)
             return (acts, grads, d_chunks, d_rest, d_xs, loss, tokens), None
 
-        start = (buffer(ticks.activation_slots), buffer(ticks.gradient_slots), zeros(chunks),
-                 zeros(rest), zeros(xs), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        start = (buffer(ticks.activation_slots), buffer(ticks.gradient_slots), float32(chunks),
+                 float32(rest), zeros(xs), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         (_, _, d_chunks, d_rest, d_xs, loss, tokens), _ = jax.lax.scan(tick, start, table)
         total = lambda t: jax.lax.psum(t, axis)  # noqa: E731  only one stage's is nonzero
         return (total(loss), total(tokens), jax.tree.map(lambda a: a[None], d_chunks),
                 total(d_rest), total(d_xs))
 
     def run(chunks, rest, xs, micro):
-        return jax.shard_map(
+        loss, tokens, d_chunks, d_rest, d_xs = jax.shard_map(
             body, in_specs=(P(axis), P(), P(), P(), P()),
             # check_vma off: every value inside varies over the axis (each stage's own switch)
             out_specs=(P(), P(), P(axis), P(), P()), axis_names={axis}, check_vma=False,
         )(chunks, rest, xs, micro, jnp.asarray(table))
+        like = lambda grads, primals: jax.tree.map(  # noqa: E731  the dtypes autodiff expects
+            lambda g, a: g.astype(a.dtype), grads, primals)
+        return loss, tokens, like(d_chunks, chunks), like(d_rest, rest), d_xs
 
     return run
 
