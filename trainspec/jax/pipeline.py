@@ -36,13 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import ParallelDims
 from trainspec.core.pipeline import schedule as core_schedule
 from trainspec.core.pipeline.stages import INTERLEAVED, chunk_layers
 from trainspec.core.pipeline.ticks import BACKWARD_KIND, FORWARD_KIND, Ticks, tables
-from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
 from trainspec.jax.models.transformer import (
     Transformer, as_logits, block_class, embed, final_norm, head, next_token_loss)
+from trainspec.jax.step_forms import LossStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,27 @@ class PipelinedLoss:
 
     def __call__(self, params, batch):
         return self.fn(params, batch)
+
+
+def pipelined_loss_of(step_fn, dims: ParallelDims) -> PipelinedLoss | None:
+    """The step's pipelined loss, checked against the mesh's pipeline axis. A split pipeline
+    axis needs one: any other step would run every layer on every stage, replicated."""
+    loss = step_fn.loss_fn if isinstance(step_fn, LossStep) else None
+    axes = dims.split("pipeline")
+    if not isinstance(loss, PipelinedLoss):
+        if axes:
+            raise UserInputError(
+                f"mesh.axes.{axes[0]}.size: {dims.stages} pipeline stages need a loss built "
+                "with trainspec.jax.pipelined (the model's stage boundaries: docs/wrapping.md); "
+                "this step would run every layer on every stage. Set it to 1, or build the "
+                "loss with trainspec.jax.pipelined")
+        return None
+    if loss.stages != dims.stages:
+        raise UserInputError(
+            f"mesh.axes.{(dims.axes_with_role('pipeline') or ('pipeline',))[0]}.size: the loss "
+            f"was built by trainspec.jax.pipelined for {loss.stages} stages, the mesh has "
+            f"{dims.stages}")
+    return loss
 
 
 def _microbatched(tree, m: int):

@@ -33,7 +33,7 @@ from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.core.spec import Spec
 from trainspec.jax.health import nan as nan_guard
 from trainspec.jax.mesh import build_mesh, check_hierarchical, users_mesh
-from trainspec.jax.pipeline import PipelinedLoss
+from trainspec.jax.pipeline import pipelined_loss_of
 from trainspec.jax.metrics import comm, gns
 from trainspec.jax.step_forms import (
     GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
@@ -47,27 +47,6 @@ from trainspec.jax.step_forms import (
 MAX_STEPS_IN_FLIGHT = 8
 # The metrics a rollback verdict reads (SemiSyncStep weighs the groups' losses by tokens).
 VERDICT_METRICS = ("loss", "grad_norm", "loss_tokens", "valid_tokens")
-
-
-def pipelined_loss_of(step_fn, dims: ParallelDims) -> PipelinedLoss | None:
-    """The step's pipelined loss, checked against the mesh's pipeline axis. A split pipeline
-    axis needs one: any other step would run every layer on every stage, replicated."""
-    loss = step_fn.loss_fn if isinstance(step_fn, LossStep) else None
-    axes = dims.split("pipeline")
-    if not isinstance(loss, PipelinedLoss):
-        if axes:
-            raise UserInputError(
-                f"mesh.axes.{axes[0]}.size: {dims.stages} pipeline stages need a loss built "
-                "with trainspec.jax.pipelined (the model's stage boundaries: docs/wrapping.md); "
-                "this step would run every layer on every stage. Set it to 1, or build the "
-                "loss with trainspec.jax.pipelined")
-        return None
-    if loss.stages != dims.stages:
-        raise UserInputError(
-            f"mesh.axes.{(dims.axes_with_role('pipeline') or ('pipeline',))[0]}.size: the loss "
-            f"was built by trainspec.jax.pipelined for {loss.stages} stages, the mesh has "
-            f"{dims.stages}")
-    return loss
 
 
 class WrappedStep:
