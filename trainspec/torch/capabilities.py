@@ -4,8 +4,7 @@ Framework-free, so that a spec is refused in one line before any rank starts."""
 from __future__ import annotations
 
 from trainspec.core.capabilities import (
-    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, pipeline_fields_unused, refused,
-    roles_not_split)
+    INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/models/transformer.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -34,6 +33,22 @@ NOTHING_TO_MEASURE_GNS = Refusal(
     lambda value, r: value is True and not r.split("data") and r.spec.batch.accumulation_steps == 1,
     "true cannot be measured: one data-parallel replica and one micro-batch give no second "
     "batch size")
+
+
+def _pipelined(when: str, test, reason: str) -> Refusal:
+    """A refusal that applies where the pipeline axis is split."""
+    return Refusal(f"{when}, with a split pipeline axis",
+                   lambda value, r: bool(r.split("pipeline")) and test(value, r), reason)
+
+
+PIPELINE_REFUSALS = (
+    _pipelined("with a split tensor or context axis or experts",
+               lambda value, r: bool(r.split("tensor") or r.split("context"))
+               or r.spec.model.moe is not None,
+               "the torch pipeline composes with data and fsdp axes; a split pipeline axis "
+               "with a split tensor or context axis or [model.moe] is not run"),
+)
+PIPELINE = "trainspec/torch/pipeline.py"
 
 
 def _semi_sync(when: str, test, reason: str) -> Refusal:
@@ -83,7 +98,7 @@ TORCH = Capabilities("torch", dict([
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"),
                                   _one_split_axis("context"),
                                   _one_split_axis("expert"), EXPERTS_ALONE,
-                                  roles_not_split("torch", "pipeline"))),
+                                  *PIPELINE_REFUSALS)),
     ("mesh.axes.*.dcn", honoured(
         "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
         "of hosts, each host's ranks in the ici shape; on one host laid out within it")),
@@ -110,7 +125,16 @@ TORCH = Capabilities("torch", dict([
     ("remat.policy", honoured(
         "torch's checkpoint of every block (the FSDP2 units); the dots policies as selective "
         "activation checkpointing that keeps matmul (and fused attention) outputs")),
-    *pipeline_fields_unused().items(),
+    ("pipeline.microbatches", honoured(
+        f"the reference model's stages over the pipeline axis ({PIPELINE}): "
+        "torch.distributed.pipelining's PipelineStage and schedule runtime")),
+    ("pipeline.schedule", honoured(
+        "gpipe, 1f1b: the core's per-stage orders, run as they are by torch's schedule runtime",
+        _pipelined("unless gpipe or 1f1b", lambda value, r: value not in ("gpipe", "1f1b"),
+                   "the torch implementation runs one model chunk per rank (gpipe, 1f1b), "
+                   "not {value!r}"))),
+    ("pipeline.virtual_stages", honoured("1 (one model chunk per rank)")),
+    ("pipeline.layers_per_stage", honoured("the core's split (an even one by default)")),
     ("collectives.backend", refused(
         "unless xla", lambda v: v != "xla",
         "{value!r} is a JAX backend; the torch implementation reduces through "
@@ -129,7 +153,10 @@ TORCH = Capabilities("torch", dict([
     ("metrics.sinks", honoured("the core's sinks: the trainspec.sinks entry points, on rank 0")),
     ("metrics.tensorboard", honoured("the core's sinks (tensorboardX), on rank 0")),
     ("metrics.gns", honoured(
-        "from replicas or micro-batches, as the JAX step", NOTHING_TO_MEASURE_GNS)),
+        "from replicas or micro-batches, as the JAX step (not with a split pipeline axis: "
+        "the default is then off)", NOTHING_TO_MEASURE_GNS,
+        _pipelined("when true", lambda value, r: value is True,
+                   "true is not measured by the torch pipeline; leave it unset or false"))),
     ("model.vocab_size", honoured(REFERENCE_MODEL, TENSOR_DIVIDES)),
     ("model.d_model", honoured(REFERENCE_MODEL)),
     ("model.n_layers", honoured(REFERENCE_MODEL)),
@@ -149,7 +176,8 @@ TORCH = Capabilities("torch", dict([
       for name in ("name", "learning_rate", "warmup_steps", "weight_decay", "grad_clip_norm")),
     ("train.steps", honoured()),
     ("eval.interval", honoured("loss_fn under torch.no_grad, the model in eval mode, summed "
-                               "over the batch's ranks (under semi_sync: rank 0's group's)")),
+                               "over the batch's ranks (under semi_sync: rank 0's group's); "
+                               "with a pipeline, each stage's part in turn")),
     ("profile.start_step", honoured("torch.profiler around the steps, exported as a "
                                     "Chrome trace per traced rank")),
     ("profile.steps", honoured()),
@@ -185,7 +213,9 @@ TORCH = Capabilities("torch", dict([
       for name in ("window", "k", "min_excess")),
     ("semi_sync.inner_steps", honoured(
         "DiLoCo: each data group steps on its rows with no data-axis traffic, the outer step "
-        "every H steps (trainspec/torch/semi_sync.py)", *SEMI_SYNC_REFUSALS)),
+        "every H steps (trainspec/torch/semi_sync.py)", *SEMI_SYNC_REFUSALS,
+        _pipelined("when set", lambda value, r: value is not None,
+                   "the torch pipeline runs synchronous steps; remove [semi_sync]"))),
     *((f"semi_sync.{name}", honoured("the outer step: SGD with Nesterov momentum on the "
                                      "groups' mean delta"))
       for name in ("outer_optimizer", "outer_lr", "outer_momentum")),

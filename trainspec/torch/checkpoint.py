@@ -105,7 +105,7 @@ class TorchCheckpointer:
                 "total_steps": total_steps, "skipped_steps": skipped_steps,
                 "consecutive_nonfinite": consecutive_nonfinite,
                 "skipped_batches": list(skipped_batches),
-                "spec": self.spec.to_dict(), "mesh": mesh, "parameters": _shapes(model),
+                "spec": self.spec.to_dict(), "mesh": mesh, "parameters": _every_shape(model),
                 **({"semi_sync_groups": outer.groups} if outer else {})}
         complete = self._completion(step, meta)
         if self.spec.checkpoint.async_save:
@@ -160,7 +160,7 @@ class TorchCheckpointer:
         if meta.get("format") != FORMAT or not isinstance(meta.get("spec"), dict):
             raise BadCheckpoint(f"its meta is not that of a {FORMAT} checkpoint")
         check_compatible(meta["spec"], self.spec, self.directory)
-        _check_same_shapes(meta.get("parameters"), _shapes(model), path)
+        _check_same_shapes(meta.get("parameters"), _every_shape(model), path)
         groups = meta.get("semi_sync_groups")
         if outer is not None or groups is not None:
             if outer is None:
@@ -208,9 +208,11 @@ def _state(model, optimizer, outer: OuterStep | None) -> dict:
             "outer": outer.state(list(model.named_parameters()))}
 
 
-def _shapes(model) -> dict[str, list[int]]:
-    """Every parameter's global shape (a DTensor's shape is the whole parameter's)."""
-    return {name: list(p.shape) for name, p in model.named_parameters()}
+def _every_shape(model) -> dict[str, list[int]]:
+    """Every parameter's global shape (a DTensor's shape is the whole parameter's), of every
+    rank's model (a pipeline stage's holds some of the parameters)."""
+    mine = {name: list(p.shape) for name, p in model.named_parameters()}
+    return {name: shape for shapes in _all_gather(mine) for name, shape in shapes.items()}
 
 
 def _check_same_shapes(saved: dict | None, current: dict, where: Path) -> None:

@@ -18,7 +18,7 @@ class TorchConformance(TorchRuntime, Adapter):
         for batch in batches:
             metrics = step({key: v[step.rows()] for key, v in batch.items()})
             steps.append((metrics["loss"], metrics["grad_norm"],
-                          to_flax(step.model, whole_params(step.model))))
+                          to_flax(step.model, whole_params(step.model, step.stage_group))))
         return steps
 
     def train_run(self, spec, run_dir, steps):

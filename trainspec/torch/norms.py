@@ -21,8 +21,11 @@ Squares = dict[tuple[str, ...], torch.Tensor]
 
 
 class Norms:
-    def __init__(self, mesh: DeviceMesh, device: torch.device):
-        self.mesh, self.device = mesh, device
+    """`stage_axes`: the pipeline axes, along which every rank holds other parameters (its
+    stage's), so every set of squares is summed over them too."""
+
+    def __init__(self, mesh: DeviceMesh, device: torch.device, stage_axes: tuple[str, ...] = ()):
+        self.mesh, self.device, self.stage_axes = mesh, device, stage_axes
         self._groups: dict[tuple[str, ...], object] = {}
 
     def group(self, axes: tuple[str, ...]):
@@ -50,7 +53,9 @@ class Norms:
         """The global sum of squares: each set all-reduced over its axes, then added. Values
         may be vectors (one entry per micro-batch), reduced in one call per set."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for axes, square in by_axes.items():
+        for split, square in by_axes.items():
+            axes = tuple(a for a in self.mesh.mesh_dim_names
+                         if a in split or a in self.stage_axes)  # in mesh order
             if axes:
                 dist.all_reduce(square, group=self.group(axes))
             total = total + square

@@ -46,6 +46,7 @@ from trainspec.torch.models.moe import lay_out_experts, routing_stats, weighted_
 from trainspec.torch.optim import spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.overlap import OverlappedReduction
+from trainspec.torch.pipeline import PipelineIO, stage_pipeline
 from trainspec.torch.reduction import DataReduction, model_order, packed
 from trainspec.torch.remat import apply_remat
 from trainspec.torch.replicated import ReplicatedSum
@@ -86,7 +87,10 @@ class WrappedStep:
       nn.ModuleLists); `tensor_plan`: {module name: ParallelStyle} (default: by nn.Linear names);
     - `autocast`: the forward and the loss run under torch.autocast(`precision.compute`) when it
       is not the parameter dtype; False for a model that applies it itself;
-    - `nan_guard`: the spec's `health.nan` policy decides each step (else every update is taken).
+    - `nan_guard`: the spec's `health.nan` policy decides each step (else every update is taken);
+    - `pipeline_io`: with a split pipeline axis, what the stages take of a batch and how the
+      last one computes the loss (trainspec.torch.pipeline.PipelineIO); the model cuts itself
+      to a stage's part with `keep_stage(layers, first, last)`.
 
     `step(batch)` takes a dict of arrays (NumPy or torch) holding the global batch or this
     rank's rows of it (`step.rows()`), and returns the step's global metrics.
@@ -96,7 +100,7 @@ class WrappedStep:
                  mesh: DeviceMesh, device: torch.device, optimizer_fn: Callable | None = None,
                  total_steps: int | None = None, fsdp_units: Sequence[str] | None = None,
                  tensor_plan: dict | None = None, autocast: bool = True, nan_guard: bool = True,
-                 spec_schedule: bool = True):
+                 spec_schedule: bool = True, pipeline_io: PipelineIO | None = None):
         self.dims = check_layout(spec, mesh.size())  # what everything below reads of the mesh
         _check_mesh(mesh, self.dims.shape)
         self.spec, self.mesh, self.device, self.loss_fn = spec, mesh, device, loss_fn
@@ -113,6 +117,8 @@ class WrappedStep:
         context = self.dims.split("context")
         self.context = ContextSplit(spec, mesh, context) if context else None
         self.model = self._build(model_fn)
+        # a split pipeline axis: this rank keeps its stage's part (trainspec/torch/pipeline.py)
+        self.pipeline = stage_pipeline(spec, self.dims, mesh, device, self.model, pipeline_io)
 
         self.data_axes, fsdp, tensor = (self.dims.split(role) for role in ("data", "fsdp", "tensor"))
         self.batch_axes = batch_axes(self.dims)
@@ -129,24 +135,29 @@ class WrappedStep:
         if fsdp:
             apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype)
         self.fsdp = bool(fsdp)
+        if self.pipeline is not None:
+            self.pipeline.start(self.model)
         self.data_group = group_of(mesh, self.data_axes) if self.data_axes else None
         # [semi_sync]: each data group steps on its own rows, nothing crosses the data axes
         # but the outer step (trainspec/torch/semi_sync.py)
-        summed = tuple(a for a in token_axes(self.dims)
-                       if spec.semi_sync is None or a not in self.data_axes)
+        # (and the pipeline's stages: the last one holds the loss)
+        summed = tuple(a for a in self.dims.names if a in self.dims.split("pipeline") or (
+            a in token_axes(self.dims) and (spec.semi_sync is None or a not in self.data_axes)))
         self.batch_group = group_of(mesh, summed) if summed else None
         self.shards = self.dims.size_of(self.batch_axes)
         self._rows = rows(mesh, self.batch_axes, spec.batch.global_batch)
-        self.norms = Norms(mesh, device)
+        self.norms = Norms(mesh, device, self.dims.split("pipeline"))
         # metrics.gns: a replica's tokens are on its other axes (fsdp, context)
         replica_axes = tuple(a for a in token_axes(self.dims) if a not in self.data_axes)
         self.noise_scale = StepNoiseScale(
-            spec.metrics.gns if spec.semi_sync is None else False,
+            spec.metrics.gns if spec.semi_sync is None and self.pipeline is None else False,
             self.dims.replicas, spec.batch.accumulation_steps,
             self.norms, self.data_group,
             group_of(mesh, replica_axes) if replica_axes else None)
         if spec.semi_sync is not None:
             self.noise_scale.note = "semi_sync: no gradient is reduced across groups"
+        if self.pipeline is not None:  # (true is refused: trainspec/torch/capabilities.py)
+            self.noise_scale.note = "a split pipeline axis: the torch step does not measure it"
 
         self.params = list(self.model.parameters())
         spread = tuple(a for a in self.dims.names if a in context + expert)
@@ -232,6 +243,12 @@ class WrappedStep:
     def mesh_shape(self) -> dict[str, int]:
         return self.dims.shape
 
+    @property
+    def stage_group(self):
+        """The pipeline axis's process group (None without a pipeline): its ranks hold the
+        other stages' parameters."""
+        return self.pipeline.group if self.pipeline is not None else None
+
     # -- the step ------------------------------------------------------------------------------
     def __call__(self, batch: Mapping, apply: Callable[[bool], bool] | None = None) -> dict:
         """One step; its global metrics as host numbers. `apply(finite)`, when given, decides
@@ -308,12 +325,18 @@ class WrappedStep:
         every = self.noise_scale.every_micro_batch
         routing: dict = {}
         for j in range(k):
+            micro = {key: v[j::k] for key, v in local.items()}
+            if self.pipeline is not None:  # forwards and backwards by the stages' schedule
+                with self._compute():
+                    loss_sum, tokens = self.pipeline.run(micro)
+                sums += torch.stack([loss_sum, tokens])
+                continue
             if self.fsdp:  # reduce-scatter once, after the last micro-batch (or after each)
                 self.model.set_requires_gradient_sync(every or j == k - 1)
             if self.overlapped is not None and j == k - 1:  # this backward completes them
                 self.overlapped.arm()
             with self._compute():
-                loss_sum, tokens = self._loss({key: v[j::k] for key, v in local.items()})
+                loss_sum, tokens = self._loss(micro)
                 stats = routing_stats(self.model)
                 if stats is not None:
                     loss_sum = loss_sum + weighted_aux_loss(self.model, tokens)
@@ -335,9 +358,12 @@ class WrappedStep:
         try:
             with torch.no_grad():
                 for j in range(k):
+                    micro = {key: v[j::k] for key, v in local.items()}
                     with self._compute():
-                        loss_sum, tokens = self.loss_fn(self.model,
-                                                        {key: v[j::k] for key, v in local.items()})
+                        if self.pipeline is not None:
+                            loss_sum, tokens = self.pipeline.evaluate(micro)
+                        else:
+                            loss_sum, tokens = self.loss_fn(self.model, micro)
                         if routing_stats(self.model) is not None:
                             loss_sum = loss_sum + weighted_aux_loss(self.model, tokens)
                     tokens = torch.as_tensor(tokens, device=self.device).float()

@@ -48,11 +48,22 @@ from trainspec.torch.run import TorchRunCheckpointer
 from trainspec.torch.context import causal_attention
 from trainspec.torch.models.transformer import Transformer, flax_path, next_token_loss
 from trainspec.torch.support import check_run, check_spec
+from trainspec.torch.pipeline import PipelineIO
 from trainspec.torch.step import WrappedStep
 
 
 def reference_loss(model: Transformer, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return next_token_loss(model(batch["inputs"]), batch["targets"], batch["mask"])
+
+
+# The reference model through a pipeline: the last stage's target is the rows' targets and
+# mask side by side, in float64 (token ids and mask values exactly), cut into micro-batches
+# with the inputs.
+REFERENCE_PIPELINE = PipelineIO(
+    inputs=lambda batch: batch["inputs"],
+    target=lambda batch: torch.stack([batch["targets"].double(), batch["mask"].double()], -1),
+    loss=lambda logits, target: next_token_loss(logits, target[..., 0], target[..., 1])[0],
+    tokens=lambda batch: batch["mask"].float().sum())
 
 
 class TorchStep(WrappedStep):
@@ -80,7 +91,7 @@ class TorchStep(WrappedStep):
                                 message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view")
         super().__init__(build, reference_loss, spec, mesh=mesh, device=device,
                          total_steps=total_steps, fsdp_units=("blocks.*",), autocast=False,
-                         nan_guard=False)
+                         nan_guard=False, pipeline_io=REFERENCE_PIPELINE)
 
     @staticmethod
     def packing_order(named: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -107,7 +118,7 @@ def reference_job(spec: Spec, adapter: TorchRuntime, total_steps: int, run_dir: 
     data, rows = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed), job.rows()
 
     def init() -> TorchStep:
-        save_initial(job.model, run_dir, spec.model)
+        save_initial(job.model, run_dir, spec.model, job.stage_group)
         return job
 
     held_out = evaluation.reference_batches(spec) if spec.eval.interval else None

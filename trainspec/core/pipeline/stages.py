@@ -68,3 +68,11 @@ def problems(*, stages: int, virtual_stages: int, schedule: str, microbatches: i
                     f"pipeline stages x {virtual_stages} virtual stages = {chunks} chunks; "
                     "list them in pipeline.layers_per_stage"))
     return out
+
+
+def microbatch_order(rows: int, microbatches: int) -> list[int]:
+    """The rows of one accumulation micro-batch in pipeline micro-batch order: pipeline
+    micro-batch i holds rows i, i + m, i + 2m, ... (docs/spec.md), so taking the returned
+    rows in m equal contiguous parts gives micro-batches 0, 1, ..., m − 1."""
+    m = microbatches
+    return [i + m * r for i in range(m) for r in range(rows // m)]

@@ -98,10 +98,25 @@ class Transformer(nn.Module):
         self.head = Projection(c.d_model, c.vocab_size, compute, param)
 
     def forward(self, tokens):
-        x = self.embedding.to(self.compute)[tokens]  # = the flax one-hot matmul, exactly
+        """Token ids -> logits; a pipeline stage's part (trainspec.torch.pipeline) lacks the
+        embedding (it takes the previous stage's activations) or the head (it returns its
+        last block's)."""
+        # indexing the table = the flax one-hot matmul, exactly
+        x = tokens if self.embedding is None else self.embedding.to(self.compute)[tokens]
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.final_norm(x)).float()
+        return x if self.head is None else self.head(self.final_norm(x)).float()
+
+    def keep_stage(self, layers: range, first: bool, last: bool) -> None:
+        """Drop every part a pipeline stage holding blocks `layers` does not hold: the
+        embedding unless `first`, the final norm and head unless `last`. The names of what
+        stays are unchanged, so checkpoints and parameter files read the same."""
+        for name in [n for n in self.blocks if int(n.removeprefix("block_")) not in layers]:
+            del self.blocks[name]
+        if not first:
+            self.embedding = None
+        if not last:
+            self.final_norm = self.head = None
 
     def init_weights(self, seed: int) -> None:
         """The flax initialisers' distributions: kernels N(0, 1/fan_in), embedding N(0, 1),

@@ -1,0 +1,183 @@
+"""Pipeline stages over the mesh's `pipeline` axis on torch (docs/pipeline.md), through
+`torch.distributed.pipelining`.
+
+Every decision is the trunk's (trainspec.core.pipeline): which layers each stage holds
+(`stages.chunk_layers`: an even split, or `pipeline.layers_per_stage`; the embedding on the
+first stage, the final norm and head on the last), which rows form each pipeline micro-batch
+(`stages.microbatch_order`: micro-batch i holds rows i, i+m, ...), and the order of forwards
+and backwards on each stage (`schedule.orders`). torch moves the bytes: a `PipelineStage` per
+rank sends activations forward and their gradients back over the pipeline axis's process
+group, and `CoreSchedule` runs the trunk's orders as they are, through torch's schedule
+runtime (which adds the sends, receives and FSDP2's unshard, reshard and gradient
+reduce-scatter around them), rather than torch's own schedule classes, whose orders are
+torch's decisions (its GPipe, for one, runs the backwards first micro-batch first).
+
+Each rank builds the whole model (rank 0's parameters), then keeps its stage's part
+(`keep_stage`), which FSDP2 and the tensor plan then lay out like the whole model. The last
+stage's loss of each pipeline micro-batch is its summed per-token loss (the schedule's
+gradient scaling by 1/m is off), so the step's one division by the valid tokens of the whole
+batch stays the accumulation rule's.
+
+`ExecutedOrder` records what the schedule ran on this rank, one operation at a time, so that
+the trunk's `schedule.check` and `schedule.execute` can verify it and measure its idle
+fraction (tests/torch/test_torch_pipeline_schedule.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    _Action, _ComputationType, _PipelineScheduleRuntime)
+
+from trainspec.core.errors import UserInputError
+from trainspec.core.mesh import ParallelDims, pipeline_microbatches
+from trainspec.core.pipeline.schedule import BACKWARD, FORWARD, Op, orders
+from trainspec.core.pipeline.stages import chunk_layers, microbatch_order
+from trainspec.core.spec import Spec
+
+KINDS = {FORWARD: _ComputationType.FORWARD, BACKWARD: _ComputationType.FULL_BACKWARD}
+
+
+class CoreSchedule(_PipelineScheduleRuntime):
+    """torch's schedule runtime on the trunk's per-stage orders: operation (kind, micro-batch i,
+    local chunk c) of stage s is action (model chunk c·p + s, kind, i), chunk k on rank k mod p
+    (torch's default placement, the trunk's looped one)."""
+
+    def __init__(self, stages: list[PipelineStage], microbatches: int, loss_fn: Callable,
+                 stage_orders: list[list[Op]]):
+        super().__init__(stages=stages, n_microbatches=microbatches, loss_fn=loss_fn,
+                         scale_grads=False)
+        p = len(stage_orders)
+        self.pipeline_order = {
+            s: [_Action(op.chunk * p + s, KINDS[op.kind], op.microbatch) for op in ops]
+            for s, ops in enumerate(stage_orders)}
+        self._prepare_schedule_with_comms(self.pipeline_order)
+
+
+class ExecutedOrder:
+    """The operations a rank's stages ran, in order, with their wall-clock start and end."""
+
+    def __init__(self, stages: list[PipelineStage], p: int):
+        self.ops: list[tuple[Op, float, float]] = []
+        for stage in stages:
+            chunk = stage.stage_index // p
+            self._record(stage, "forward_one_chunk", FORWARD, chunk)
+            self._record(stage, "backward_one_chunk", BACKWARD, chunk)
+
+    def _record(self, stage: PipelineStage, method: str, kind: str, chunk: int) -> None:
+        run = getattr(stage, method)
+
+        def recorded(microbatch, *args, **kwargs):
+            start = time.perf_counter()
+            out = run(microbatch, *args, **kwargs)
+            self.ops.append((Op(kind, microbatch, chunk), start, time.perf_counter()))
+            return out
+
+        setattr(stage, method, recorded)
+
+    def clear(self) -> None:
+        self.ops.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineIO:
+    """What a pipeline needs of a model's batch and loss: the first stage's `inputs(batch)`,
+    the last stage's `target(batch)` (one tensor, rows first, cut into micro-batches like the
+    inputs), `loss(output, target)`: the summed per-token loss of a micro-batch from the last
+    stage's output, and `tokens(batch)`: the valid tokens of the rows."""
+
+    inputs: Callable[[dict], torch.Tensor]
+    target: Callable[[dict], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    tokens: Callable[[dict], torch.Tensor]
+
+
+def stage_pipeline(spec: Spec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                   model: nn.Module, io: PipelineIO | None) -> StagePipeline | None:
+    """This rank's stage of the pipeline over the split pipeline axis, `model` cut to its
+    part (`model.keep_stage(layers, first, last)`); None without a split pipeline axis."""
+    if dims.stages == 1:
+        return None
+    if io is None or not hasattr(model, "keep_stage"):
+        raise UserInputError(
+            "mesh.axes.*.size: a split pipeline axis needs a model that can keep one stage's "
+            "part (keep_stage) and a pipeline_io; the reference model has both")
+    pipeline = StagePipeline(spec, dims, mesh, device, io, len(model.blocks))
+    model.keep_stage(pipeline.layers(), pipeline.first, pipeline.last)
+    return pipeline
+
+
+class StagePipeline:
+    """This rank's pipeline stage: its part of the model, and one accumulation micro-batch's
+    forwards and backwards through the schedule (`run`)."""
+
+    def __init__(self, spec: Spec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                 io: PipelineIO, n_layers: int):
+        self.axis = dims.split("pipeline")[0]
+        self.stages, self.stage = dims.stages, mesh.get_local_rank(self.axis)
+        self.group = mesh.get_group(self.axis)
+        self.device, self.io, section = device, io, spec.pipeline
+        self.microbatches = pipeline_microbatches(spec, dims)
+        self.virtual = section.virtual_stages
+        self.chunks = chunk_layers(n_layers, self.stages * self.virtual, section.layers_per_stage)
+        self.schedule_name = section.schedule
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.model: nn.Module | None = None
+        self.schedule: CoreSchedule | None = None
+        self.executed: ExecutedOrder | None = None
+
+    def layers(self) -> range:
+        """The blocks this rank's stage holds."""
+        return self.chunks[self.stage]
+
+    def start(self, model: nn.Module) -> None:
+        """The schedule over `model`, this rank's part, laid out (FSDP2 and tensor plan
+        applied)."""
+        self.model = model
+        stage = PipelineStage(model, self.stage, self.stages, self.device, group=self.group)
+        stage_orders = orders(self.schedule_name, self.stages, self.microbatches, self.virtual)
+        self.schedule = CoreSchedule([stage], self.microbatches, self.io.loss, stage_orders)
+        self.executed = ExecutedOrder([stage], self.stages)
+
+    def run(self, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forwards and backwards of one accumulation micro-batch (this rank's rows);
+        (summed loss, valid tokens) of its pipeline micro-batches on the last stage, zeros
+        on the others (the step sums the stages' values)."""
+        target = self.io.target(micro)
+        order = torch.tensor(microbatch_order(target.shape[0], self.microbatches),
+                             device=target.device)
+        losses: list[torch.Tensor] = []
+        args = (self.io.inputs(micro)[order],) if self.first else ()
+        self.schedule.step(*args, target=target[order], losses=losses)
+        zero = torch.zeros((), device=self.device)
+        if not self.last:
+            return zero, zero
+        loss_sum = torch.stack([loss.detach().float() for loss in losses]).sum()
+        return loss_sum, torch.as_tensor(self.io.tokens(micro), device=self.device).float()
+
+    def evaluate(self, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`'s sums for a forward only (no gradient), the rows whole: each stage takes
+        the previous stage's activations, runs its part and hands them on."""
+        if self.first:
+            x = self.io.inputs(micro)
+        else:
+            received = [None]
+            dist.recv_object_list(received, group=self.group, group_src=self.stage - 1,
+                                  device=self.device)
+            x = received[0].to(self.device)
+        with torch.no_grad():
+            y = self.model(x)
+        zero = torch.zeros((), device=self.device)
+        if not self.last:
+            dist.send_object_list([y], group=self.group, group_dst=self.stage + 1,
+                                  device=self.device)
+            return zero, zero
+        loss_sum = self.io.loss(y, self.io.target(micro)).float()
+        return loss_sum, torch.as_tensor(self.io.tokens(micro), device=self.device).float()
