@@ -76,6 +76,18 @@ def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+def trained_trajectory(run_dir: Path, sets, *extra: str, steps: int,
+                       keys=("loss", "grad_norm")) -> dict:
+    """`trainspec train` for `steps` steps into `run_dir` (every step recorded: the sets must
+    say metrics.interval=1); each of `keys` per step as a NumPy array."""
+    import numpy as np
+
+    run_cli_ok(train_command(run_dir, sets, *extra, steps=steps, summary=False))
+    records = read_records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return {key: np.array([r[key] for r in records]) for key in keys}
+
+
 def read_summary(run_dir: Path) -> dict:
     """The run's --summary-json."""
     return json.loads((Path(run_dir) / "summary.json").read_text())

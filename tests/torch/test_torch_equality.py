@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from cli_runs import read_records, run_cli_ok, train_command
+from cli_runs import trained_trajectory
 from tiny import TINY
 
 pytestmark = pytest.mark.slow
@@ -46,10 +46,7 @@ FAMILIES = {"plain": [], "accumulation": [ACCUMULATE]}
 def _train(run_dir: Path, overrides: list[str], *extra: str,
            steps: int = STEPS) -> dict[str, np.ndarray]:
     """`trainspec train` into `run_dir`; the per-step loss and gradient norm it recorded."""
-    run_cli_ok(train_command(run_dir, [*SETS, *overrides], *extra, steps=steps, summary=False))
-    records = read_records(run_dir)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    return {key: np.array([r[key] for r in records]) for key in ("loss", "grad_norm")}
+    return trained_trajectory(run_dir, [*SETS, *overrides], *extra, steps=steps)
 
 
 @pytest.fixture(scope="module")

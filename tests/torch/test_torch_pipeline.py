@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from cli_runs import read_records, run_cli_ok, train_command
+from cli_runs import trained_trajectory
 from tiny import TINY
 
 pytestmark = pytest.mark.slow  # one JAX run and two torch jobs of 10 steps: about 3 minutes
@@ -28,10 +28,7 @@ JAX_PIPELINE = ['mesh.axes={data={size=2},stage={role="pipeline",size=2},fsdp={s
 
 
 def _train(run_dir: Path, overrides: list[str], *extra: str) -> dict[str, np.ndarray]:
-    run_cli_ok(train_command(run_dir, [*SETS, *overrides], *extra, steps=STEPS, summary=False))
-    records = read_records(run_dir)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return {key: np.array([r[key] for r in records]) for key in ("loss", "grad_norm")}
+    return trained_trajectory(run_dir, [*SETS, *overrides], *extra, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
