@@ -167,8 +167,10 @@ class WrappedStep:
         self.outer = OuterStep(spec.semi_sync, self.params, self.data_group) \
             if spec.semi_sync is not None else None
         if self.data_group is not None and self.outer is None:
-            # the replicated sum over context and expert ranks precedes the data reduction
-            if self.fsdp or spec.collectives.compression != "none" or self.spread is not None:
+            # the replicated sum over context and expert ranks precedes the data reduction; a
+            # pipeline's schedule runs m backwards, none of which alone completes a gradient
+            if (self.fsdp or spec.collectives.compression != "none" or self.spread is not None
+                    or self.pipeline is not None):
                 self.reduction = DataReduction(spec.collectives, self.data_group,
                                                self.grad_dtype, self.model.named_parameters(),
                                                self.packing_order)
