@@ -20,7 +20,7 @@ batch stays the accumulation rule's.
 
 `ExecutedOrder` records what the schedule ran on this rank, one operation at a time, so that
 the trunk's `schedule.check` and `schedule.execute` can verify it and measure its idle
-fraction (tests/torch/test_torch_pipeline_schedule.py).
+fraction, and count the activations it holds (tests/torch/test_torch_pipeline_schedule.py).
 """
 from __future__ import annotations
 
@@ -62,10 +62,14 @@ class CoreSchedule(_PipelineScheduleRuntime):
 
 
 class ExecutedOrder:
-    """The operations a rank's stages ran, in order, with their wall-clock start and end."""
+    """The operations a rank's stages ran, in order, with their wall-clock start and end, and
+    after each the micro-batches whose activations the stage holds (its forward cache: kept
+    from a forward until its backward)."""
 
     def __init__(self, stages: list[PipelineStage], p: int):
         self.ops: list[tuple[Op, float, float]] = []
+        self.held: list[int] = []
+        self.stages = stages
         for stage in stages:
             chunk = stage.stage_index // p
             self._record(stage, "forward_one_chunk", FORWARD, chunk)
@@ -78,12 +82,14 @@ class ExecutedOrder:
             start = time.perf_counter()
             out = run(microbatch, *args, **kwargs)
             self.ops.append((Op(kind, microbatch, chunk), start, time.perf_counter()))
+            self.held.append(sum(len(s.fwd_cache) for s in self.stages))
             return out
 
         setattr(stage, method, recorded)
 
     def clear(self) -> None:
         self.ops.clear()
+        self.held.clear()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,43 @@
+"""The schedule the torch pipeline executed (trainspec.torch.pipeline.ExecutedOrder), recorded
+on each rank during one step of pipeline 2 with m = 8 micro-batches: each stage ran the core's
+order for its schedule, operation for operation; those orders, run under the core's cost model
+(schedule.execute: F = B = one slot), pass the dependency check and idle (p−1)/(m+p−1) of the
+slots; and the activations each stage held (its forward cache) peaked at m micro-batches under
+GPipe and at p − stage under 1F1B."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainspec.core.pipeline.schedule import Op, bubble_formula, execute, orders
+
+pytest.importorskip("torch", reason="the torch extra")
+pytestmark = pytest.mark.slow  # a 2-rank job per schedule
+
+WORKER = Path(__file__).with_name("torch_pipeline_schedule_worker.py")
+P, M = 2, 8
+
+
+def executed(schedule: str, tmp_path) -> list[dict]:
+    result = subprocess.run(
+        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", str(P), "--",
+         sys.executable, str(WORKER), schedule],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    return json.loads(re.search(r"EXECUTED (.*)", out).group(1))
+
+
+@pytest.mark.parametrize("schedule, peak", [("gpipe", [M, M]), ("1f1b", [P, P - 1])])
+def test_torch_runs_the_core_s_orders_with_the_formula_s_bubble(schedule, peak, tmp_path):
+    stages = executed(schedule, tmp_path)
+    ran = [[Op(*op) for op in stage["ops"]] for stage in stages]
+    assert ran == orders(schedule, P, M)
+    timeline = execute(ran)  # checks every dependency
+    assert timeline.idle_fraction() == pytest.approx(bubble_formula(schedule, P, M), abs=1e-12)
+    print(f"{schedule}: idle fraction {timeline.idle_fraction():.4f}, held at most "
+          f"{[max(s['held']) for s in stages]} micro-batches of activations per stage")
+    assert [max(stage["held"]) for stage in stages] == peak

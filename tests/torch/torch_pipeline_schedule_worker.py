@@ -1,0 +1,35 @@
+"""One rank of test_torch_pipeline_schedule.py, under `trainspec launch --nprocs 2`: one step
+of the reference model over pipeline 2 (m = 8 pipeline micro-batches) under SCHEDULE, then the
+operations this rank's stage ran (trainspec.torch.pipeline.ExecutedOrder) gathered to rank 0,
+which prints them as JSON: per stage, [kind, micro-batch, chunk] in order, and the
+micro-batches of activations held after each."""
+import json
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+from trainspec.core.data import ByteBatches
+from trainspec.core.spec import load_spec
+from trainspec.torch.runtime import TorchRuntime
+from trainspec.torch.train import TorchStep
+
+schedule = sys.argv[1]
+spec = load_spec(None, [
+    "model.d_model=16", "model.d_ff=32", "model.n_layers=2", "model.n_heads=2",
+    "batch.seq_len=8", "batch.global_batch=8", "batch.micro_batch=8", "eval.interval=0",
+    'mesh.axes={stage={role="pipeline",size=2},data={size=1},fsdp={size=1},tensor={size=1}}',
+    f'pipeline.schedule="{schedule}"', "pipeline.microbatches=8"])
+runtime = TorchRuntime()
+runtime.join()
+step = TorchStep(spec, runtime.build_mesh(spec), 1, runtime.device)
+batch = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batch(0)
+step({key: np.asarray(v)[step.rows()] for key, v in batch.items()})
+executed = step.pipeline.executed
+mine = {"ops": [[op.kind, op.microbatch, op.chunk] for op, _, _ in executed.ops],
+        "held": executed.held}
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, mine)
+if dist.get_rank() == 0:
+    print("EXECUTED " + json.dumps(every), flush=True)
+runtime.leave()
