@@ -16,7 +16,7 @@ from trainspec.core import export, params_file
 from trainspec.core.evaluation import reference_batches
 from trainspec.core.spec import load_spec
 from trainspec.jax.models.transformer import Transformer as FlaxTransformer
-from trainspec.torch.model import Transformer, from_flax, next_token_loss
+from trainspec.torch.models.transformer import Transformer, from_flax, next_token_loss
 
 SETS = [*TINY, "checkpoint.interval=2", "checkpoint.async_save=false", "eval.interval=2",
         "eval.batches=2", "mesh.axes.data.size=1", "mesh.axes.fsdp.size=2"]

@@ -14,7 +14,7 @@ from trainspec.core.spec import Spec
 from trainspec.core.store import BadCheckpoint, Checkpoints
 from trainspec.torch import state_files
 from trainspec.torch.checkpoint import FORMAT
-from trainspec.torch.model import Transformer, to_flax
+from trainspec.torch.models.transformer import Transformer, to_flax
 
 
 def trained_params(spec: Spec, run_dir: Path) -> tuple[dict[str, np.ndarray], int]:
