@@ -44,6 +44,23 @@ def test_a_stopped_or_gone_process_is_named_even_at_the_same_step(tmp_path):
         stopped.wait()
 
 
+def test_a_stopped_process_is_named_alone_when_a_rank_got_a_step_ahead(tmp_path):
+    # seen in CI: rank 0 finished the collective rank 2 was stopped inside and entered step 3
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        for rank, step in ((0, 3), (1, 2), (3, 2)):
+            _mark(tmp_path, rank, step)
+        _mark(tmp_path, 2, 2, pid=stopped.pid)
+        for me in (0, 1, 3):
+            assert arrivals.missing(tmp_path, 4, me=me) == {
+                2: (3, f"rank 2 last entered step 2, its process {stopped.pid} stopped")}
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
 def test_no_rank_behind_is_said_so(tmp_path):
     _mark(tmp_path, 0, 3)
     _mark(tmp_path, 1, 3)

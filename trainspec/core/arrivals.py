@@ -77,14 +77,19 @@ def _marks(run_dir: Path, world: int) -> dict[int, tuple[int, int, str]]:
 
 def missing(run_dir: Path, world: int, me: int) -> dict[int, tuple[int, str]]:
     """The ranks of a `world`-rank job that did not arrive, as `rank -> (the step whose
-    collectives it did not join, why)`: behind the furthest rank (the step after its own), or
-    gone or stopped (this host's processes) within the step it entered last."""
+    collectives it did not join, why)`: the ranks whose process is gone or stopped (this
+    host's processes), where any is; else those behind the furthest rank (the step after their
+    own). A stopped rank comes first because the others wait on it at different steps: gloo's
+    ring lets a rank finish a collective the stopped one left half done and enter the next
+    step, which puts every rank still waiting behind it."""
     marks = _marks(run_dir, world)
     furthest = max((step for step, _, _ in marks.values()), default=0)
+    states = {rank: _state(pid, host) for rank, (_, pid, host) in marks.items() if rank != me}
+    dead = {rank for rank, state in states.items() if state is not None}
     found = {}
-    for rank, (step, pid, host) in sorted(marks.items()):
-        state = _state(pid, host)
-        if rank != me and (state is not None or step < furthest):
+    for rank, (step, pid, _) in sorted(marks.items()):
+        if rank != me and (rank in dead if dead else step < furthest):
+            state = states[rank]
             found[rank] = step + (step < furthest), f"rank {rank} last entered step {step}" + (
                 f", its process {pid} {state}" if state else "")
     return found
