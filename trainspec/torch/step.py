@@ -528,41 +528,6 @@ def _with_attention(model_fn: Callable, attention: Callable) -> nn.Module:
     return model_fn(attention=attention)
 
 
-def _check_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> None:
-    have = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
-    if have != sizes:
-        raise UserInputError(f"mesh: its axes {have} are not the spec's mesh.axes {sizes} on "
-                             f"{mesh.size()} ranks")
-
-
-def _check_optimizer(optimizer, model: nn.Module) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UserInputError(f"optimizer_fn: returned a {type(optimizer).__name__}, not a "
-                             "torch.optim.Optimizer")
-    held = {id(q) for group in optimizer.param_groups for q in group["params"]}
-    missing = [n for n, q in model.named_parameters() if q.requires_grad and id(q) not in held]
-    if missing:
-        raise UserInputError(
-            f"optimizer_fn: {len(missing)} trainable parameters are not in its optimizer (first: "
-            f"{missing[0]}); build it from the parameters it is given, which are laid out")
-
-
-def _describe(value) -> str:
-    if isinstance(value, tuple):
-        return f"a tuple of {len(value)}: ({', '.join(_describe(v) for v in value)})"
-    if isinstance(value, torch.Tensor):
-        grad = ", no grad" if not value.requires_grad else ""
-        return f"a tensor of shape {tuple(value.shape)}{grad}"
-    return f"a {type(value).__name__}"
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return groups
-
-
 def to_host(tree):
     """A step's metrics (a tree of dicts, lists and tuples) with every tensor read as a host
     number: a record's one synchronisation."""
