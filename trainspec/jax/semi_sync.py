@@ -120,7 +120,7 @@ class Groups:
     @staticmethod
     def loss_step_fn(step: WrappedStep, batch_shardings):
         """One step of every group on its own rows: `vmap` over a leading group axis bound to
-        the data axes (as the replica-reduced step in trainspec.jax.step), and no reduction of the
+        the data axes (as the replica-reduced step in trainspec.jax.replica_steps), and no reduction of the
         gradients over it."""
         spec, mesh, data = step.spec, step.mesh, step.data_axes
         k, n = spec.batch.accumulation_steps, step.replicas

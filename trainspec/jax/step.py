@@ -5,7 +5,9 @@ Two ways in, one machinery (docs/wrapping.md):
 - `loss_step(loss_fn)`, built from `loss_fn(params, batch) -> (loss_sum, valid_tokens, aux)`
   with the optax optimizer inside a flax `TrainState`: all of the above plus micro-batch
   accumulation normalised by the valid tokens of the whole global batch, and precision casts.
-The step forms and their accumulation arithmetic are in trainspec.jax.step_forms.
+The step forms and their accumulation arithmetic are in trainspec.jax.step_forms, their functions
+as this step runs them in trainspec.jax.replica_steps, the non-finite guard and the host's reads
+in trainspec.jax.step_health.
 """
 from __future__ import annotations
 
@@ -16,28 +18,23 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from trainspec.jax import init_checks, layout
+from trainspec.jax import init_checks, layout, replica_steps
 from trainspec.jax.batching import BatchPlacement
 from trainspec.jax.backends import backend
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.collectives import compression, replica_reduce
 from trainspec.core.capabilities import Request
-from trainspec.core.semi_sync import combine_groups
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import rolls_back
 from trainspec.core.mesh import ParallelDims, check_batch
 from trainspec.core.spec import Spec
-from trainspec.jax.health import nan as nan_guard
 from trainspec.jax.mesh import build_mesh, check_hierarchical, users_mesh
 from trainspec.jax.pipeline import pipelined_loss_of
 from trainspec.jax.metrics import comm, gns
-from trainspec.jax.step_forms import (
-    GradStep, LossStep, Precision, accumulate, accumulated_step, apply_update, split_micro,
-)
+from trainspec.jax.step_forms import GradStep, LossStep
+from trainspec.jax.step_health import StepHealth
 
 # Steps dispatched ahead of the host on a mesh of more than one device. XLA:CPU's runtime
 # deadlocked with ~100 executions of a collective program in flight, ext's or XLA's own, and was
@@ -45,11 +42,9 @@ from trainspec.jax.step_forms import (
 # steps without a host read, on the loaded 2-core CI machine). Waiting on step s - 8 costs
 # nothing the host was not already ahead of.
 MAX_STEPS_IN_FLIGHT = 8
-# The metrics a rollback verdict reads (SemiSyncStep weighs the groups' losses by tokens).
-VERDICT_METRICS = ("loss", "grad_norm", "loss_tokens", "valid_tokens")
 
 
-class WrappedStep:
+class WrappedStep(StepHealth):
     """The jitted, sharded step. Build state with `init`, feed host batches to `__call__`.
 
     `nan_guard` (default on): under `health.nan.policy = rollback` (the default) the step is
@@ -183,9 +178,9 @@ class WrappedStep:
         if isinstance(self.step_fn, LossStep) and self.groups is not None:
             fn = self.groups.loss_step_fn(self, batch_shardings)
         elif isinstance(self.step_fn, LossStep):
-            fn = self._loss_step_fn(batch_shardings)
+            fn = replica_steps.loss_step_fn(self, batch_shardings)
         elif isinstance(self.step_fn, GradStep) and self.gns_source == gns.REPLICAS:
-            fn = self._grad_step_fn()
+            fn = replica_steps.grad_step_fn(self)
         else:
             fn = self.step_fn
 
@@ -202,110 +197,6 @@ class WrappedStep:
             donate_argnums=(0, 1),
         )
 
-    def _guarded(self, guard, state, new_state, metrics):
-        if self.groups is not None:
-            return self.groups.guarded(self, guard, state, new_state, metrics)
-        return nan_guard.guarded(self.spec.health.nan, guard, state, new_state, metrics,
-                                 self.mesh, self.state_pspecs)
-
-    @property
-    def guard_sharding(self) -> NamedSharding:
-        """Where the non-finite guard's record and the step's metrics live: replicated
-        (with `groups`: one per group, split over the data axes)."""
-        return NamedSharding(self.mesh, P(self.data_axes) if self.groups is not None else P())
-
-    metrics_sharding = guard_sharding
-
-    def to_host(self, tree):
-        """Device arrays of this step (metrics, the guard) as NumPy on the host."""
-        if self.groups is not None:
-            return self.groups.to_host(tree)
-        return jax.device_get(tree)
-
-    def combine_metrics(self, metrics: dict) -> dict:
-        """The record's values from the step's metrics on the host (with `groups`: combined
-        from the groups' values)."""
-        return combine_groups(metrics)
-
-    def host_metrics(self, metrics: dict) -> dict:
-        """A step's metrics as the record reads them: on the host, `loss`, `grad_norm`,
-        `valid_tokens`, ... of the whole step (a host sync)."""
-        return self.combine_metrics(self.to_host(metrics))
-
-    def reset_guard(self, step: int = 0, skipped: int = 0, consecutive: int = 0) -> None:
-        """Start the non-finite guard `step` steps into the run, with the counts of skipped
-        and consecutive non-finite steps a restored checkpoint carries."""
-        per_group = self.replicas if self.groups is not None else None  # else one guard
-        record = (nan_guard.init_guard(step, skipped, consecutive, per_group)
-                  if self.nan_guard and not self.rolls_back else {})
-        self.guard = jax.device_put(record, self.guard_sharding)
-
-    def check_nonfinite(self) -> int:
-        """At a host sync: raise HealthHalt if the nan_guard tripped; else the steps it skipped,
-        counted on from `reset_guard`'s (0 without the guard). Reads the small guard record only."""
-        if not self.nan_guard or self.rolls_back or self.guard is None:
-            return 0
-        return nan_guard.check(self.spec.health.nan, self.to_host(self.guard))
-
-    def nonfinite_counts(self) -> dict[str, int]:
-        """The guard's skipped and consecutive non-finite steps as of the last step whose
-        update was kept: what a checkpoint of the state carries on (zeros without the guard)."""
-        if not self.nan_guard or self.rolls_back or self.guard is None:
-            return {"skipped_steps": 0, "consecutive_nonfinite": 0}
-        return nan_guard.counts(self.to_host(self.guard))
-
-    def verdict_inputs(self, metrics: dict):
-        """Under `rollback`: the metrics that judge this step, still on device (read later by
-        `read_verdicts`); None otherwise."""
-        if not self.rolls_back:
-            return None
-        return {k: v for k, v in metrics.items() if k in VERDICT_METRICS}
-
-    def read_verdicts(self, inputs: list) -> list[tuple[bool, float | None]]:
-        """(the gradient norm is finite, the loss) of each step's `verdict_inputs`: one host
-        read of them all, whose transfers overlap. On 8 simulated devices (AMD EPYC VM, 2
-        cores) ten steps' scalars took 0.95 ms read one step at a time against 0.64 ms at once
-        on a quiet machine, and 1.5-5.5 ms against 0.8-0.9 ms while the test suite ran."""
-        verdicts = []
-        for metrics in self.to_host(inputs):
-            host = self.combine_metrics(metrics)
-            finite = bool(np.all(np.isfinite(host.get("grad_norm", 0.0))))
-            verdicts.append((finite, float(host["loss"]) if "loss" in host else None))
-        return verdicts
-
-    def state_is_finite(self, state) -> bool:
-        """Every floating element of `state` finite: each device checks its slices, one
-        all-reduce of one integer, compiled once (run before checkpoints, not per step)."""
-        if self._state_check is None:
-            check = lambda s: nan_guard.state_is_finite(s, self.mesh, self.state_pspecs)  # noqa: E731
-            self._state_check = jax.jit(check, out_shardings=NamedSharding(self.mesh, P()))
-        with self.context():
-            return bool(self._state_check(state))
-
-    def _loss_step_fn(self, batch_shardings):
-        spec, k = self.spec, self.spec.batch.accumulation_steps
-        precision = Precision(jnp.dtype(spec.precision.compute), jnp.dtype(spec.precision.grad_reduce))
-        # Reduce across replicas once per step, explicitly, when accumulating (a replicated
-        # accumulator makes XLA all-reduce every micro-batch's gradient: k times the traffic)
-        # or when the spec names a collectives backend other than XLA's own.
-        # GNS over replicas needs each replica's gradient before the reduction, too.
-        # A pipelined loss is a shard_map over the pipeline axis, which cannot run inside that
-        # per-replica vmap: XLA reduces its gradients (the capability table refuses compression
-        # and custom-call backends with a split pipeline axis).
-        if self.data_axes and not self.pipelined and (
-                k > 1 or not self.backend.native or self.gns_source == gns.REPLICAS
-                or self.compressed):
-            return self._replica_reduced_step_fn(precision)
-
-        def constrain(micro):  # keep each micro-batch split over the batch shards
-            return jax.tree.map(jax.lax.with_sharding_constraint, micro, batch_shardings)
-
-        def step(state, batch):
-            return accumulated_step(self.step_fn.loss_fn, state, split_micro(batch, k),
-                                     precision, constrain, self.gns_source == gns.MICRO_BATCHES)
-
-        return step
-
     @property
     def replicas(self) -> int:
         """Data-parallel replicas: the product of the data-role axes' sizes."""
@@ -318,79 +209,10 @@ class WrappedStep:
             self.spec, self.mesh, self.data_axes, self.state_pspecs.params, self.replicas,
             self.compressed, stacked, residual)
 
-    def _grad_step_fn(self):
-        """A GradStep with GNS over replicas: `grad_fn` per replica (vmap bound to the data
-        axes, as in the loss-step path), the replica means averaged by one explicit all-reduce,
-        then `update_fn`. B is counted in rows (the unit grad_fn averages over)."""
-        data, n = self.data_axes, self.replicas
-        inner_rules = layout.flax_rules(self.spec, without=data)
-
-        def step(state, batch):
-            per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-            with nn.logical_axis_rules(inner_rules):
-                grads, metrics = jax.vmap(self.step_fn.grad_fn, in_axes=(None, 0),
-                                          spmd_axis_name=data)(state.params, per_replica)
-            mean = jax.tree.map(lambda g: g / n, self._reduce_over_replicas(grads))
-            rows = jax.tree.leaves(batch)[0].shape[0]
-            metrics = {
-                **jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics),
-                "grad_norm": optax.tree.norm(mean),
-                **gns.step_parts(jnp.mean(gns.stacked_sq_norms(grads)), rows / n,
-                                 gns.sq_norm(mean), rows),
-            }
-            return self.step_fn.update_fn(state, mean), metrics
-
-        return step
-
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The data-role mesh axes that actually split (size > 1)."""
         return self.dims.split("data")
-
-    def _replica_reduced_step_fn(self, precision: Precision):
-        """The step with the cross-replica gradient sum made explicit: once per step, through
-        the spec's collectives backend (`collectives.backend`: lax, or the xla_ext custom calls).
-
-        Each data-parallel replica's sums are computed by `vmap` over a leading replica axis
-        (bound to the data mesh axes, so each replica stays on its own devices and the model
-        code is unchanged; fsdp/tensor axes inside a replica stay with XLA). The per-replica
-        gradient sums are then all-reduced over the data axes in a `shard_map`. Tokens and loss
-        sums are scalars: summed over the replica axis directly.
-        """
-        spec, mesh, data = self.spec, self.mesh, self.data_axes
-        k, n = spec.batch.accumulation_steps, self.replicas
-        inner_rules = layout.flax_rules(spec, without=data)
-        inner_batch_spec = lambda x: NamedSharding(  # noqa: E731
-            mesh, layout.batch_partition_spec(spec, mesh, np.ndim(x), without=data))
-        reduce_over_replicas = self._reduce_over_replicas
-
-        def step(state, batch):
-            def replica_sums(rows):
-                micro = split_micro(rows, k)
-                constrain = lambda b: jax.tree.map(  # noqa: E731
-                    lambda x: jax.lax.with_sharding_constraint(x, inner_batch_spec(x)), b)
-                return accumulate(self.step_fn.loss_fn, state.params, micro, precision, constrain)
-
-            # Rows of replica r are its contiguous block of the data-sharded batch dimension.
-            per_replica = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-            with nn.logical_axis_rules(inner_rules):
-                grad_sums, loss_sums, token_sums, aux = jax.vmap(
-                    replica_sums, spmd_axis_name=data)(per_replica)
-            if self.error_feedback:
-                grad_sum, residual = reduce_over_replicas(grad_sums, state.ef_residual)
-            else:
-                grad_sum = reduce_over_replicas(grad_sums)
-            total = lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0), t)  # noqa: E731
-            new_state, metrics = apply_update(state, grad_sum, total(loss_sums), total(token_sums),
-                                        total(aux))
-            if self.error_feedback:
-                new_state = new_state.replace(ef_residual=residual)
-            if self.gns_source == gns.REPLICAS:
-                metrics.update(gns.replica_parts(grad_sums, token_sums, grad_sum,
-                                                 total(token_sums)))
-            return new_state, metrics
-
-        return step
 
     def lower(self, state, batch):
         """The lowered step for `batch` (host or global arrays), for cost and memory analysis."""
