@@ -4,7 +4,7 @@ it is refused in one line naming mesh.axes.context (it would attend within its o
 import pytest
 
 from trainspec.core.errors import UserInputError
-from trainspec.torch.step import _with_attention
+from trainspec.torch.step_inputs import with_attention
 
 
 def across_ranks(q, k, v):
@@ -12,12 +12,12 @@ def across_ranks(q, k, v):
 
 
 def test_the_model_is_built_with_the_context_attention():
-    assert _with_attention(lambda attention: attention, across_ranks) is across_ranks
+    assert with_attention(lambda attention: attention, across_ranks) is across_ranks
 
 
 def test_a_model_fn_without_attention_is_refused_naming_the_axis():
     with pytest.raises(UserInputError) as refused:
-        _with_attention(lambda: None, across_ranks)
+        with_attention(lambda: None, across_ranks)
     line = str(refused.value)
     assert line.startswith("mesh.axes.context: a split context axis needs a model_fn that takes "
                            "`attention`") and "\n" not in line

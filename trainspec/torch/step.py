@@ -15,12 +15,13 @@ fused optimizers skip a dropped update there (docs/adapters.md, "host reads"). `
 checkpoints the units (trainspec/torch/remat.py), `layout.optimizer_state` may split the
 optimizer state over the data replicas (trainspec/torch/optimizer_state.py), and `metrics.gns`
 adds the gradient noise scale's parts to the metrics (trainspec/torch/gns.py).
+
+The step's other parts: the checks of what the user hands in (trainspec/torch/step_inputs.py),
+the micro-batch loops (trainspec/torch/micro_batches.py), and the checkpoints and replica
+checks (trainspec/torch/step_state.py).
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
-import struct
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -28,29 +29,29 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainspec.core.collectives_reference import to_groups
 from trainspec.core.errors import UserInputError
-from trainspec.core.health import ReplicaMismatch, odd_copies
 from trainspec.core.spec import Spec
 from trainspec.torch.mesh import group_of
-from trainspec.torch.runtime import TORCH_DTYPES, TorchRuntime, fingerprint
-from trainspec.torch.checkpoint import TorchCheckpointer
+from trainspec.torch.runtime import TORCH_DTYPES, TorchRuntime
 from trainspec.torch.context import ContextSplit
 from trainspec.torch.gns import StepNoiseScale
 from trainspec.torch.guard import DeviceGuard
 from trainspec.torch.layout import (
     apply_fsdp, apply_tensor_parallel, check_rules_match, default_tensor_plan, local_block, rows,
     shard_units)
+from trainspec.torch.micro_batches import MicroBatches
 from trainspec.torch.norms import Norms
-from trainspec.torch.models.moe import lay_out_experts, routing_stats, weighted_aux_loss
+from trainspec.torch.models.moe import lay_out_experts
 from trainspec.torch.optim import spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.overlap import OverlappedReduction
 from trainspec.torch.pipeline import PipelineIO, stage_pipeline
-from trainspec.torch.reduction import DataReduction, model_order, packed
+from trainspec.torch.reduction import DataReduction, model_order
 from trainspec.torch.remat import apply_remat
 from trainspec.torch.replicated import ReplicatedSum
 from trainspec.torch.semi_sync import OuterStep
+from trainspec.torch.step_inputs import build_model, check_mesh, check_optimizer
+from trainspec.torch.step_state import CheckpointedState
 from trainspec.torch.support import batch_axes, check_layout, token_axes
 from trainspec.torch.update import DeviceUpdate
 
@@ -71,7 +72,7 @@ def wrap(model_fn: Callable[[], nn.Module], loss_fn: Callable, spec: Spec, *,
                        device=device or TorchRuntime().device, **options)
 
 
-class WrappedStep:
+class WrappedStep(MicroBatches, CheckpointedState):
     """Model, optimizer and step of one rank.
 
     - `model_fn()` builds the model, with torch's generator seeded by `spec.seed`; every rank
@@ -102,7 +103,7 @@ class WrappedStep:
                  tensor_plan: dict | None = None, autocast: bool = True, nan_guard: bool = True,
                  spec_schedule: bool = True, pipeline_io: PipelineIO | None = None):
         self.dims = check_layout(spec, mesh.size())  # what everything below reads of the mesh
-        _check_mesh(mesh, self.dims.shape)
+        check_mesh(mesh, self.dims.shape)
         self.spec, self.mesh, self.device, self.loss_fn = spec, mesh, device, loss_fn
         self.total_steps = total_steps or spec.train.steps
         p = spec.precision
@@ -116,7 +117,8 @@ class WrappedStep:
                 "model that casts itself)")
         context = self.dims.split("context")
         self.context = ContextSplit(spec, mesh, context) if context else None
-        self.model = self._build(model_fn)
+        self.model = build_model(model_fn, spec.seed, device, self.param_dtype,
+                                 self.context.attention if self.context else None)
         # a split pipeline axis: this rank keeps its stage's part (trainspec/torch/pipeline.py)
         self.pipeline = stage_pipeline(spec, self.dims, mesh, device, self.model, pipeline_io)
 
@@ -180,7 +182,7 @@ class WrappedStep:
         self.scalars_ride = self.overlapped is not None and summed == self.data_axes
         optimizer = (spec_optimizer(spec.optimizer, self.params) if optimizer_fn is None
                      else optimizer_fn(self.params))
-        _check_optimizer(optimizer, self.model)
+        check_optimizer(optimizer, self.model)
         sharded = spec.layout.optimizer_state == "shard_over_data"
         if sharded:  # refused on any mesh, not only where it shards
             check_shardable(optimizer)
@@ -208,20 +210,6 @@ class WrappedStep:
         """The learning rate of update `updates`: the spec's schedule over the run length, or
         the optimizer's own (its first group's) without `spec_schedule`."""
         return self.update.learning_rate(updates, self.total_steps)
-
-    def _build(self, model_fn) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.spec.seed)
-            model = model_fn() if self.context is None else _with_attention(
-                model_fn, self.context.attention)
-        if not isinstance(model, nn.Module):
-            raise UserInputError(f"model_fn: returned a {type(model).__name__}, not a "
-                                 "torch.nn.Module")
-        model.to(device=self.device, dtype=self.param_dtype)
-        if dist.get_world_size() > 1:
-            for tensors in _by_dtype([*model.parameters(), *model.buffers()]).values():
-                packed(tensors, lambda flat: dist.broadcast(flat, src=0))
-        return model
 
     # The order of the data all-reduce's buffer (trainspec/torch/reduction.py); compression's
     # blocks and chunks are cut in it.
@@ -315,217 +303,6 @@ class WrappedStep:
             metrics["loss_tokens"] = tokens
             self.outer.after_inner_step()
         return metrics
-
-    def _accumulate(self, batch: Mapping) -> tuple[torch.Tensor, dict]:
-        """Gradients of the summed token losses over k micro-batches (rows j, j+k, ... of this
-        rank's rows); (loss sum, valid tokens) of this rank, and the MoE layers' routing
-        statistics summed over the micro-batches ({} without experts). With MoE layers
-        (trainspec.torch.models.moe) their auxiliary losses join the loss sum."""
-        k = self.spec.batch.accumulation_steps
-        local = self._local_rows(batch)
-        sums = torch.zeros(2, dtype=torch.float32, device=self.device)
-        every = self.noise_scale.every_micro_batch
-        routing: dict = {}
-        for j in range(k):
-            micro = {key: v[j::k] for key, v in local.items()}
-            if self.pipeline is not None:  # forwards and backwards by the stages' schedule
-                with self._compute():
-                    loss_sum, tokens = self.pipeline.run(micro)
-                sums += torch.stack([loss_sum, tokens])
-                continue
-            if self.fsdp:  # reduce-scatter once, after the last micro-batch (or after each)
-                self.model.set_requires_gradient_sync(every or j == k - 1)
-            if self.overlapped is not None and j == k - 1:  # this backward completes them
-                self.overlapped.arm()
-            with self._compute():
-                loss_sum, tokens = self._loss(micro)
-                stats = routing_stats(self.model)
-                if stats is not None:
-                    loss_sum = loss_sum + weighted_aux_loss(self.model, tokens)
-                    routing = {n: routing.get(n, 0) + v for n, v in stats.items()}
-            loss_sum.backward()
-            tokens = torch.as_tensor(tokens, device=self.device).float()
-            sums += torch.stack([loss_sum.detach().float(), tokens])
-            if every:
-                self.noise_scale.after_micro_batch(
-                    [q.grad for q in self.params if q.grad is not None], tokens)
-        return sums, routing
-
-    def evaluate(self, batch: Mapping) -> tuple[float, float]:
-        """(loss sum, valid tokens) of `loss_fn` over the global batch (this rank's rows, or the
-        whole batch), the model in eval mode, no gradient: `[eval]`'s held-out loss."""
-        k, local = self.spec.batch.accumulation_steps, self._local_rows(batch)
-        sums = torch.zeros(2, dtype=torch.float32, device=self.device)
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for j in range(k):
-                    micro = {key: v[j::k] for key, v in local.items()}
-                    with self._compute():
-                        if self.pipeline is not None:
-                            loss_sum, tokens = self.pipeline.evaluate(micro)
-                        else:
-                            loss_sum, tokens = self.loss_fn(self.model, micro)
-                        if routing_stats(self.model) is not None:
-                            loss_sum = loss_sum + weighted_aux_loss(self.model, tokens)
-                    tokens = torch.as_tensor(tokens, device=self.device).float()
-                    sums += torch.stack([loss_sum.float(), tokens])
-        finally:
-            self.model.train()
-        if self.batch_group is not None:
-            dist.all_reduce(sums, group=self.batch_group)
-        loss_sum, tokens = sums.tolist()
-        return loss_sum, tokens
-
-    def _compute(self):
-        if not self.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
-    def _loss(self, micro: dict):
-        result = self.loss_fn(self.model, micro)
-        if not self._loss_checked:
-            ok = (isinstance(result, tuple) and len(result) == 2
-                  and isinstance(result[0], torch.Tensor) and result[0].dim() == 0
-                  and result[0].requires_grad)
-            if not ok:
-                raise UserInputError(
-                    "loss_fn: expected (loss_sum, valid_tokens), the summed per-token losses as "
-                    "a scalar tensor that requires grad and the token count; got "
-                    f"{_describe(result)}")
-            self._loss_checked = True
-        return result
-
-    def _local_rows(self, batch: Mapping) -> dict[str, torch.Tensor]:
-        if not isinstance(batch, Mapping):
-            raise UserInputError(f"batch: expected a dict of arrays, got a {type(batch).__name__}")
-        whole, per = self.spec.batch.global_batch, self._rows.stop - self._rows.start
-        local = {}
-        for key, value in batch.items():
-            t = torch.as_tensor(value)
-            n = t.shape[0] if t.dim() else 0
-            if n not in (whole, per):
-                raise UserInputError(
-                    f"batch[{key!r}] has {n} rows; expected batch.global_batch = {whole} (the "
-                    f"global batch) or {per} (this rank's rows, step.rows())")
-            local[key] = (t[self._rows] if n != per else t).to(self.device)
-        return local if self.context is None else self.context.local(local)
-
-    # -- health and checkpoints ----------------------------------------------------------------
-    def state_tensors(self) -> list[torch.Tensor]:
-        """This rank's blocks of everything its checkpoints carry: the parameters, the
-        optimizer's state, the error-feedback residual and semi_sync's anchor and momentum."""
-        optimizer = [v for per_param in self.optimizer.state.values() for v in per_param.values()
-                     if torch.is_tensor(v)]
-        compressed = self.reduction.compressed if self.reduction is not None else None
-        residual = [compressed.residual] if compressed and compressed.residual is not None else []
-        outer = [*self.outer.anchor, *self.outer.momentum] if self.outer is not None else []
-        return [local_block(t) for t in (*self.params, *optimizer, *residual, *outer)]
-
-    def check_replicas(self, step: int, last_good_step: int = 0,
-                       ids: list[int] | None = None) -> None:
-        """Fingerprint every parameter's local block; the copies across the data axes must
-        agree. ReplicaMismatch names the first parameter whose copies differ and the ranks the
-        core's majority vote finds odd in any data group: the fingerprints are gathered from
-        every rank, so that every rank raises the same (a rollback re-forms the job on all).
-        `ids[rank]`: how to name a rank (default: by its rank; a run names the ranks of the
-        job as launched)."""
-        if self.data_group is None:
-            return
-        # under [semi_sync] the groups agree on the anchor (their own parameters differ
-        # between outer steps)
-        blocks = self.outer.anchor if self.outer else [local_block(q.detach()) for q in self.params]
-        mine = [fingerprint(block) for block in blocks]
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        names = [name for name, _ in self.model.named_parameters()]
-        odd, first = set(), None
-        for ranks in self._data_groups():
-            for i, name in enumerate(names):
-                diverged = odd_copies([struct.pack("<II", *every[r][i]) for r in ranks])
-                if diverged:
-                    odd.update(ranks[j] for j in diverged)
-                    first = first or name
-                    break
-        if odd:
-            named = sorted(ids[r] if ids else r for r in odd)
-            raise ReplicaMismatch(f"replica fingerprints differ after step {step}: {first} on "
-                                  f"ranks {named}", last_good_step, named)
-
-    def _data_groups(self) -> list[list[int]]:
-        """The global ranks of each data group (the copies of the same blocks)."""
-        grid = self.mesh.mesh.numpy()
-        names = list(self.mesh.mesh_dim_names)
-        members, _ = to_groups(grid, grid.ndim, tuple(names.index(a) for a in self.data_axes))
-        return members.tolist()
-
-    def save(self, checkpointer: TorchCheckpointer, step: int) -> None:
-        """Checkpoint the state after `step` (its data position), replicas checked first."""
-        self.check_replicas(step, checkpointer.last_saved or 0)
-        counts = self.guard.counts()
-        checkpointer.save(step, self.model, self.optimizer, self.total_steps, self.updates,
-                          counts["skipped_steps"], self.mesh_shape,
-                          counts["consecutive_nonfinite"], outer=self.outer)
-
-    def restore(self, checkpointer: TorchCheckpointer) -> int:
-        """Load the newest checkpoint, resharded onto this layout (any mesh); the data position
-        to continue from (0 when there is none). The schedule keeps the saved run's length."""
-        meta = checkpointer.restore_latest(self.model, self.optimizer, self.outer)
-        if meta is None:
-            return 0
-        if self.outer is not None:
-            self.outer.steps_done = meta["data_position"]
-        self.total_steps, self.updates = meta["total_steps"], meta["updates"]
-        self.guard = DeviceGuard(self.spec.health.nan, self.device, meta["data_position"],
-                                 meta["skipped_steps"], meta.get("consecutive_nonfinite", 0))
-        return meta["data_position"]
-
-
-def _check_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> None:
-    have = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
-    if have != sizes:
-        raise UserInputError(f"mesh: its axes {have} are not the spec's mesh.axes {sizes} on "
-                             f"{mesh.size()} ranks")
-
-
-def _check_optimizer(optimizer, model: nn.Module) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UserInputError(f"optimizer_fn: returned a {type(optimizer).__name__}, not a "
-                             "torch.optim.Optimizer")
-    held = {id(q) for group in optimizer.param_groups for q in group["params"]}
-    missing = [n for n, q in model.named_parameters() if q.requires_grad and id(q) not in held]
-    if missing:
-        raise UserInputError(
-            f"optimizer_fn: {len(missing)} trainable parameters are not in its optimizer (first: "
-            f"{missing[0]}); build it from the parameters it is given, which are laid out")
-
-
-def _describe(value) -> str:
-    if isinstance(value, tuple):
-        return f"a tuple of {len(value)}: ({', '.join(_describe(v) for v in value)})"
-    if isinstance(value, torch.Tensor):
-        grad = ", no grad" if not value.requires_grad else ""
-        return f"a tensor of shape {tuple(value.shape)}{grad}"
-    return f"a {type(value).__name__}"
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return groups
-
-
-def _with_attention(model_fn: Callable, attention: Callable) -> nn.Module:
-    """`model_fn(attention=...)` under a split context axis: the model attends through the
-    context ranks (trainspec.torch.context.ContextSplit.attention), or it would see its own
-    part of each sequence only."""
-    if "attention" not in inspect.signature(model_fn).parameters:
-        raise UserInputError(
-            "mesh.axes.context: a split context axis needs a model_fn that takes `attention`, "
-            "the causal attention of (batch, heads, length, head_dim) tensors across the context "
-            "ranks, and uses it in place of its own (docs/adapters.md)")
-    return model_fn(attention=attention)
 
 
 def to_host(tree):
