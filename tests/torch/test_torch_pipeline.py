@@ -6,23 +6,36 @@ from the JAX run's initial parameters (`--init-from`): the per-step loss and gra
 within 1e-5 over 10 float32 steps. Gradients are clipped at 1.0 from the first step, so a
 wrong gradient (a micro-batch lost, a stage's part applied twice) changes every update, not
 only the reported number; the JAX and torch pipelines run different schedules, and the loss
-is summed over micro-batches the same way by both."""
+is summed over micro-batches the same way by both.
+
+The torch pipeline run is also the uninterrupted reference of a resume: the same run killed
+with kill -9 after its first checkpoint resumes onto 4 stages (pipeline 4, 4 ranks) and onto
+none (fsdp 2, 2 ranks), and continues the uninterrupted losses within 1e-4 (a checkpoint
+stores every parameter and its optimizer state by name, whichever stage held it)."""
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from cli_runs import kill_9_after_first_checkpoint, read_summary, run_cli_ok, train_command
 from cli_runs import trained_trajectory
+from run_dirs import recorded_losses
 from tiny import TINY
 
-pytestmark = pytest.mark.slow  # one JAX run and two torch jobs of 10 steps: about 3 minutes
+pytestmark = pytest.mark.slow  # one JAX run, five torch jobs of 10 steps: about 4 minutes
 
-STEPS, RTOL = 10, 1e-5
-SETS = [*TINY, "model.n_layers=2", "metrics.interval=1", "checkpoint.interval=0"]
+STEPS, RTOL, RESUMED_ATOL = 10, 1e-5, 1e-4
+SETS = [*TINY, "model.n_layers=4", "metrics.interval=1", "checkpoint.interval=0"]
+CHECKPOINTED = ["checkpoint.interval=4", "checkpoint.keep=2"]
 TORCH_PIPELINE = ['mesh.axes={stage={role="pipeline",size=2},data={size=1},fsdp={size=2},'
-                  'tensor={size=1}}']
-TORCH_FLAT = ["mesh.axes.data.size=1", "mesh.axes.fsdp.size=2"]
+                  'tensor={size=1}}', *CHECKPOINTED]
+TORCH_FLAT = ['mesh.axes={data={size=1},fsdp={size=2},tensor={size=1}}']
+RESUMED_ONTO = {  # (overrides, ranks)
+    "pipeline4": (['mesh.axes={stage={role="pipeline",size=4},data={size=1},fsdp={size=1},'
+                   'tensor={size=1}}', *CHECKPOINTED], 4),
+    "none": ([*TORCH_FLAT, *CHECKPOINTED], 2)}
 JAX_PIPELINE = ['mesh.axes={data={size=2},stage={role="pipeline",size=2},fsdp={size=1},'
                 'tensor={size=2}}', 'pipeline.schedule="gpipe"']
 
@@ -60,3 +73,36 @@ def test_the_pipelined_run_writes_every_stage_s_initial_parameters(runs):
     assert sorted(started) == sorted(given)
     for name in given:
         np.testing.assert_array_equal(started[name], given[name], err_msg=name)
+
+
+def _torch_command(run_dir: Path, overrides: list[str], ranks: int, *extra: str) -> list[str]:
+    return train_command(run_dir, [*SETS, *overrides], *extra, steps=STEPS, framework="torch",
+                         nprocs=ranks)
+
+
+@pytest.fixture(scope="module")
+def killed(runs, tmp_path_factory) -> tuple[Path, int]:
+    """The torch pipeline run killed with kill -9 after its first checkpoint: (its run dir,
+    the step it last saved)."""
+    run_dir = tmp_path_factory.mktemp("pipeline_killed") / "killed"
+    cmd = _torch_command(run_dir, TORCH_PIPELINE, 4, "--init-from",
+                         str(runs["jax_pipeline"][0]))
+    saved = kill_9_after_first_checkpoint(cmd)[-1]
+    assert max(recorded_losses(run_dir)) < STEPS
+    return run_dir, saved
+
+
+@pytest.mark.parametrize("onto", sorted(RESUMED_ONTO))
+def test_kill_9_then_resume_onto_another_stage_count(runs, killed, tmp_path, onto):
+    killed_dir, saved = killed
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(killed_dir, run_dir)
+    overrides, ranks = RESUMED_ONTO[onto]
+    run_cli_ok(_torch_command(run_dir, overrides, ranks))
+    assert read_summary(run_dir)["resumed_from"] == saved
+    resumed = recorded_losses(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    reference = runs["torch_pipeline"][1]["loss"]
+    largest = max(abs(resumed[s] - reference[s - 1]) for s in resumed)
+    print(f"onto {onto}: resumed from step {saved}, largest loss difference {largest:.2g}")
+    assert largest <= RESUMED_ATOL

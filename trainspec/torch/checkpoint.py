@@ -168,6 +168,10 @@ class TorchCheckpointer:
                                      "[semi_sync]; resume it with the same table")
             outer.check_groups(groups, path)
         state = _state(model, optimizer, outer)
+        inner = state if outer is None else state["groups"][str(outer.group_index)]
+        # each group's parameter names are this rank's, not state: the first file's would name
+        # another pipeline stage's parameters, which set_state_dict then finds in no group
+        own_params = [list(group["params"]) for group in inner["optim"]["param_groups"]]
         try:
             state_files.read(path, list(manifest["files"]), state)
             why = None
@@ -176,7 +180,8 @@ class TorchCheckpointer:
         why = self.store.agree(why)  # every rank loads it, or none (set_state_dict is collective)
         if why is not None:
             raise BadCheckpoint(why)
-        inner = state if outer is None else state["groups"][str(outer.group_index)]
+        for group, params in zip(inner["optim"]["param_groups"], own_params):
+            group["params"] = params
         set_state_dict(model, optimizer, model_state_dict=inner["model"],
                        optim_state_dict=inner["optim"])
         if outer is not None:
