@@ -1,0 +1,72 @@
+"""The torch pipeline on four stages, and a user's model through `trainspec.torch.wrap` with its
+split points named (docs/wrapping.md, "Pipeline"), in one job of 8 gloo ranks
+(tests/torch/torch_pipeline_layouts_worker.py): 10 float32 steps of each layout from the same
+seeded parameters, the per-step loss and gradient norm within 1e-5 of the same model without a
+pipeline (data 8). The reference model (4 layers) runs pipeline 2 x data 4 and pipeline 4 x
+data 2 under GPipe, and pipeline 4 x fsdp 2 under 1F1B with 8 micro-batches (its steady state
+alternating); the user's model (4 residual blocks) runs pipeline 2
+x fsdp 2 x data 2 under 1F1B and pipeline 4 x data 2 under GPipe. Gradients are clipped at 1.0
+from the first step, so a lost micro-batch or a stage applied twice changes every update."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiny import TINY
+
+pytest.importorskip("torch", reason="the torch extra")
+pytestmark = pytest.mark.slow  # one 8-rank job, every layout trained in it
+
+HERE = Path(__file__).resolve().parent
+STEPS, RTOL = 10, 1e-5
+
+
+def mesh(pipeline: int, data: int, fsdp: int, schedule: str) -> list[str]:
+    return [f'mesh.axes={{stage={{role="pipeline",size={pipeline}}},data={{size={data}}},'
+            f'fsdp={{size={fsdp}}},tensor={{size=1}}}}', f'pipeline.schedule="{schedule}"']
+
+
+FLAT = ["mesh.axes.data.size=8", "mesh.axes.fsdp.size=1", "mesh.axes.tensor.size=1"]
+REFERENCE = [*TINY, "model.n_layers=4", "eval.interval=0", "checkpoint.interval=0"]
+USER = ["model.n_layers=4", "batch.global_batch=16", "batch.micro_batch=16",
+        "optimizer.warmup_steps=2", "metrics.gns=false", "eval.interval=0"]
+JOB = {
+    "reference": {"flat": [*REFERENCE, *FLAT],
+                  "pipeline2_data4_gpipe": [*REFERENCE, *mesh(2, 4, 1, "gpipe")],
+                  "pipeline4_data2_gpipe": [*REFERENCE, *mesh(4, 2, 1, "gpipe")],
+                  "pipeline4_fsdp2_1f1b_m8": [*REFERENCE, *mesh(4, 1, 2, "1f1b"),
+                                              "pipeline.microbatches=8"]},
+    "user": {"flat": [*USER, *FLAT],
+             "pipeline2_fsdp2_data2_1f1b": [*USER, *mesh(2, 2, 2, "1f1b")],
+             "pipeline4_data2_gpipe": [*USER, *mesh(4, 2, 1, "gpipe")]},
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("pipeline_layouts")
+    out = tmp / "trajectories.json"
+    (tmp / "job.json").write_text(json.dumps({**JOB, "steps": STEPS, "out": str(out)}))
+    cmd = [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "8", "--",
+           sys.executable, str(HERE / "torch_pipeline_layouts_worker.py"), str(tmp / "job.json")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("family, layout", [(family, name) for family, layouts in JOB.items()
+                                            for name in layouts if name != "flat"])
+def test_ten_pipelined_steps_equal_the_run_without_a_pipeline(trained, family, layout):
+    got, want = trained[family][layout], trained[family]["flat"]
+    assert len(got["loss"]) == STEPS
+    for quantity in ("loss", "grad_norm"):
+        g, w = np.array(got[quantity]), np.array(want[quantity])
+        print(f"{family} {layout} vs flat, {quantity}: largest relative difference "
+              f"{np.max(np.abs(g - w) / np.abs(w)):.2e}")
+        np.testing.assert_allclose(g, w, rtol=RTOL, err_msg=f"{family} {layout} {quantity}")
