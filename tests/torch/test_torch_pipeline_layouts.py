@@ -8,14 +8,12 @@ alternating); the user's model (4 residual blocks) runs pipeline 2
 x fsdp 2 x data 2 under 1F1B and pipeline 4 x data 2 under GPipe. Gradients are clipped at 1.0
 from the first step, so a lost micro-batch or a stage applied twice changes every update."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from rank_jobs import launch_worker
 from tiny import TINY
 
 pytest.importorskip("torch", reason="the torch extra")
@@ -51,12 +49,7 @@ def trained(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("pipeline_layouts")
     out = tmp / "trajectories.json"
     (tmp / "job.json").write_text(json.dumps({**JOB, "steps": STEPS, "out": str(out)}))
-    cmd = [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", "8", "--",
-           sys.executable, str(HERE / "torch_pipeline_layouts_worker.py"), str(tmp / "job.json")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_worker(HERE / "torch_pipeline_layouts_worker.py", tmp / "job.json", 8)
     return json.loads(out.read_text())
 
 
