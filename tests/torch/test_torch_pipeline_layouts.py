@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from rank_jobs import launch_worker
+from trainspec.core.errors import UserInputError
+from trainspec.core.spec import load_spec
+from trainspec.torch.pipeline import stage_pipeline
+from trainspec.torch.support import check_layout
 from tiny import TINY
 
 pytest.importorskip("torch", reason="the torch extra")
-pytestmark = pytest.mark.slow  # one 8-rank job, every layout trained in it
 
 HERE = Path(__file__).resolve().parent
 STEPS, RTOL = 10, 1e-5
@@ -44,7 +47,7 @@ JOB = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # one 8-rank job, every layout trained in it
 def trained(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("pipeline_layouts")
     out = tmp / "trajectories.json"
@@ -53,6 +56,7 @@ def trained(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, layout", [(family, name) for family, layouts in JOB.items()
                                             for name in layouts if name != "flat"])
 def test_ten_pipelined_steps_equal_the_run_without_a_pipeline(trained, family, layout):
@@ -63,3 +67,21 @@ def test_ten_pipelined_steps_equal_the_run_without_a_pipeline(trained, family, l
         print(f"{family} {layout} vs flat, {quantity}: largest relative difference "
               f"{np.max(np.abs(g - w) / np.abs(w)):.2e}")
         np.testing.assert_allclose(g, w, rtol=RTOL, err_msg=f"{family} {layout} {quantity}")
+
+
+@pytest.mark.parametrize("blocks, keep_stage, io, missing", [
+    (False, True, True, "blocks"), (True, False, True, "keep_stage"),
+    (True, True, False, "pipeline_io"), (False, False, False, "blocks, keep_stage, pipeline_io")])
+def test_a_model_without_its_split_points_is_refused_naming_what_it_lacks(
+        blocks, keep_stage, io, missing):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    if blocks:
+        model.blocks = torch.nn.ModuleDict()
+    if keep_stage:
+        model.keep_stage = lambda layers, first, last: None
+    spec = load_spec(None, [*USER, *mesh(2, 1, 1, "1f1b")])
+    with pytest.raises(UserInputError, match=rf"^mesh\.axes\.\*\.size: .* missing {missing} "):
+        stage_pipeline(spec, check_layout(spec, 2), None, torch.device("cpu"), model,
+                       object() if io else None)

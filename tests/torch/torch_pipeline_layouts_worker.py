@@ -19,7 +19,6 @@ from torch import nn
 import trainspec.torch
 from trainspec.core.data import ByteBatches
 from trainspec.core.spec import load_spec
-from trainspec.torch.pipeline import PipelineIO
 from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.train import TorchStep
 
@@ -65,8 +64,9 @@ def user_loss(model, batch):
     return squared_error(model(batch["x"]), batch["y"]), batch["y"].numel()
 
 
-USER_PIPELINE = PipelineIO(inputs=lambda batch: batch["x"], target=lambda batch: batch["y"],
-                           loss=squared_error, tokens=lambda batch: batch["y"].numel())
+USER_PIPELINE = trainspec.torch.PipelineIO(
+    inputs=lambda batch: batch["x"], target=lambda batch: batch["y"], loss=squared_error,
+    tokens=lambda batch: batch["y"].numel())
 
 
 def user_batches(rows: int, steps: int) -> list[dict]:

@@ -111,10 +111,14 @@ def stage_pipeline(spec: Spec, dims: ParallelDims, mesh: DeviceMesh, device: tor
     part (`model.keep_stage(layers, first, last)`); None without a split pipeline axis."""
     if dims.stages == 1:
         return None
-    if io is None or not hasattr(model, "keep_stage"):
+    missing = [name for name, there in (("blocks", hasattr(model, "blocks")),
+                                        ("keep_stage", hasattr(model, "keep_stage")),
+                                        ("pipeline_io", io is not None)) if not there]
+    if missing:
         raise UserInputError(
-            "mesh.axes.*.size: a split pipeline axis needs a model that can keep one stage's "
-            "part (keep_stage) and a pipeline_io; the reference model has both")
+            f"mesh.axes.*.size: a split pipeline axis needs a model with blocks and "
+            f"keep_stage, and a pipeline_io; missing {', '.join(missing)} "
+            "(docs/wrapping.md, \"Pipeline\")")
     pipeline = StagePipeline(spec, dims, mesh, device, io, len(model.blocks))
     model.keep_stage(pipeline.layers(), pipeline.first, pipeline.last)
     return pipeline
