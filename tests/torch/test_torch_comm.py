@@ -29,3 +29,20 @@ def test_data_by_fsdp_counts_the_gradient_collectives(tmp_path):
     assert records[-1]["comm_bytes_per_step"] == sum(kind.values())
     bus = gathers * (2 - 1) / 2 + axis["data"] * 2 * (2 - 1) / 2  # n = 2 on either axis
     assert abs(records[-1]["comm_bus_bytes_per_step"] - bus) <= 3 * SCALARS
+
+
+def test_the_context_rings_sends_are_counted_on_the_context_axis(tmp_path):
+    """Context 2 (ring) on 2 ranks: each block's attention sends its keys and values once to
+    the next rank forward (n - 1 = 1 ring step) and their gradients once back, each a
+    (rows, heads, seq_len / 2, 2 head_dim) float32 buffer; counted as collective-permutes on
+    `context`, which also carries the gradient all-reduce."""
+    sets = [*TINY, "mesh.axes.data.size=1", "mesh.axes.context.size=2", "checkpoint.interval=0",
+            "metrics.interval=1"]
+    run_cli_ok(train_command(tmp_path, sets, steps=1, framework="torch", nprocs=2, summary=False))
+    model = tiny_spec().model
+    rows, seq = tiny_spec().batch.global_batch, tiny_spec().batch.seq_len
+    sends = model.n_layers * 2 * rows * model.n_heads * (seq // 2) * 2 * (
+        model.d_model // model.n_heads) * 4
+    record = read_records(tmp_path)[-1]
+    assert record["comm_bytes_by_kind"]["collective-permute"] == sends
+    assert record["comm_bytes_by_axis"]["context"] > sends  # and the gradient all-reduce

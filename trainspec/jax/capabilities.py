@@ -10,12 +10,21 @@ from trainspec.core.capabilities import (
     INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 from trainspec.jax.backends import backend
 
+def _beside_ext(r) -> tuple[str, ...]:
+    """The split axes whose collectives XLA makes, not the ext backend: all but the data axes
+    (the step's gradient sum), the context axes (the ring's permutes or the all-gather) and
+    the expert axes (the dispatch and combine all-to-alls)."""
+    ours = {*r.split("data"), *r.split("context"), *r.split("expert")}
+    return tuple(a for a in r.dims.split_beside("data") if a not in ours)
+
+
 EXT_BESIDE_XLA = Refusal(
-    "ext, when a non-data axis is split",
-    lambda name, r: not backend(name).beside_xla and bool(r.dims.split_beside("data")),
-    "ext needs every mesh axis but the data axes to be 1, got {axes}: its blocking custom "
-    "calls can deadlock beside XLA's collectives on CPU; use backend = \"xla\"",
-    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in r.dims.split_beside("data"))})
+    "ext, when an fsdp, tensor or pipeline axis is split",
+    lambda name, r: not backend(name).beside_xla and bool(_beside_ext(r)),
+    "ext needs every mesh axis but the data, context and expert axes to be 1, got {axes}: "
+    "its blocking custom calls can deadlock beside XLA's all-gathers and reduce-scatters on "
+    "CPU; use backend = \"xla\"",
+    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in _beside_ext(r))})
 COMPRESSION_ON_HIERARCHICAL = Refusal(
     "unless none, with the hierarchical backend",
     lambda compression, r: (compression != "none"
@@ -110,12 +119,13 @@ JAX = Capabilities("jax", dict([
                 "model.d_ff"),
     ("model.moe.experts", honoured(
         "every block's MLP (trainspec.jax.models.moe); experts split over the expert axes, "
-        "tokens moved by the all-to-alls XLA makes of the dispatch and combine",
+        "tokens moved by the dispatch and combine all-to-alls of collectives.backend",
         MOE_ROUTES_PER_REPLICA)),
     *_reference("model.moe.top_k", "model.moe.capacity_factor",
                 "model.moe.load_balance_weight", "model.moe.z_loss_weight"),
-    ("context.attention", honoured("ring: ppermute of key/value blocks with an online "
-                                   "softmax; all_gather: one all-gather (trainspec.jax.context)")),
+    ("context.attention", honoured("ring: a permute of key/value blocks with an online "
+                                   "softmax; all_gather: one all-gather (trainspec.jax.context); "
+                                   "through collectives.backend")),
     ("context.split", honoured("the batch's sequences permuted in the step, each rank's "
                                "shard its chunks")),
     *_reference("optimizer.name", "optimizer.learning_rate",

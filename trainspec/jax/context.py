@@ -9,11 +9,12 @@ The two hooks a model uses (the reference transformer does; a user's model can):
   permuted alike is the same sum.
 - `attention_for(spec)`: causal attention of (batch, length, heads, head_dim) arrays in that
   order, masked by global position. Under a split context axis it runs in a `shard_map`: each
-  rank keeps its queries and either passes its key/value block around the ring (`ppermute`,
+  rank keeps its queries and either passes its key/value block around the ring (a permute,
   n - 1 times) merging the partial softmaxes online, each block scored under the positions of
   the rank it came from (trainspec.core.ring_attention: held_block, merge_block), or
-  all-gathers the blocks first. Without a split context axis it is
-  `jax.nn.dot_product_attention`.
+  all-gathers the blocks first. The permutes and the all-gather are trainspec.jax.collectives
+  calls through the spec's `collectives.backend` (lax's, or the xla_ext custom calls). Without
+  a split context axis it is `jax.nn.dot_product_attention`.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from trainspec.core.context import positions, split_order
 from trainspec.core.ring_attention import held_block
 from trainspec.core.spec import Spec
+from trainspec.jax import collectives
 
 
 def _context(spec: Spec) -> tuple[tuple[str, ...], int]:
@@ -62,8 +64,9 @@ def _merge(state, q, k, v, q_pos, k_pos, scale):
     return m_new, l * rescale + p.sum(-1), o
 
 
-def _local_attention(q, k, v, axes, n, table, ring: bool):
-    """One rank's attention: its queries against every rank's keys and values."""
+def _local_attention(q, k, v, axes, n, table, ring: bool, move: dict):
+    """One rank's attention: its queries against every rank's keys and values; `move`: the
+    collectives' keyword arguments (backend, timeout) from the spec."""
     rank = jax.lax.axis_index(axes)
     q_pos = table[rank]
     scale = q.shape[-1] ** -0.5
@@ -74,10 +77,9 @@ def _local_attention(q, k, v, axes, n, table, ring: bool):
             state = _merge(state, q, k, v, q_pos, table[held_block(rank, step, n)], scale)
             if step < n - 1:  # pass the block on: rank r receives rank r - 1's
                 perm = [(i, (i + 1) % n) for i in range(n)]
-                k, v = (jax.lax.ppermute(x, axes, perm) for x in (k, v))
+                k, v = (collectives.permute(x, axes, perm, **move) for x in (k, v))
     else:
-        k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
-        v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
+        k_all, v_all = (collectives.all_gather(x, axes, axis=1, **move) for x in (k, v))
         state = _merge(state, q, k_all, v_all, q_pos, table.reshape(-1), scale)
     m, l, o = state
     return (o / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
@@ -102,8 +104,12 @@ def attention_for(spec: Spec):
 
         spec_ = P(split("batch", q.shape[0]), axes, split("heads", q.shape[2]), None)
         table = jnp.asarray(positions(q.shape[1], n, spec.context.split))
+        move = {"backend": spec.collectives.backend, "timeout_s": spec.collectives.timeout_s}
         local = lambda q, k, v: _local_attention(  # noqa: E731
-            q, k, v, axes, n, table, spec.context.attention == "ring")
-        return jax.shard_map(local, in_specs=(spec_,) * 3, out_specs=spec_)(q, k, v)
+            q, k, v, axes, n, table, spec.context.attention == "ring", move)
+        # check_vma off: a custom-call backend's gradients are custom VJPs, opaque to the
+        # varying-manual-axes check (every operand and the output are split the same way)
+        return jax.shard_map(local, in_specs=(spec_,) * 3, out_specs=spec_,
+                             check_vma=False)(q, k, v)
 
     return attention

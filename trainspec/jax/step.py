@@ -24,7 +24,7 @@ from trainspec.jax import init_checks, layout, replica_steps
 from trainspec.jax.batching import BatchPlacement
 from trainspec.jax.backends import backend
 from trainspec.jax.capabilities import JAX
-from trainspec.jax.collectives import compression, replica_reduce
+from trainspec.jax.collectives import compression, replica_reduce, use_backend
 from trainspec.core.capabilities import Request
 from trainspec.core.errors import UserInputError
 from trainspec.core.health import rolls_back
@@ -117,8 +117,11 @@ class WrappedStep(StepHealth):
 
     @contextlib.contextmanager
     def context(self):
-        """Mesh and logical rules for tracing (activation constraints in the model use them)."""
-        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+        """Mesh and logical rules for tracing (activation constraints in the model use them),
+        and the spec's collectives for those the model makes (the experts' all-to-alls)."""
+        collectives = self.spec.collectives
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules), \
+                use_backend(collectives.backend, collectives.timeout_s):
             yield
 
     # -- state --------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """The communication volume of a torch step (docs/metrics.md section 5): every collective one
 step issues on this rank, seen at torch's dispatcher while the step runs: torch.distributed's
 own (`c10d.*`: the data all-reduce, FSDP2's all-gathers and reduce-scatters, ZeRO-1's
-all-gather, the compression's all-to-all) and DTensor's functional ones (`_c10d_functional.*`:
-tensor parallelism), forward and backward (the backward of CPU tensors runs in the calling
-thread, where the counting mode is active).
+all-gather, the compression's and the experts' all-to-alls, the point-to-point sends of the
+context ring and of the pipeline's stages) and DTensor's functional ones
+(`_c10d_functional.*`: tensor parallelism), forward and backward (the backward of CPU tensors
+runs in the calling thread, where the counting mode is active).
 
 Each contributes its payload S in nccl-tests' convention (the buffer for all-reduce, all-to-all
 and broadcast; the gathered output for all-gather; the unscattered input for reduce-scatter),
-by kind and by the mesh axes its group spans, and S x the bus factor to the bus bytes.
+by kind and by the mesh axes its group spans, and S x the bus factor to the bus bytes. A send
+counts as a `collective-permute` of its buffer, the kind XLA gives JAX's ring and pipeline
+moves (each rank counts what it sends, so a receive counts nothing).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
               "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
-              "broadcast": lambda n: 1.0}
+              "broadcast": lambda n: 1.0, "collective-permute": lambda n: 1.0}
 
 # operator -> (kind, which argument holds the payload S)
 C10D = {"allreduce_": ("all-reduce", 0), "allreduce_coalesced_": ("all-reduce", 0),
@@ -29,7 +32,7 @@ C10D = {"allreduce_": ("all-reduce", 0), "allreduce_coalesced_": ("all-reduce", 
         "_reduce_scatter_base_": ("reduce-scatter", 1), "reduce_scatter_": ("reduce-scatter", 1),
         "reduce_scatter_tensor_coalesced_": ("reduce-scatter", 1),
         "alltoall_base_": ("all-to-all", 0), "alltoall_": ("all-to-all", 0),
-        "broadcast_": ("broadcast", 0)}
+        "broadcast_": ("broadcast", 0), "send": ("collective-permute", 0)}
 FUNCTIONAL = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
               "reduce_scatter_tensor": "reduce-scatter", "all_to_all_single": "all-to-all",
               "broadcast": "broadcast"}

@@ -7,8 +7,10 @@ fails the same way whichever backend is chosen. This module is the one place tha
 backend modules are thin and trust the checked, normalised arguments it passes them.
 
 Backend selection, highest priority first: the `backend=` argument; the innermost
-`use_backend(...)` block (what the train step uses for the spec's `collectives.backend`); the
-process default set by `set_default_backend` ("xla" unless changed). What each backend is and
+`use_backend(...)` block (what the train step traces its loss under, with the spec's
+`collectives.backend` and `timeout_s`: the collectives a model makes, such as the experts'
+all-to-alls, follow the spec); the process default set by `set_default_backend` ("xla" unless
+changed). A `timeout_s=None` takes the innermost block's timeout where it names one. What each backend is and
 can do is declared in trainspec.jax.backends.
 """
 from __future__ import annotations
@@ -26,8 +28,9 @@ from trainspec.core.collective_calls import check_call
 from trainspec.jax.backends import backend
 
 _default_backend = "xla"
-_scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "trainspec_collectives_backend", default=None
+# (backend, timeout_s) of the innermost use_backend block
+_scope: contextvars.ContextVar[tuple[str, float | None] | None] = contextvars.ContextVar(
+    "trainspec_collectives_scope", default=None
 )
 
 
@@ -38,17 +41,25 @@ def set_default_backend(name: str) -> None:
 
 
 @contextlib.contextmanager
-def use_backend(name: str):
-    """Within this block (while tracing), ops without `backend=` use `name`."""
-    token = _scoped_backend.set(backend(name).name)
+def use_backend(name: str, timeout_s: float | None = None):
+    """Within this block (while tracing), ops without `backend=` use `name`, and ops without
+    `timeout_s=` wait `timeout_s` (None: each backend's default)."""
+    token = _scope.set((backend(name).name, timeout_s))
     try:
         yield
     finally:
-        _scoped_backend.reset(token)
+        _scope.reset(token)
 
 
 def current_backend() -> str:
-    return _scoped_backend.get() or _default_backend
+    scope = _scope.get()
+    return scope[0] if scope else _default_backend
+
+
+def _timeout(timeout_s: float | None) -> float | None:
+    """`timeout_s`, or where it is None the innermost use_backend block's."""
+    scope = _scope.get()
+    return scope[1] if timeout_s is None and scope else timeout_s
 
 
 def get_backend(name: str | None = None) -> ModuleType:
@@ -117,6 +128,7 @@ def all_reduce(x, axis_name, op="sum", *, in_place=False, timeout_s=None, backen
     buffer that dies with the call (a fused gradient) needs no second one; where `x` is used
     again, XLA copies it first. On xla and hierarchical, XLA places the buffers as it would
     anyway (its CPU all-reduce writes a new buffer, then copies it into a donated input)."""
+    timeout_s = _timeout(timeout_s)
     if not isinstance(in_place, bool):
         raise ValueError(f"all_reduce: in_place must be True or False, got {in_place!r}")
     impl, x, kw = _checked("all_reduce", x, axis_name, backend, {"op": op, "timeout_s": timeout_s})
@@ -125,6 +137,7 @@ def all_reduce(x, axis_name, op="sum", *, in_place=False, timeout_s=None, backen
 
 def reduce_scatter(x, axis_name, *, scatter_dimension=0, op="sum", timeout_s=None, backend=None):
     """Member k gets block k (along `scatter_dimension`) of the sum/mean over members."""
+    timeout_s = _timeout(timeout_s)
     impl, x, kw = _checked("reduce_scatter", x, axis_name, backend, {
         "op": op, "scatter_dimension": scatter_dimension, "timeout_s": timeout_s})
     return impl.reduce_scatter(x, axis_name, **kw, timeout_s=timeout_s)
@@ -132,12 +145,14 @@ def reduce_scatter(x, axis_name, *, scatter_dimension=0, op="sum", timeout_s=Non
 
 def all_gather(x, axis_name, *, axis=0, timeout_s=None, backend=None):
     """Every member gets all members' `x` concatenated along `axis`, in rank order."""
+    timeout_s = _timeout(timeout_s)
     impl, x, kw = _checked("all_gather", x, axis_name, backend, {"axis": axis, "timeout_s": timeout_s})
     return impl.all_gather(x, axis_name, **kw, timeout_s=timeout_s)
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, timeout_s=None, backend=None):
     """Member k gets block k (along `split_axis`) of every member, concatenated on `concat_axis`."""
+    timeout_s = _timeout(timeout_s)
     impl, x, kw = _checked("all_to_all", x, axis_name, backend, {
         "split_axis": split_axis, "concat_axis": concat_axis, "timeout_s": timeout_s})
     return impl.all_to_all(x, axis_name, kw["split_axis"], kw["concat_axis"], timeout_s=timeout_s)
@@ -145,11 +160,13 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, timeout_s=None, backend
 
 def broadcast(x, axis_name, root=0, *, timeout_s=None, backend=None):
     """Every member gets member `root`'s `x`."""
+    timeout_s = _timeout(timeout_s)
     impl, x, kw = _checked("broadcast", x, axis_name, backend, {"root": root, "timeout_s": timeout_s})
     return impl.broadcast(x, axis_name, kw["root"], timeout_s=timeout_s)  # root: static
 
 
 def permute(x, axis_name, perm, *, timeout_s=None, backend=None):
     """Member dst gets member src's `x` for each (src, dst) in `perm`; the others get zeros."""
+    timeout_s = _timeout(timeout_s)
     impl, x, kw = _checked("permute", x, axis_name, backend, {"perm": perm, "timeout_s": timeout_s})
     return impl.permute(x, axis_name, kw["perm"], timeout_s=timeout_s)

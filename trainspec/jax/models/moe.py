@@ -6,10 +6,13 @@ micro-batch in the global view, and gives each (token, expert) pair its weight: 
 the expert took the token, 0 elsewhere. Under a split expert axis a `shard_map` does the rest:
 each device sends each of its rows to the devices of the experts that took it (the dispatch
 all-to-all over the expert axes), runs its own experts, and the combine all-to-all returns the
-outputs, summed by the weights on the row's device. The buffers are indexed by token, not by
-capacity slot: a row an expert did not take travels as zeros (experts / top_k times the bytes
-of a slot-packed dispatch; the capacity bound is the routing's, over the whole micro-batch).
-Without an expert axis every expert runs on every row, weighted the same way.
+outputs, summed by the weights on the row's device. Both all-to-alls are
+trainspec.jax.collectives calls, through the backend the wrapped step traces the model under
+(the spec's `collectives.backend`: lax's, or the xla_ext custom calls). The buffers are
+indexed by token, not by capacity slot: a row an expert did not take travels as zeros
+(experts / top_k times the bytes of a slot-packed dispatch; the capacity bound is the
+routing's, over the whole micro-batch). Without an expert axis every expert runs on every row,
+weighted the same way.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainspec.core.moe import capacity
 from trainspec.core.spec import ModelSpec
+from trainspec.jax import collectives
 from trainspec.jax.layout import gathered_for_use
 
 
@@ -64,9 +68,9 @@ def _expert_parallel(rows, weights, w_in, w_out, axes: tuple[str, ...]):
     it received, and the combine all-to-all brings each output back to its row's device."""
     sent = (weights > 0).astype(rows.dtype)                                  # (t, e)
     buffer = sent.T[..., None] * rows[None]                                  # (e, t, d)
-    received = jax.lax.all_to_all(buffer, axes, 0, 1, tiled=True)            # (e_local, n t, d)
+    received = collectives.all_to_all(buffer, axes, 0, 1)                    # (e_local, n t, d)
     hidden = nn.gelu(jnp.einsum("etd,edf->etf", received, w_in))
-    out = jax.lax.all_to_all(jnp.einsum("etf,efd->etd", hidden, w_out), axes, 1, 0, tiled=True)
+    out = collectives.all_to_all(jnp.einsum("etf,efd->etd", hidden, w_out), axes, 1, 0)
     return jnp.einsum("te,etd->td", weights, out)                            # (t, d)
 
 
@@ -110,9 +114,11 @@ class MoEMlp(nn.Module):
         if rows.shape[0] % int(np.prod([mesh.shape[a] for a in batch_axes])):
             batch_axes = axes  # init traces one row per sequence: split over the experts only
         token_spec, kernel_spec = P(batch_axes, None), P(axes, None, None)
+        # check_vma off: a custom-call backend's gradients are custom VJPs, opaque to the
+        # varying-manual-axes check
         y = jax.shard_map(functools.partial(_expert_parallel, axes=axes),
                           in_specs=(token_spec, token_spec, kernel_spec, kernel_spec),
-                          out_specs=token_spec)(rows, weights, w_in, w_out)
+                          out_specs=token_spec, check_vma=False)(rows, weights, w_in, w_out)
         return y.reshape(batch, length, d)
 
 
