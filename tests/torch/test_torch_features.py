@@ -16,9 +16,6 @@ parameters on the same ragged batches as tests/torch/test_torch_equality.py, aga
   (data = 4) and over micro-batches (fsdp = 4, 2 micro-batches).
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -26,12 +23,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jax_reference import jax_trajectory
+from rank_jobs import launch_worker
 from trainspec.core import compression as ref
-from trainspec.core.conformance_runner import ragged_batch
-from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
+from trainspec.core.spec import DEFAULT_SPEC_PATH
 from trainspec.jax.collectives import compression as jc
-from trainspec.jax.mesh import build_mesh
-from trainspec.jax.train import build_job
 from tiny import TINY
 
 pytestmark = pytest.mark.slow
@@ -60,18 +56,6 @@ RESUMES = {
 SUM_CASES = [("bf16", 4, True), ("int8", 32, True), ("int8", 4, False)]
 
 
-def _jax_run(overrides):
-    spec = load_spec(DEFAULT_SPEC_PATH, [*SETS, *overrides])
-    job = build_job(spec, mesh=build_mesh(spec, jax.devices()[:RANKS]), total_steps=STEPS)
-    params = jax.device_get(job.state.params)
-    state, record = job.state, {}
-    for step in range(STEPS):
-        state, metrics = job.step(state, ragged_batch(job.data, step))
-        for key in ("loss", "grad_norm", "gns_grad_sq", "gns_trace"):
-            record.setdefault(key, []).append(float(metrics[key]) if key in metrics else None)
-    return params, record
-
-
 def _gradient_like(size, scale, seed):
     rng = np.random.default_rng(seed)
     return (rng.standard_t(3, size) * scale * 10.0 ** rng.uniform(-3, 0, size)).astype(np.float32)
@@ -87,10 +71,9 @@ def sum_inputs():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, sum_inputs):
     tmp = tmp_path_factory.mktemp("features")
-    jax_runs = {name: _jax_run(sets) for name, sets in SHARED.items()}
-    flat = {"/".join(str(k.key) for k in path): np.asarray(v)
-            for path, v in jax.tree_util.tree_flatten_with_path(jax_runs["data"][0])[0]}
-    np.savez(tmp / "params.npz", **flat)
+    jax_runs = {name: jax_trajectory([*SETS, *sets], STEPS, RANKS)
+                for name, sets in SHARED.items()}
+    np.savez(tmp / "params.npz", **jax_runs["data"][0])
     np.savez(tmp / "inputs.npz", x=sum_inputs[0], residuals=sum_inputs[1])
     layouts = {name: [*SETS, *sets] for name, sets in {**SHARED, **TORCH_ONLY}.items()}
     resumes = {name: {**r, "first": [*SETS, *r["first"]], "then": [*SETS, *r["then"]]}
@@ -99,13 +82,7 @@ def runs(tmp_path_factory, sum_inputs):
            "out": str(tmp / "torch.json"), "dir": str(tmp), "layouts": layouts,
            "resumes": resumes, "inputs": str(tmp / "inputs.npz"), "compressed_sums": SUM_CASES}
     (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run(
-        [sys.executable, "-m", "trainspec.cli.main", "launch", "--nprocs", str(RANKS), "--",
-         sys.executable, str(HERE / "torch_features_worker.py"), str(tmp / "job.json")],
-        capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_worker(HERE / "torch_features_worker.py", tmp / "job.json", RANKS, timeout=900)
     return {name: record for name, (_, record) in jax_runs.items()}, json.loads(
         (tmp / "torch.json").read_text())
 
@@ -153,7 +130,7 @@ def test_zero1_checkpoint_resumes_on_another_layout_like_params(runs):
 @pytest.mark.parametrize("compression", ["bf16", "int8"])
 def test_compressed_runs_follow_jax_compressed(runs, compression):
     """Within what the frameworks' float32 sums differ by uncompressed (1.6e-6,
-    docs/adapters.md): measured 9e-7 (bf16) and 1.3e-6 (int8)."""
+    docs/results.md, "Cross-framework equality"): measured 9e-7 (bf16) and 1.3e-6 (int8)."""
     jax_runs, layouts = runs[0], runs[1]["layouts"]
     to_jax = _worst(layouts[compression]["loss"], jax_runs[compression]["loss"])
     print(f"{compression}: largest relative loss difference to JAX's {to_jax:.2e}")

@@ -4,16 +4,13 @@ per-step loss and gradient norm within 1e-5 over 10 steps on the same ragged bat
 capacity-limited routing the dropped assignments and the expert load are equal, step by step;
 with context parallelism beside 2 data replicas, the gradient noise scale's per-step parts
 (over the replicas, each replica's gradient whole over its context ranks) are JAX's within
-1e-4, as on the dense layouts (tests/torch/test_torch_features.py)."""
-import jax
+1e-4, as on the dense layouts (tests/torch/test_torch_features.py). One 4-rank torch job
+trains both layouts, each from its own JAX run's parameters."""
 import numpy as np
 import pytest
 
+from jax_reference import jax_trajectory
 from sequence_job import RANKS, run_layouts
-from trainspec.core.golden import ragged_batch
-from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
-from trainspec.jax.mesh import build_mesh
-from trainspec.jax.train import build_job
 from tiny import TINY
 
 pytestmark = pytest.mark.slow
@@ -28,35 +25,23 @@ LAYOUTS = {
 }
 
 
-def _jax_run(overrides):
-    spec = load_spec(DEFAULT_SPEC_PATH, [*SETS, *overrides])
-    job = build_job(spec, mesh=build_mesh(spec, jax.devices()[:RANKS]), total_steps=STEPS)
-    params = jax.device_get(job.state.params)
-    state, record = job.state, {}
-    for step in range(STEPS):
-        state, metrics = job.step(state, ragged_batch(job.data, step))
-        for key in ("loss", "grad_norm", "gns_grad_sq", "gns_trace"):
-            if key in metrics:
-                record.setdefault(key, []).append(float(metrics[key]))
-        for key, value in metrics.get("aux", {}).items():
-            record.setdefault(key, []).append(np.asarray(value).tolist())
-    flat = {"/".join(str(k.key) for k in path): np.asarray(v)
-            for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-    return flat, record
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """layout -> (the JAX run's record, the torch run's record)."""
+    tmp = tmp_path_factory.mktemp("sequence")
+    jax_records, params = {}, {}
+    for name, sets in LAYOUTS.items():
+        flat, jax_records[name] = jax_trajectory([*SETS, *sets], STEPS, RANKS)
+        params[name] = tmp / f"{name}_params.npz"
+        np.savez(params[name], **flat)
+    torch_records = run_layouts(tmp, {name: [*SETS, *sets] for name, sets in LAYOUTS.items()},
+                                STEPS, params=params)
+    return {name: (jax_records[name], torch_records[name]) for name in LAYOUTS}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def both(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    params, jax_record = _jax_run(LAYOUTS[request.param])
-    np.savez(tmp / "params.npz", **params)
-    torch_record = run_layouts(tmp, {request.param: [*SETS, *LAYOUTS[request.param]]}, STEPS,
-                               params=tmp / "params.npz")[request.param]
-    return request.param, jax_record, torch_record
-
-
-def test_torch_follows_jax_from_the_same_start(both):
-    layout, jax_record, torch_record = both
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_torch_follows_jax_from_the_same_start(records, layout):
+    jax_record, torch_record = records[layout]
     for key in ("loss", "grad_norm"):
         got, want = np.array(torch_record[key]), np.array(jax_record[key])
         print(f"{layout} {key}: largest relative difference "

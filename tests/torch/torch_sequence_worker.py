@@ -2,8 +2,8 @@
 
 Run under `trainspec launch --nprocs 4 -- python torch_sequence_worker.py JOB.json`. Every rank
 trains each `layouts` entry in turn ({name: spec overrides}) for `steps` steps on ragged batches
-(trainspec.core.golden.ragged_batch), from the parameters in `params` (a flat .npz of a JAX
-run's initial parameters) or else the seeded draws, and records each step's loss, gradient
+(trainspec.core.golden.ragged_batch), from the parameters `params` names for it ({name: a flat
+.npz of a JAX run's initial parameters}) or else the seeded draws, and records each step's loss, gradient
 norm and, with experts, the aux metrics. Rank 0 writes {name: record} to the job's `out`.
 The layouts named in `broken` run a deliberately wrong implementation (BREAKAGES).
 """
@@ -46,11 +46,12 @@ BREAKAGES["router_drops_earlier_rows"] = (trainspec.torch.models.moe, "route",
                                           _route_later_rows_first)
 
 
-def build(job, adapter, overrides) -> TorchStep:
-    spec = load_spec(job["spec"], overrides)
+def build(job, adapter, name) -> TorchStep:
+    spec = load_spec(job["spec"], job["layouts"][name])
     initial = None
-    if job.get("params"):
-        initial = from_flax(Transformer(spec.model), unflatten(dict(np.load(job["params"]))))
+    if name in job["params"]:
+        flat = dict(np.load(job["params"][name]))
+        initial = from_flax(Transformer(spec.model), unflatten(flat))
     return TorchStep(spec, adapter.build_mesh(spec), job["steps"], adapter.device, initial)
 
 
@@ -72,13 +73,13 @@ def main(job_path: str) -> None:
     adapter = TorchRuntime()
     adapter.join()
     out = {}
-    for name, overrides in job["layouts"].items():
+    for name in job["layouts"]:
         broken = job.get("broken", {}).get(name)
         if broken:
             module, attribute, wrong = BREAKAGES[broken]
             right = getattr(module, attribute)
             setattr(module, attribute, wrong)
-        out[name] = train(build(job, adapter, overrides), job["steps"])
+        out[name] = train(build(job, adapter, name), job["steps"])
         if broken:
             setattr(module, attribute, right)
     if adapter.is_writer():
