@@ -16,16 +16,18 @@ from trainspec.core.errors import UserInputError
 from trainspec.core.plan.hardware import Link, calibrate, load_profile
 from trainspec.core.plan.transformer import parameters, shape_for_params
 from trainspec.core.spec import load_spec
-from trainspec.jax.tools.plan_check import TIME_CALIBRATION, fit_time, predict_for
+from trainspec.jax.tools.plan_check import (
+    TIME_CALIBRATION, VALIDATION_MODEL, fit_time, predict_for)
 from trainspec.jax.tools.plan_check import validation_spec as spec_for
 
 
-def test_parameter_table_matches_the_flax_model():
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_parameter_table_matches_the_flax_model(moe):
     import flax.linen as nn
 
     from trainspec.jax.models.transformer import Transformer
 
-    spec = spec_for(1, 1, 1)
+    spec = load_spec(None, VALIDATION_MODEL + (["model.moe.experts=4"] if moe else []))
     model = Transformer(spec.model)
     abstract = jax.eval_shape(model.init, jax.random.key(0), jax.numpy.zeros((1, 8), "int32"))
     logical = nn.get_partition_spec(abstract)["params"]

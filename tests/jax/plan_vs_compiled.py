@@ -8,18 +8,28 @@ MEMORY_TOL, COMM_TOL = 0.10, 0.02
 CPU = load_profile("cpu")
 
 
+# A collective of a few scalars a step (the MoE layers' auxiliary losses, which XLA reduces over
+# the expert axis on their own beside a data axis: 8 float32 on the layouts checked) is held
+# to this many bytes absolutely: its bytes move no prediction, a relative error on 32 would.
+SCALAR_BYTES = 256
+
+
 def _comm_errors(predicted: dict, hlo: dict) -> dict:
     keys = {(k, a) for d in (predicted, hlo) for k in d for a in d[k]}
-    return {f"{k}@{a}": predicted.get(k, {}).get(a, 0.0) / hlo.get(k, {}).get(a, 1e-9) - 1
-            for k, a in keys}
+    errors = {}
+    for k, a in keys:
+        plan, compiled = predicted.get(k, {}).get(a, 0.0), hlo.get(k, {}).get(a, 0.0)
+        small = max(plan, compiled) <= SCALAR_BYTES
+        errors[f"{k}@{a}"] = 0.0 if small else plan / max(compiled, 1e-9) - 1
+    return errors
 
 
-def check_against_compiled(spec, n_devices: int, label: str) -> None:
-    """Compile the step for its abstract state (nothing runs) and assert the plan's memory
-    within 10% of the compiled program's, its communication within 2% per collective kind and
-    mesh axis of the HLO's, and as many all-gathers as the step executes; print a PLANROW line
-    with the figures (`pytest -s`)."""
-    got = compile_layout(spec, n_devices)
+def check_against_compiled(spec, n_devices: int, label: str, got: dict | None = None) -> None:
+    """Compile the step for its abstract state (nothing runs; or take `got`, compile_layout's
+    result for it) and assert the plan's memory within 10% of the compiled program's, its
+    communication within 2% per collective kind and mesh axis of the HLO's, and as many
+    all-gathers as the step executes; print a PLANROW line with the figures (`pytest -s`)."""
+    got = got or compile_layout(spec, n_devices)
     pred = predict_for(spec, n_devices, CPU)
     assert pred.fits, pred.reasons
     # an all-reduce over no mesh axis (the NaN guard's count on one device) moves nothing

@@ -39,7 +39,9 @@ import dataclasses
 
 from trainspec.core.health import rolls_back
 from trainspec.core.mesh import ParallelDims
+from trainspec.core.plan import sequence_experts
 from trainspec.core.plan.hardware import Profile, bus_factor
+from trainspec.core.plan.sequence_experts import local_tokens
 from trainspec.core.plan.shards import (
     DTYPE_BYTES, Stage, data_split_shares, local_elements, shares)
 from trainspec.core.plan.transformer import Param
@@ -134,19 +136,30 @@ def collectives(spec: Spec, layout: ParallelDims, profile: Profile, stage: Stage
             precision.grad_reduce, k)
     if data and semi_sync:  # the outer step's float32 parameter deltas, every H steps
         add("all-reduce", data, local, "float32", 1 / spec.semi_sync.inner_steps)
-    elif data:
-        add("all-reduce", data, local, precision.grad_reduce, 1)
+    elif data or layout.split("expert"):
+        # an expert's gradient over the data axes; the rest over the batch's (data, expert),
+        # by XLA every micro-batch where an expert axis splits (the accumulator is replicated
+        # over it; with a data axis too, accumulation is refused: trainspec.jax.capabilities)
+        experts = set(layout.split("expert"))
+        within = sum(s.elements for s in shares(spec, layout, stage=stage) if s.axes & experts)
+        batch = tuple(a for a in layout.names if a in data or a in experts)
+        add("all-reduce", batch, local - within, precision.grad_reduce, k if experts else 1)
+        if data and within:
+            add("all-reduce", data, within, precision.grad_reduce, 1)
         regathered = data_split_shares(spec, layout, stage)
         if regathered:
             add("all-gather", data, sum(s.elements for s in regathered), precision.param, 1,
                 len(regathered))
     guarded = tuple(a for a, size in layout.shape.items()
                     if size > 1 and not (semi_sync and a in data))
+    if layout.split("context"):  # by XLA every micro-batch: parameters are replicated over it
+        add("all-reduce", layout.split("context"), local, precision.grad_reduce, k)
     if guarded and guard_meets(spec):  # the NaN guard's count of non-finite state slices (one int32)
         add("all-reduce", guarded, 1, "int32", 1)
     # per pipeline micro-batch (the whole micro-batch without a pipeline)
-    tokens = spec.batch.micro / layout.group(data + fsdp)[0] * spec.batch.seq_len / microbatches
+    tokens = local_tokens(spec, layout, microbatches)
     calls = k * microbatches
+    sequence_experts.collectives(spec, layout, calls, add)
     layers, first, last = ((len(stage.layers), stage.first, stage.last) if stage
                            else (m.n_layers, True, True))
     if tensor:

@@ -11,6 +11,7 @@ from trainspec.core.mesh import ParallelDims
 from trainspec.core.plan import xla_cpu
 from trainspec.core.plan.comm import guard_meets, regathered_by_remat
 from trainspec.core.plan.hardware import Profile
+from trainspec.core.plan.sequence_experts import local_tokens
 from trainspec.core.plan.shards import (
     DTYPE_BYTES, Stage, local_elements, optimizer_elements, shares)
 from trainspec.core.plan.transformer import token_activations
@@ -73,14 +74,13 @@ def memory(spec: Spec, layout: ParallelDims, profile: Profile, stage: Stage | No
         "reduce_scatter_output": gathered * gb if whole_reduction else 0.0,
         # the data reduction packs the local gradient into one buffer
         "data_reduction_buffer": local * gb if data else 0.0,
-        "batch": spec.batch.global_batch / layout.group(fsdp_axes + data)[0] * spec.batch.seq_len
+        "batch": local_tokens(spec, layout) * spec.batch.accumulation_steps
         * BATCH_BYTES_PER_TOKEN,
     }
     out["new_state"] = out["params"] + out["optimizer"]
     out["kept_state_copy"] = (max(s.elements for s in shares(spec, layout, stage=stage)) * pb
                               if guard_meets(spec) else 0.0)
-    tokens = (spec.batch.micro / layout.group(fsdp_axes + data)[0] * spec.batch.seq_len
-              / microbatches * in_flight)
+    tokens = local_tokens(spec, layout, microbatches) * in_flight
     tensor = layout.tensor
     if cpu:
         # XLA:CPU gathers float32 weights (a 16-bit parameter converted first)
@@ -89,7 +89,8 @@ def memory(spec: Spec, layout: ParallelDims, profile: Profile, stage: Stage | No
                     if fsdp_axes and regathered_by_remat(s.param, spec))
         out["weights_in_use"] = xla_cpu.weight_bytes(spec, gathered, again, bool(fsdp_axes))
         out["activations"] = tokens * xla_cpu.activation_bytes(
-            spec.model, spec.batch.seq_len, tensor, spec.precision.compute, bool(fsdp_axes))
+            spec.model, spec.batch.seq_len, tensor, spec.precision.compute, bool(fsdp_axes),
+            layout.size_of(layout.split("context")), spec.context.attention)
     else:
         out["weights_in_use"] = out["gathered_params"]
         per_token = token_activations(

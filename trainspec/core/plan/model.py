@@ -16,6 +16,7 @@ import dataclasses
 from trainspec.core.plan.comm import Collective, collectives, guard_meets
 from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.memory import ARGUMENTS, PHASES, memory, peak_phase
+from trainspec.core.plan.sequence_experts import batch_axes
 from trainspec.core.plan.pipeline import PipelinePlan, pipeline_plan, pipeline_reasons
 from trainspec.core.plan.shards import Stage
 from trainspec.core.mesh import ParallelDims
@@ -64,7 +65,7 @@ class Prediction:
         return d
 
 
-def check(spec: Spec, layout: ParallelDims) -> list[str]:
+def check(spec: Spec, layout: ParallelDims, profile: Profile) -> list[str]:
     """Why this layout cannot run the spec (empty if it can); each reason names a field."""
     m, reasons = spec.model, []
     tensor, fsdp = layout.tensor, layout.fsdp
@@ -76,15 +77,30 @@ def check(spec: Spec, layout: ParallelDims) -> list[str]:
     if m.d_model % fsdp:
         reasons.append(f"mesh fsdp size {fsdp} does not divide model.d_model {m.d_model}: the "
                        "parameters would not be sharded")
-    shards = fsdp * layout.replicas
+    shards = layout.group(batch_axes(layout))[0]
     if spec.batch.micro % shards:
         reasons.append(f"batch.micro_batch {spec.batch.micro} is not divisible by the {shards} "
-                       "batch shards (data x fsdp)")
-    if spec.model.moe is not None or layout.split("context") or layout.split("expert"):
-        reasons.append("model.moe and context or expert axes: this planner models the dense "
-                       "reference model without them; plan them with "
-                       "trainspec.core.plan.sharded_decoder (docs/plan.md)")
-    return reasons + pipeline_reasons(spec, layout, shards)
+                       "batch shards (data x fsdp x expert)")
+    return reasons + sequence_expert_reasons(spec, layout, profile) + pipeline_reasons(
+        spec, layout, shards)
+
+
+def sequence_expert_reasons(spec: Spec, layout: ParallelDims, profile: Profile) -> list[str]:
+    """The context and expert layouts this planner models: the reference model's, beside
+    data parallelism, as XLA:CPU compiles them (docs/plan.md); elsewhere the sharded-decoder
+    planner models them."""
+    split = [r for r in ("context", "expert") if layout.split(r)]
+    if spec.model.moe is None and not split:
+        return []
+    if profile.backend != "XLA:CPU":
+        return [f"model.moe and context or expert axes on {profile.name}: this planner holds "
+                "them to XLA:CPU's programs only; plan them with "
+                "trainspec.core.plan.sharded_decoder (docs/plan.md)"]
+    beside = [r for r in ("fsdp", "tensor", "pipeline") if layout.split(r)]
+    if beside and (spec.model.moe is not None or split):
+        return [f"mesh {beside[0]} beside {'model.moe' if not split else split[0]}: this "
+                "planner models context and expert layouts beside data only"]
+    return []
 
 
 # Per micro-batch on a stage, and so stretched by the pipeline's bubble; the other collectives
@@ -179,7 +195,7 @@ def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_
     tensor and point-to-point traffic) is stretched by the executed schedule's idle fraction
     b: bubble = that work x b / (1 - b)."""
     n = layout.world_size
-    reasons = check(spec, layout)
+    reasons = check(spec, layout, profile)
     if layout.stages > 1 and profile.backend == "XLA:CPU":
         reasons.append(f"mesh pipeline size {layout.stages}: the {profile.name} profile models "
                        "compiled XLA:CPU programs, and no implementation compiles pipeline "

@@ -51,12 +51,22 @@ def parameters(m: ModelSpec) -> list[Param]:
               for n in ("query", "key", "value")),
             Param(f"{b}/out/kernel", (h, dh, d), ("heads", "kv", "embed")),
             Param(f"{b}/mlp_norm/scale", (d,), ("embed",), gathered_by_xla=True),
-            Param(f"{b}/mlp_in/kernel", (d, f), ("embed", "mlp")),
-            Param(f"{b}/mlp_out/kernel", (f, d), ("mlp", "embed")),
+            *(_moe(b, m) if m.moe is not None else (
+                Param(f"{b}/mlp_in/kernel", (d, f), ("embed", "mlp")),
+                Param(f"{b}/mlp_out/kernel", (f, d), ("mlp", "embed")))),
         ]
     params += [Param("final_norm/scale", (d,), ("embed",), gathered_by_xla=True),
                Param("head/kernel", (d, v), ("embed", "vocab"))]
     return params
+
+
+def _moe(b: str, m: ModelSpec) -> tuple[Param, ...]:
+    """A mixture-of-experts MLP (trainspec.jax.models.moe): the router, replicated, and every
+    expert's two kernels stacked along an `expert` dimension, which the expert axes split."""
+    e, d, f = m.moe.experts, m.d_model, m.d_ff
+    return (Param(f"{b}/moe/router", (d, e), ("embed", None)),
+            Param(f"{b}/moe/mlp_in", (e, d, f), ("expert", "embed", "mlp")),
+            Param(f"{b}/moe/mlp_out", (e, f, d), ("expert", "mlp", "embed")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ HEAP_SLACK = 1.05
 
 
 def activation_bytes(m: ModelSpec, seq_len: int, tensor: int, compute: str,
-                     scales_gathered: bool) -> float:
+                     scales_gathered: bool, context: int = 1, attention: str = "ring") -> float:
     """Bytes per token position live at the start of the backward pass, with d_t, f_t, V_t
     the widths the tensor axis splits and S = 2 H T / tensor the scores and probabilities:
     float32 compute: (6 L + 4) d + L (4 d_t + S + 3 f_t) + 3 V_t, all float32;
@@ -34,15 +34,39 @@ def activation_bytes(m: ModelSpec, seq_len: int, tensor: int, compute: str,
     The residual stream's d-wide buffers are each block's input, its two norms' outputs and the
     residual after attention, the final norm and the embedding. With the norm scales not split
     over fsdp (fsdp = 1), XLA:CPU fuses each norm differently and keeps a third d-wide buffer
-    per norm (2 L + 1 more, float32)."""
+    per norm (2 L + 1 more, float32). A split context axis and a mixture of experts change the
+    attention's and the MLP's terms (`context_attention`, `moe_mlp`)."""
     d, L = m.d_model, m.n_layers
     norms = 0 if scales_gathered else 2 * L + 1
     d_t, f_t, v_t = d / tensor, m.d_ff / tensor, m.vocab_size / tensor
     scores = 2 * m.n_heads * seq_len / tensor
+    if context > 1:
+        scores = context_attention(m, seq_len, context, attention)
+    mlp = moe_mlp(m) if m.moe is not None else 3 * f_t
     if compute == "float32":
-        return 4 * ((6 * L + 4 + norms) * d + L * (4 * d_t + scores + 3 * f_t) + 3 * v_t)
-    return (4 * ((4 * L + 3 + norms) * d + L * (4 * d_t + scores + f_t) + 3 * v_t)
+        return 4 * ((6 * L + 4 + norms) * d + L * (4 * d_t + scores + mlp) + 3 * v_t)
+    return (4 * ((4 * L + 3 + norms) * d + L * (4 * d_t + scores + mlp - 2 * f_t) + 3 * v_t)
             + 2 * ((2 * L + 1) * d + 4 * L * f_t))
+
+
+def context_attention(m: ModelSpec, seq_len: int, context: int, attention: str) -> float:
+    """Elements per local token and layer of attention under a split context axis
+    (trainspec.jax.context), in place of the 2 H T of scores and probabilities: the scores,
+    the causally masked scores and the probabilities of every key/value block, H x T in all
+    each (3 H T, float32); the ring also keeps each block's partial output (c x d), the blocks
+    it received (c - 1 keys or values, d each: the other of each pair is read as it arrives)."""
+    blocks = 3 * m.n_heads * seq_len
+    if attention == "ring":
+        return blocks + (2 * context - 1) * m.d_model
+    return blocks
+
+
+def moe_mlp(m: ModelSpec) -> float:
+    """Elements per local token and MoE layer (trainspec.jax.models.moe): every expert runs on
+    every row (zeros where it did not take it), so the hidden units are E x d_ff wide (3: the
+    input projection, its tanh and the GELU's product), and the dispatched rows E x d."""
+    e = m.moe.experts
+    return 3 * e * m.d_ff + 2 * e * m.d_model
 
 
 def weight_bytes(spec: Spec, gathered: float, regathered: float, fsdp: bool) -> float:
