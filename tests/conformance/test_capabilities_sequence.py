@@ -29,10 +29,13 @@ def test_both_run_a_context_axis_and_torch_refuses_two_in_one_line():
 
 def test_both_run_experts_and_torch_refuses_them_beside_other_axes_by_name():
     assert _refusals(JAX, {**EXPERT, "metrics": {"gns": False}}) == [] == _refusals(TORCH, EXPERT)
-    beside = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], "fsdp": {"size": 2}}}}
-    assert _refusals(TORCH, beside) == [
-        "mesh.axes.*.size: the torch implementation splits experts beside data axes only, got "
-        "expert=2, fsdp=2"]
+    with_fsdp = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], "fsdp": {"size": 2}}}}
+    assert _refusals(TORCH, with_fsdp) == []
+    beside = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], "tensor": {"size": 2}}}}
+    lines = _refusals(TORCH, beside)
+    assert lines[0] == ("mesh.axes.*.size: the torch implementation splits experts beside data "
+                        "and fsdp axes only, got expert=2, tensor=2"), lines
+    assert len(lines) == 2 and "leave the context and tensor axes at 1" in lines[1], lines
     with_context = {**EXPERT, "mesh": {"axes": {"data": {"size": -1}, "context": {"size": 2}}}}
     lines = _refusals(TORCH, with_context)
     assert len(lines) == 1 and lines[0].startswith("model.moe.experts: the torch implementation "

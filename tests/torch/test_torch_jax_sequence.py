@@ -1,4 +1,5 @@
-"""JAX = torch for a context layout and a MoE layout: the torch run (4 gloo ranks) started from
+"""JAX = torch for a context layout and a MoE layout (experts over an expert axis beside fsdp,
+which shards the rest of the model): the torch run (4 gloo ranks) started from
 the JAX run's initial parameters (4 of the 8 simulated devices, the same layout) follows its
 per-step loss and gradient norm within 1e-5 over 10 steps on the same ragged batches; with
 capacity-limited routing the dropped assignments and the expert load are equal, step by step;
@@ -21,7 +22,7 @@ LAYOUTS = {
     "context": ["mesh.axes.data.size=2", "mesh.axes.context.size=2"],
     "moe": ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=0.5",
             "batch.global_batch=8", "batch.micro_batch=8", "mesh.axes.data.size=1",
-            "mesh.axes.expert.size=4", "metrics.gns=false"],
+            "mesh.axes.fsdp.size=2", "mesh.axes.expert.size=2", "metrics.gns=false"],
 }
 
 

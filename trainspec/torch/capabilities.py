@@ -71,11 +71,11 @@ SEMI_SYNC_REFUSALS = (
 
 
 EXPERTS_ALONE = Refusal(
-    "when an expert axis is split beside an fsdp or tensor axis",
-    lambda value, r: bool(r.split("expert")) and bool(r.split("fsdp") + r.split("tensor")),
-    "the torch implementation splits experts beside data axes only, got {axes}",
+    "when an expert axis is split beside a tensor axis",
+    lambda value, r: bool(r.split("expert")) and bool(r.split("tensor")),
+    "the torch implementation splits experts beside data and fsdp axes only, got {axes}",
     lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in
-                                 r.split("expert") + r.split("fsdp") + r.split("tensor"))})
+                                 r.split("expert") + r.split("tensor"))})
 MOE_BESIDE = Refusal(
     "with a split context or tensor axis, or semi_sync",
     lambda value, r: value is not None and (bool(r.split("context") + r.split("tensor"))

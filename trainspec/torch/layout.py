@@ -74,13 +74,16 @@ def shard_units(model: nn.Module, rules: Sequence[str] | None) -> list[str]:
 
 
 def apply_fsdp(model: nn.Module, units: Sequence[str], mesh: DeviceMesh,
-               reduce_dtype: torch.dtype) -> None:
+               reduce_dtype: torch.dtype, ignored: set[nn.Parameter] = frozenset()) -> None:
+    """FSDP2 over `mesh` on each unit, then the root; `ignored` parameters (the experts'
+    kernels, already split over an expert axis) stay as they are, whole on every fsdp rank."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for name in units:
-        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy,
+                    ignored_params=set(ignored))
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=set(ignored))
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)  # sum: the step divides by the tokens once

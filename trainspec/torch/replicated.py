@@ -1,6 +1,7 @@
 """Gradient sums over the axes that split the tokens but not the data replicas: `context` (each
-rank holds part of every sequence) and `expert` (each rank holds part of the batch and some of
-the experts). A parameter whole on every rank of such an axis has there the gradient of that
+rank holds part of every sequence), `expert` (each rank holds part of the batch and some of
+the experts), and beside an expert axis `fsdp` (whose ranks hold the experts' kernels whole:
+FSDP2 sums the rest). A parameter whole on every rank of such an axis has there the gradient of that
 rank's tokens only; the sum over the axis is the gradient of all of them. A parameter split
 over the axis (an expert's kernels: a DTensor sharded on it) already has the gradient of every
 token routed to it, through the all-to-all's backward, and is left alone.

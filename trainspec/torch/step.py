@@ -130,12 +130,12 @@ class WrappedStep(MicroBatches, CheckpointedState):
             plan = tensor_plan or default_tensor_plan(self.model, self.dims.tensor)
             apply_tensor_parallel(self.model, mesh[tensor[0]], plan)
         expert = self.dims.split("expert")
-        lay_out_experts(self.model, mesh, group_of(mesh, self.batch_axes)
-                        if self.batch_axes else None, expert[0] if expert else None)
+        experts = lay_out_experts(self.model, mesh, group_of(mesh, self.batch_axes)
+                                  if self.batch_axes else None, expert[0] if expert else None)
         units = shard_units(self.model, fsdp_units)  # checked on any mesh
         apply_remat(self.model, units, spec.remat.policy)  # inside FSDP2's hooks
         if fsdp:
-            apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype)
+            apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype, ignored=experts)
         self.fsdp = bool(fsdp)
         if self.pipeline is not None:
             self.pipeline.start(self.model)
@@ -162,7 +162,9 @@ class WrappedStep(MicroBatches, CheckpointedState):
             self.noise_scale.note = "a split pipeline axis: the torch step does not measure it"
 
         self.params = list(self.model.parameters())
-        spread = tuple(a for a in self.dims.names if a in context + expert)
+        # the experts' kernels are whole on the fsdp ranks, each of which routed its own rows
+        spread = tuple(a for a in self.dims.names
+                       if a in context + expert + (fsdp if expert else ()))
         self.spread = ReplicatedSum(mesh, spread, self.model.named_parameters()) \
             if spread else None
         self.reduction = self.overlapped = None

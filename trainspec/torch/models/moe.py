@@ -13,7 +13,8 @@ of the auxiliary loss is its own rows' part of those sums, so that the shares ad
 micro-batch's loss and its gradient.
 
 Under a split expert axis each expert's kernels are one rank's (a DTensor sharded on the
-experts' dimension), and the rows travel as on JAX: a buffer per expert holding the rows it
+experts' dimension; beside an fsdp axis FSDP2 shards the rest of the model and leaves them
+whole on every fsdp rank), and the rows travel as on JAX: a buffer per expert holding the rows it
 took (zeros elsewhere), the dispatch all-to-all to the experts' ranks, the experts, the
 combine all-to-all back, summed by the gates (trainspec/torch/differentiable.py).
 """
@@ -130,10 +131,12 @@ def moe_layers(model: nn.Module) -> list[MoEMlp]:
 
 
 def lay_out_experts(model: nn.Module, mesh: DeviceMesh, route_group,
-                    expert_axis: str | None) -> None:
+                    expert_axis: str | None) -> set[nn.Parameter]:
     """Every MoE layer routes over `route_group` (the ranks of the micro-batch's rows, in row
     order; None: one rank); with an expert axis its expert kernels become DTensors sharded on
-    the experts' dimension over it, each rank's experts its own."""
+    the experts' dimension over it, each rank's experts its own. Returns those kernels (FSDP2
+    beside them leaves them alone)."""
+    kernels = set()
     for layer in moe_layers(model):
         layer.route_group = route_group
         if expert_axis is None:
@@ -143,6 +146,8 @@ def lay_out_experts(model: nn.Module, mesh: DeviceMesh, route_group,
             whole = getattr(layer, name)
             setattr(layer, name, nn.Parameter(distribute_tensor(
                 whole.data, mesh[expert_axis], [Shard(0)])))
+            kernels.add(getattr(layer, name))
+    return kernels
 
 
 def weighted_aux_loss(model: nn.Module, valid_tokens: torch.Tensor) -> torch.Tensor:
