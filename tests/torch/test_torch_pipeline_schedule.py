@@ -1,9 +1,12 @@
 """The schedule the torch pipeline executed (trainspec.torch.pipeline.ExecutedOrder), recorded
-on each rank during one step of pipeline 2 with m = 8 micro-batches: each stage ran the core's
-order for its schedule, operation for operation; those orders, run under the core's cost model
-(schedule.execute: F = B = one slot), pass the dependency check and idle (p−1)/(m+p−1) of the
-slots; and the activations each stage held (its forward cache) peaked at m micro-batches under
-GPipe and at p − stage under 1F1B."""
+on each rank during the second step of pipeline 2 with m = 8 micro-batches: each stage ran the
+core's order for its schedule, operation for operation; those orders, run under the core's cost
+model (schedule.execute: F = B = one slot), pass the dependency check and idle (p−1)/(m+p−1) of
+the slots; the activations each stage held (its forward cache) peaked at m micro-batches under
+GPipe and at p − stage under 1F1B; and the bytes it held for its backwards (the tensors autograd
+saved and the forward cache's) were, at every operation's start and at the step's end, one
+micro-batch's bytes times the micro-batches held: GPipe's peak m times one micro-batch's, 1F1B's
+p − stage times."""
 import json
 import re
 import subprocess
@@ -39,5 +42,14 @@ def test_torch_runs_the_core_s_orders_with_the_formula_s_bubble(schedule, peak, 
     timeline = execute(ran)  # checks every dependency
     assert timeline.idle_fraction() == pytest.approx(bubble_formula(schedule, P, M), abs=1e-12)
     print(f"{schedule}: idle fraction {timeline.idle_fraction():.4f}, held at most "
-          f"{[max(s['held']) for s in stages]} micro-batches of activations per stage")
+          f"{[max(s['held']) for s in stages]} micro-batches of activations per stage, "
+          f"{[max(s['held_bytes']) for s in stages]} bytes")
     assert [max(stage["held"]) for stage in stages] == peak
+    for stage in stages:
+        # the bytes held for the backwards at each operation's start and at the step's end
+        # are one micro-batch's times the micro-batches held: nothing else stays (the outputs
+        # included: torch's default keeps the last stage's logits until the step's end)
+        held = [0, *stage["held"]]
+        per_microbatch = stage["held_bytes"][1]
+        assert per_microbatch > 0
+        assert stage["held_bytes"] == [n * per_microbatch for n in held]

@@ -1,8 +1,9 @@
-"""One rank of test_torch_pipeline_schedule.py, under `trainspec launch --nprocs 2`: one step
-of the reference model over pipeline 2 (m = 8 pipeline micro-batches) under SCHEDULE, then the
+"""One rank of test_torch_pipeline_schedule.py, under `trainspec launch --nprocs 2`: the second
+step of the reference model over pipeline 2 (m = 8 pipeline micro-batches) under SCHEDULE, then the
 operations this rank's stage ran (trainspec.torch.pipeline.ExecutedOrder) gathered to rank 0,
-which prints them as JSON: per stage, [kind, micro-batch, chunk] in order, and the
-micro-batches of activations held after each."""
+which prints them as JSON: per stage, [kind, micro-batch, chunk] in order, the
+micro-batches of activations held after each, and the bytes held for the backwards at the
+start of each and at the step's end."""
 import json
 import sys
 
@@ -24,10 +25,14 @@ runtime = TorchRuntime()
 runtime.join()
 step = TorchStep(spec, runtime.build_mesh(spec), 1, runtime.device)
 batch = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batch(0)
-step({key: np.asarray(v)[step.rows()] for key, v in batch.items()})
+rows = {key: np.asarray(v)[step.rows()] for key, v in batch.items()}
+step(rows)  # the first step's schedule also infers the stages' shapes, with a forward of its own
 executed = step.pipeline.executed
+executed.clear()
+executed.measure_bytes = True
+step(rows)
 mine = {"ops": [[op.kind, op.microbatch, op.chunk] for op, _, _ in executed.ops],
-        "held": executed.held}
+        "held": executed.held, "held_bytes": executed.held_bytes}
 every = [None] * dist.get_world_size()
 dist.all_gather_object(every, mine)
 if dist.get_rank() == 0:

@@ -24,8 +24,10 @@ fraction, and count the activations it holds (tests/torch/test_torch_pipeline_sc
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -64,12 +66,22 @@ class CoreSchedule(_PipelineScheduleRuntime):
 class ExecutedOrder:
     """The operations a rank's stages ran, in order, with their wall-clock start and end, and
     after each the micro-batches whose activations the stage holds (its forward cache: kept
-    from a forward until its backward)."""
+    from a forward until its backward).
 
-    def __init__(self, stages: list[PipelineStage], p: int):
+    With `measure_bytes` set (off by default: it costs a Python call per saved tensor), also
+    the bytes the stage holds for its backwards at the start of each operation and at the
+    step's end (`held_bytes`, one more entry than `ops`): the tensors autograd saved
+    (torch.autograd.graph.saved_tensors_hooks), the forward cache's inputs and outputs and the
+    outputs the stage keeps for the step's end (none: `run` asks for none), each view once (a micro-batch's slice of the batch counts its own bytes), parameters
+    (and views of them) left out."""
+
+    def __init__(self, stages: list[PipelineStage], p: int, params: list[torch.Tensor]):
         self.ops: list[tuple[Op, float, float]] = []
         self.held: list[int] = []
-        self.stages = stages
+        self.held_bytes: list[int] = []
+        self.measure_bytes = False
+        self.stages, self.params = stages, params
+        self._saved: weakref.WeakSet = weakref.WeakSet()
         for stage in stages:
             chunk = stage.stage_index // p
             self._record(stage, "forward_one_chunk", FORWARD, chunk)
@@ -79,6 +91,8 @@ class ExecutedOrder:
         run = getattr(stage, method)
 
         def recorded(microbatch, *args, **kwargs):
+            if self.measure_bytes:
+                self.held_bytes.append(self._bytes_held())
             start = time.perf_counter()
             out = run(microbatch, *args, **kwargs)
             self.ops.append((Op(kind, microbatch, chunk), start, time.perf_counter()))
@@ -87,9 +101,48 @@ class ExecutedOrder:
 
         setattr(stage, method, recorded)
 
+    @contextlib.contextmanager
+    def step(self):
+        """Around one step's schedule: its saved tensors tracked when measuring bytes."""
+        if not self.measure_bytes:
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _Saved.unpack):
+            yield
+        self.held_bytes.append(self._bytes_held())
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        saved = _Saved(tensor)  # autograd holds it until the backward frees the graph
+        self._saved.add(saved)
+        return saved
+
+    def _bytes_held(self) -> int:
+        params = {p.untyped_storage().data_ptr() for p in self.params}
+        cached = [t for stage in self.stages for entry in stage.fwd_cache.values()
+                  for part in entry for t in part if isinstance(t, torch.Tensor)]
+        cached += [t for stage in self.stages for t in stage.output_chunks
+                   if isinstance(t, torch.Tensor)]
+        views = {(t.data_ptr(), t.nbytes) for t in [*(s.tensor for s in self._saved), *cached]
+                 if t.untyped_storage().data_ptr() not in params}
+        return sum(nbytes for _, nbytes in views)
+
     def clear(self) -> None:
         self.ops.clear()
         self.held.clear()
+        self.held_bytes.clear()
+
+
+class _Saved:
+    """A tensor autograd saved for a backward, as the graph holds it (weakly referenced by
+    ExecutedOrder, so that it drops out once the graph is freed)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +207,7 @@ class StagePipeline:
         stage = PipelineStage(model, self.stage, self.stages, self.device, group=self.group)
         stage_orders = orders(self.schedule_name, self.stages, self.microbatches, self.virtual)
         self.schedule = CoreSchedule([stage], self.microbatches, self.io.loss, stage_orders)
-        self.executed = ExecutedOrder([stage], self.stages)
+        self.executed = ExecutedOrder([stage], self.stages, list(model.parameters()))
 
     def run(self, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The forwards and backwards of one accumulation micro-batch (this rank's rows);
@@ -165,7 +218,9 @@ class StagePipeline:
                              device=target.device)
         losses: list[torch.Tensor] = []
         args = (self.io.inputs(micro)[order],) if self.first else ()
-        self.schedule.step(*args, target=target[order], losses=losses)
+        with self.executed.step():  # the outputs are not kept: each micro-batch's logits
+            # would be held on the last stage until the step's end, whatever the schedule
+            self.schedule.step(*args, target=target[order], losses=losses, return_outputs=False)
         zero = torch.zeros((), device=self.device)
         if not self.last:
             return zero, zero
