@@ -19,11 +19,12 @@ from trainspec.jax.tools.plan_check import validation_layouts, validation_spec
 
 pytestmark = pytest.mark.slow
 
-# The examples of the dense reference model. Context, expert and MoE layouts are planned by
-# trainspec.core.plan.sharded_decoder, which this planner refuses to stand in for; their bytes are
-# checked against the compiled program in test_plan_context_expert_compiled.py.
+# Every example but the context one, whose blocks of 128 x 128 keys XLA:CPU's fusion leaves a
+# fourth score-sized buffer per layer live that the plan does not count (docs/plan.md, "Context
+# and expert layouts": 14% low); the context layouts are checked in
+# test_plan_context_expert_compiled.py.
 EXAMPLES = [p for p in sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
-            if p.stem not in ("context", "moe")]
+            if p.stem != "context"]
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
