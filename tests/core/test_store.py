@@ -10,9 +10,10 @@ import pytest
 
 from trainspec.core.errors import UserInputError
 from trainspec.core.spec import Spec
+from trainspec.core.run_files import checkpoint_framework, refuse_foreign_checkpoints
 from trainspec.core.store import (
-    MANIFEST, BadCheckpoint, Checkpoints, NoGoodCheckpoint, check_compatible, due,
-    save_failed)
+    MANIFEST, BadCheckpoint, CheckpointRefusal, Checkpoints, NoGoodCheckpoint, agreement,
+    check_compatible, due, save_failed)
 
 
 class NpyFiles:
@@ -134,6 +135,52 @@ def test_processes_agree_on_one_verdict(store):
         "rank 1 could not read it" if len(reasons) == 1 else why))
     assert agreed.restore_newest(lambda step: step) == 4
     assert reasons == [None, None] and agreed.steps() == [4, 2]
+
+
+def test_agreement_is_the_first_reason_any_process_gave():
+    """The `agree` a backend builds from its gather of every process's object."""
+    assert agreement(lambda why: [why, None, None])(None) is None
+    assert agreement(lambda why: [why, "rank 1: short read", "rank 2: gone"])(None) == \
+        "rank 1: short read"
+    assert agreement(lambda why: [why, "rank 1: short read"])("rank 0: bad hash") == \
+        "rank 0: bad hash"
+
+
+def test_the_run_length_is_the_newest_readable_checkpoints(tmp_path):
+    store = Checkpoints(tmp_path / "checkpoints")
+    written_under = {**Spec().to_dict(), "seed": 7}
+    for step, total in ((2, 10), (4, 20)):
+        store.partial(step)
+        store.seal(step, {"total_steps": total, "spec": written_under}, keep=3)
+    with pytest.raises(CheckpointRefusal, match="^seed: .* written with 7"):
+        store.saved_total_steps(Spec())  # refused before the run writes anything
+    _file(store, 4, MANIFEST).write_text("{not json")  # its restore will say why
+    with pytest.raises(CheckpointRefusal, match="^seed: "):
+        store.saved_total_steps(Spec())
+    _file(store, 2, MANIFEST).write_text(_file(store, 2, MANIFEST).read_text().replace(
+        '"seed": 7', f'"seed": {Spec().seed}'))
+    assert store.saved_total_steps(Spec()) == 10  # the newest whose manifest reads
+    assert Checkpoints(tmp_path / "absent").saved_total_steps(Spec()) is None
+
+
+def test_each_steps_writer_is_known_and_orbax_only_steps_are_refused(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    assert checkpoint_framework(checkpoints) is None
+    (checkpoints / "2" / "state").mkdir(parents=True)
+    (checkpoints / "2" / "state" / "_CHECKPOINT_METADATA").write_text("{}")
+    (checkpoints / "4").mkdir()
+    (checkpoints / "4" / "rank-00000.safetensors").write_bytes(b"")
+    assert checkpoint_framework(checkpoints) == "torch"  # the newest
+    refuse_foreign_checkpoints(checkpoints / "absent", "jax")
+    with pytest.raises(UserInputError, match=r"/4 is a checkpoint of the torch implementation; "
+                       "resume it with --framework torch"):
+        refuse_foreign_checkpoints(checkpoints, "jax")
+    (checkpoints / "6").mkdir()  # orbax's own layout: its step metadata at the top
+    (checkpoints / "6" / "_CHECKPOINT_METADATA").write_text("{}")
+    for look in (checkpoint_framework, lambda d: refuse_foreign_checkpoints(d, "jax")):
+        with pytest.raises(UserInputError, match=rf"^checkpoint.dir: {checkpoints}/6 is a JAX "
+                           "checkpoint in orbax's own layout, without the manifest"):
+            look(checkpoints)
 
 
 def test_only_the_writer_moves_and_says(store, caplog):

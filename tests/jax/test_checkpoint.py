@@ -1,5 +1,6 @@
 """Checkpoints: atomic, kept N, resumed bit for bit on the same mesh and resharded onto another."""
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
+from trainspec.core.store import MANIFEST, Checkpoints
 from trainspec.jax.health.faults import Faults, InjectedCrash
 from trainspec.core.run_files import AlreadyTrained
 from trainspec.jax.train import Job, build_job, run
@@ -97,14 +99,44 @@ def test_unfinished_and_unreadable_checkpoints_are_never_taken(tmp_path):
     ckpt.wait()
     root = ckpt.directory
     assert sorted(p.name for p in root.iterdir()) == ["2", "3"]
-    # a save killed mid-write: orbax's tmp directory, never renamed into place
-    shutil.copytree(root / "3", root / "5.orbax-checkpoint-tmp")
-    (root / "5.orbax-checkpoint-tmp" / "state" / "_METADATA").unlink(missing_ok=True)
+    # a save killed before its seal: orbax's files complete, no manifest, never renamed
+    shutil.copytree(root / "3" / "state", root / "5.partial" / "state")
     # a step directory that lists but does not read back (a truncated copy)
     shutil.copytree(root / "3", root / "4")
     shutil.rmtree(root / "4" / "state")
     state, meta = Checkpointer(spec, tmp_path).restore_latest(job.abstract_state)
     assert meta["step"] == 3
+
+
+def test_an_async_save_returns_before_it_is_sealed(tmp_path, monkeypatch):
+    """The step goes on while orbax finalizes and the writer seals, in the background; until
+    the seal the save is a `<step>.partial`, which is no checkpoint."""
+    release, seal = threading.Event(), Checkpoints.seal
+
+    def held_seal(store, *args, **kwargs):
+        assert release.wait(60), "the test never released the seal"
+        return seal(store, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoints, "seal", held_seal)
+    spec = tiny_spec("checkpoint.interval=1", "checkpoint.async_save=true")
+    with Checkpointer(spec, tmp_path) as ckpt:
+        ckpt.save(1, build_job(spec).state, total_steps=2)
+        assert ckpt.steps() == [] and (ckpt.directory / "1.partial").is_dir()
+        release.set()
+        ckpt.wait()
+        assert ckpt.steps() == [1] and (ckpt.directory / "1" / MANIFEST).is_file()
+
+
+def test_an_orbax_only_checkpoint_is_refused_by_name(tmp_path):
+    """The layout of orbax's CheckpointManager, without the trunk's manifest: one line, and
+    the directory left as it is (not quarantined as bad)."""
+    step_dir = tmp_path / "checkpoints" / "4"
+    (step_dir / "state").mkdir(parents=True)
+    (step_dir / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(UserInputError, match=f"^checkpoint.dir: {step_dir} is a JAX checkpoint "
+                       "in orbax's own layout"):
+        Checkpointer(tiny_spec("checkpoint.interval=1"), tmp_path).restore_latest(None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
 
 def test_resume_with_other_model_is_one_line_naming_the_field(tmp_path):
@@ -117,23 +149,23 @@ def test_resume_with_other_model_is_one_line_naming_the_field(tmp_path):
         Checkpointer(other, tmp_path).restore_latest(build_job(other, init=False).abstract_state)
 
 
-def _count_manager_closes(monkeypatch) -> list:
-    """Each orbax manager closed from now on, by its directory."""
-    closed, close = [], ocp.CheckpointManager.close
+def _count_checkpointer_closes(monkeypatch) -> list:
+    """Each orbax checkpointer closed from now on."""
+    closed, close = [], ocp.AsyncCheckpointer.close
 
-    def counted(manager):
-        closed.append(manager.directory)
-        close(manager)
+    def counted(checkpointer):
+        closed.append(checkpointer)
+        close(checkpointer)
 
-    monkeypatch.setattr(ocp.CheckpointManager, "close", counted)
+    monkeypatch.setattr(ocp.AsyncCheckpointer, "close", counted)
     return closed
 
 
 def test_rerun_of_a_finished_run_restores_its_end_and_trains_nothing(tmp_path, monkeypatch):
     spec = tiny_spec("checkpoint.interval=2", "checkpoint.async_save=false")
-    closed = _count_manager_closes(monkeypatch)
+    closed = _count_checkpointer_closes(monkeypatch)
     run(spec, tmp_path, steps=4, progress=False)
-    assert len(closed) == 1  # the run closes the manager it opened (threads, open files)
+    assert len(closed) == 1  # the run closes the checkpointer it opened (threads, open files)
 
     def no_fresh_state(job):
         raise AssertionError("a resume restores into the planned state; it initialises none")
@@ -145,10 +177,10 @@ def test_rerun_of_a_finished_run_restores_its_end_and_trains_nothing(tmp_path, m
 
 
 def test_closing_never_hides_the_error_that_ended_a_run(tmp_path, monkeypatch):
-    def failing_close(manager):
+    def failing_close(checkpointer):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(ocp.CheckpointManager, "close", failing_close)
+    monkeypatch.setattr(ocp.AsyncCheckpointer, "close", failing_close)
     with pytest.raises(UserInputError, match="^data: the error in flight$"):
         with Checkpointer(tiny_spec(), tmp_path):
             raise UserInputError("data: the error in flight")
@@ -170,10 +202,10 @@ ORBAX_FULL_DISK = (
 def test_a_full_disk_under_orbax_is_the_trunks_line(tmp_path, monkeypatch):
     """Orbax wraps the OS's ENOSPC in a long RESOURCE_EXHAUSTED text; the line says what the
     torch backend's says for the same disk (trainspec.core.store.save_failed)."""
-    def full_disk(manager):
+    def full_disk(checkpointer):
         raise ValueError(ORBAX_FULL_DISK)
 
-    monkeypatch.setattr(ocp.CheckpointManager, "close", full_disk)
+    monkeypatch.setattr(ocp.AsyncCheckpointer, "close", full_disk)
     with pytest.raises(UserInputError) as refused:
         with Checkpointer(tiny_spec(), tmp_path):
             pass

@@ -10,6 +10,7 @@ import pytest
 
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.cli.main import main
+from trainspec.core.store import MANIFEST
 from trainspec.jax.train import build_job, run
 
 from tiny import TINY, tiny_spec
@@ -81,12 +82,13 @@ def _delete(step_dir: Path) -> None:
 
 
 def _wrong_checksum(step_dir: Path) -> None:
-    """Readable bytes that are not the ones saved (what a flip inside a value looks like)."""
-    meta_path = step_dir / "meta" / "metadata"  # orbax's JsonSave file
-    meta = json.loads(meta_path.read_text())
-    leaf = sorted(meta["checksums"])[0]
-    meta["checksums"][leaf] = "0" * 16
-    meta_path.write_text(json.dumps(meta))
+    """Files that verify, whose arrays are not the ones saved (what orbax writing or reading
+    back wrong bytes looks like): the saved checksum of one array changed in the manifest."""
+    manifest_path = step_dir / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    leaf = sorted(manifest["meta"]["checksums"])[0]
+    manifest["meta"]["checksums"][leaf] = "0" * 16
+    manifest_path.write_text(json.dumps(manifest))
 
 
 CORRUPTIONS = [_flip_bit, _garbage, _truncate, _delete, _wrong_checksum]
@@ -102,7 +104,7 @@ def test_a_bad_checkpoint_is_detected_and_set_aside(run_dir, corrupt, caplog):
     lines = [r.getMessage() for r in caplog.records if "is bad" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("checkpoint 4 is bad (")
     assert (run_dir / "checkpoints-quarantine" / "4").is_dir()  # moved aside, not deleted
-    assert ckpt.good_steps() == [2]
+    assert ckpt.steps() == [2]
 
 
 def test_a_fallback_retrains_and_replaces_the_bad_checkpoint(run_dir):

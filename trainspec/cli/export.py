@@ -35,10 +35,12 @@ def run(args) -> int:
         raise UserInputError("export: model.moe: the export layout holds the dense reference "
                              "model only")
     framework = checkpoint_framework(args.run / spec.checkpoint.dir)
-    if framework is None:
+    trained = None if framework is None else \
+        registry.backend(framework).trained_params(spec, args.run)
+    if trained is None:
         raise UserInputError(f"export: {args.run} holds no checkpoint to export (train it with "
                              "checkpoint.interval > 0)")
-    params, step = registry.backend(framework).trained_params(spec, args.run)
+    params, step = trained
     out = export.write(args.out or args.run / "export", params, spec.model, step)
     print(f"exported step {step} of {args.run} ({framework}): {out / export.WEIGHTS}, "
           f"{out / export.CONFIG}")

@@ -287,10 +287,10 @@ class Backend(abc.ABC):
         `conformance_targets`), in the joined job; `join=False`: for reading its
         declarations only, no devices touched."""
 
-    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int]:
+    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int] | None:
         """(the reference model's parameters by flax path as NumPy arrays, the step) of the
         newest good checkpoint this backend wrote in `run_dir`, read whole in this process
-        (`trainspec export`); UserInputError where there is none."""
+        (`trainspec export`); None where there is none (the trunk says so)."""
         raise UserInputError(f"export: the {self.name} backend exports no checkpoints")
 
     def suite_ranks(self, devices: int) -> int | None:

@@ -12,10 +12,12 @@ from trainspec.core.spec import Spec
 from trainspec.core.spec_source import to_toml
 
 SPEC_FILE = "spec.toml"  # the spec a run dir was last trained under, --set overrides applied
-# A file that each implementation's finished checkpoint step holds and the other's never does
-# (orbax's step metadata; rank 0's state file), by `trainspec train --framework`.
-CHECKPOINT_MARKERS = {"jax": "_CHECKPOINT_METADATA", "torch": "rank-00000.safetensors"}
-
+# A file that each implementation's checkpoint step holds and the other's never does (orbax's
+# step metadata inside the state folder; rank 0's state file), by `trainspec train --framework`.
+CHECKPOINT_MARKERS = {"jax": "state/_CHECKPOINT_METADATA", "torch": "rank-00000.safetensors"}
+# Orbax's step metadata at the top of a step: a JAX checkpoint in orbax's own layout, with no
+# trainspec manifest (trainspec.core.store), which no implementation reads.
+ORBAX_ONLY_MARKER = "_CHECKPOINT_METADATA"
 
 class AlreadyTrained(Exception):
     """The run directory is already at (or past) the step asked for: nothing was trained and
@@ -39,29 +41,39 @@ def resume_line(mark: dict, mesh: dict[str, int]) -> str:
             f"{', unchanged' if was == now else ''})")
 
 
+def _writers(checkpoint_dir: Path):
+    """(step directory, the implementation that wrote it) of each checkpoint step in
+    `checkpoint_dir` that one of them marks, newest first; UserInputError, in one line, at an
+    orbax-only checkpoint: it is neither good nor bad for either implementation."""
+    checkpoint_dir = Path(checkpoint_dir)
+    steps = [p for p in checkpoint_dir.iterdir() if p.name.isdigit()] \
+        if checkpoint_dir.is_dir() else []
+    for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):
+        if (step_dir / ORBAX_ONLY_MARKER).exists():
+            raise UserInputError(
+                f"checkpoint.dir: {step_dir} is a JAX checkpoint in orbax's own layout, without "
+                "the manifest this version verifies checkpoints by; resume it with the trainspec "
+                "that wrote it, or give this run another --run-dir")
+        for framework, marker in CHECKPOINT_MARKERS.items():
+            if (step_dir / marker).exists():
+                yield step_dir, framework
+
+
 def refuse_foreign_checkpoints(checkpoint_dir: Path, framework: str) -> None:
     """UserInputError, in one line, naming a checkpoint in `checkpoint_dir` that another
-    framework's implementation wrote: it is neither good nor bad for this one, not its to read."""
-    steps = [p for p in Path(checkpoint_dir).iterdir() if p.name.isdigit()] \
-        if Path(checkpoint_dir).is_dir() else []
-    for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):  # the newest named
-        for other, marker in CHECKPOINT_MARKERS.items():
-            if other != framework and (step_dir / marker).exists():
-                raise UserInputError(
-                    f"checkpoint.dir: {step_dir} is a checkpoint of the {other} implementation; "
-                    f"resume it with --framework {other}, or give this run another --run-dir")
+    framework's implementation wrote (or orbax alone): it is neither good nor bad for this
+    one, not its to read."""
+    for step_dir, other in _writers(checkpoint_dir):
+        if other != framework:
+            raise UserInputError(
+                f"checkpoint.dir: {step_dir} is a checkpoint of the {other} implementation; "
+                f"resume it with --framework {other}, or give this run another --run-dir")
 
 
 def checkpoint_framework(checkpoint_dir: Path) -> str | None:
     """The implementation that wrote the newest checkpoint in `checkpoint_dir` (by the file
     each leaves in a step's directory), or None where there is none."""
-    steps = [p for p in Path(checkpoint_dir).iterdir() if p.name.isdigit()] \
-        if Path(checkpoint_dir).is_dir() else []
-    for step_dir in sorted(steps, key=lambda p: int(p.name), reverse=True):
-        for framework, marker in CHECKPOINT_MARKERS.items():
-            if (step_dir / marker).exists():
-                return framework
-    return None
+    return next((framework for _, framework in _writers(checkpoint_dir)), None)
 
 
 def write_json_atomically(path: Path, payload: dict) -> None:

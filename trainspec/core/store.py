@@ -158,6 +158,14 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
+def agreement(gather: Callable[[Any], list]) -> Callable[[str | None], str | None]:
+    """An `agree` for Checkpoints over `gather` (every process's object, by process): the
+    first reason any process gave, the same on every process."""
+    def agree(why: str | None) -> str | None:
+        return next((reason for reason in gather(why) if reason is not None), None)
+    return agree
+
+
 def check_resumable(directory: Path, spec: Spec) -> None:
     """The look a launcher takes before it starts any process, so that a refusal is one line
     from one process: `checkpoint.dir` is a directory (or absent), the newest good checkpoint
@@ -310,6 +318,20 @@ class Checkpoints:
             raise NoGoodCheckpoint(
                 f"checkpoint.dir: all {len(bad)} checkpoints in {self.directory} are bad "
                 f"(newest, {newest}: {why}); they are kept; pass --restart to train from step 0")
+        return None
+
+    def saved_total_steps(self, spec: Spec, steps: Iterable[int] | None = None) -> int | None:
+        """The run length the newest checkpoint whose manifest reads was planned for (its
+        learning-rate schedule); CheckpointRefusal when `spec` cannot resume it, before a run
+        writes anything. Its files are verified later, by the restore."""
+        for step in self.steps() if steps is None else steps:
+            try:
+                meta = self.manifest(step)["meta"]
+                total_steps = int(meta["total_steps"])
+            except (BadCheckpoint, KeyError, TypeError, ValueError):  # the restore says why
+                continue
+            check_compatible(meta.get("spec", {}), spec, self.directory)
+            return total_steps
         return None
 
     # -- moving aside ----------------------------------------------------------------------

@@ -100,7 +100,7 @@ class JaxBackend(Backend):
                 "layout (path, shape, partition spec):",
                 *("  " + line for line in layout.describe(step.state_pspecs, abstract_state))]
 
-    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int]:
+    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int] | None:
         """The newest good orbax checkpoint, restored onto this process's (host) devices."""
         self.present_devices(None)
         from trainspec.jax.export import trained_params

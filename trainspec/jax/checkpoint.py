@@ -1,32 +1,44 @@
-"""Checkpoints of the whole run with orbax: save asynchronously, resume onto any mesh.
+"""Checkpoints of the JAX implementation, under the trunk's policy (trainspec.core.store): the
+layout (`<step>.partial/` renamed to `<step>/` once complete), the manifest of every file's
+size and SHA-256, verification before anything is read, quarantine, fallback to the newest good
+checkpoint, and the spec fields a resume must match, are the trunk's. This module moves the
+bytes, with orbax: the train state (parameters, optimizer state, its step counter) as sharded
+arrays in `<step>.partial/state/`, written by every process. The meta (in the manifest) holds
+the step, the data position, the RNG, the run's length, the non-finite guard's counts, the spec,
+the mesh the state was sharded over (a resume says from which mesh it came), every array's
+global shape and a checksum of its content.
 
-A checkpoint holds two items written together into one step directory:
-- `state`: the train state (parameters, optimizer state, its step counter) as sharded arrays;
-- `meta`: JSON with the step, the data position, the RNG, the spec, the mesh the state was
-  sharded over (a resume says from which mesh it came) and the run's length.
+Saving, under `checkpoint.async_save`: the state is copied to host memory and the step returns
+while orbax writes it in the background; a thread of this process then waits for orbax's
+finalize (every process's files in, through orbax's own barriers) and the writer seals the
+checkpoint (manifest, rename). `wait()` blocks until then; the next save, a restore and the end
+of the run wait first. A process killed at any point leaves at most a `<step>.partial/`, which
+is never a checkpoint.
 
-Atomicity comes from orbax: a step is written into `<step>.orbax-checkpoint-tmp*` and renamed to
-`<step>` only once every item is complete, and orbax lists only renamed steps.
-
-Verified, not trusted: the meta holds a content checksum of every array (trainspec.jax.checksum),
-taken when the state is saved and recomputed on the restored arrays. A step that does not read
-back (truncated or deleted files, a foreign file) or whose arrays differ from their checksums
-(a flipped bit, overwritten bytes) is bad: the newest good step is restored instead, with one
-line naming the bad one and why, and the bad ones are moved aside into `<dir>-quarantine/`
-(kept, not deleted), so the re-trained steps take their place. When no step is good the run
-stops (UserInputError) and leaves them all in place; starting over is explicit (`set_aside`).
-
-Resharding: restore targets an abstract state whose leaves carry the *current* job's shardings,
-so a run saved on (data=4, fsdp=2) restores onto 4 devices, or onto (data=2, fsdp=4), directly.
-The data position is the step: batches are a pure function of (seed, step) (data.py), so
-resuming at step S on any mesh continues with exactly batch S, none seen twice or skipped.
+Restoring: the writer verifies every file against the manifest and every process takes its
+verdict (one `agree` over the job's processes), so that all of them restore the same step or
+none. The state is then read onto the *current* job's shardings (the target is the abstract
+state its step planned): a run saved on (data=4, fsdp=2) restores onto 4 devices, or onto
+(data=2, fsdp=4), directly. The data position is the step: batches are a pure function of
+(seed, step) (data.py), so resuming at step S on any mesh continues with exactly batch S.
 A compressed run's error-feedback residuals (one per data-parallel replica) are read back as
 saved and, onto another replica count, folded: their sum, which is what the replicas still
 owe the gradient sum, becomes replica 0's residual (docs/communication.md).
+
+Every restored array is then checked against the checksum taken of it on device when it was
+saved (trainspec.jax.checksum). The manifest certifies the files as orbax wrote them; the
+checksums certify the arrays as they were trained and as they arrive on the devices, so they
+also catch what the files' digests cannot: bytes orbax wrote or read back wrong (serialization,
+its merge of the processes' databases, resharding onto another mesh) and a file changed between
+verification and the read. They cost one small program per save and per restore.
+
+Checkpoints of orbax's own layout (no manifest; written before the trunk's format) are refused
+by name (trainspec.core.run_files): they are neither good nor bad under this format.
 """
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +49,18 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trainspec.jax.checksum import checksums, first_mismatch
 from trainspec.core.compression import RESIDUAL
 from trainspec.core.errors import UserInputError
+from trainspec.core.run_files import refuse_foreign_checkpoints
 from trainspec.core.spec import Spec
 from trainspec.core.store import (  # noqa: F401 (CheckpointSaveError re-exported)
-    BadCheckpoint, Checkpoints, CheckpointSaveError, check_compatible, due, first_line,
-    save_failed)
-from trainspec.jax.runtime import is_writer
+    BadCheckpoint, Checkpoints, CheckpointSaveError, agreement, check_compatible, due,
+    first_line, save_failed)
+from trainspec.jax.checksum import checksums, first_mismatch
+from trainspec.jax.runtime import JaxRuntime, is_writer
 
-FORMAT = 2  # 2: the meta holds per-array checksums
+FORMAT = "trainspec.jax/3"  # 3: orbax's files under the trunk's manifest
+STATE = "state"  # the folder of a step that orbax writes the state into
 
 
 def _by_path(state):
@@ -69,7 +83,8 @@ def check_replicas(saved_shapes: dict, target, step: int) -> None:
 def abstract_like(state):
     """Shape, dtype and sharding of each leaf: the target orbax restores (and reshards) into.
     `state` may be concrete arrays or already abstract (ShapeDtypeStructs with shardings)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 def mesh_shape(state) -> dict[str, int]:
@@ -125,27 +140,20 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
 
 
 class Checkpointer:
-    """Checkpoints of one run directory (`checkpoint.dir` inside it), per the spec. A context
-    manager: leaving it closes orbax's manager (its background threads and open files)."""
+    """Checkpoints of one run directory (`checkpoint.dir` inside it), per the spec; process 0
+    seals and moves them. A context manager: leaving it finishes the save in flight and closes
+    orbax's checkpointer (its background threads and open files)."""
 
     def __init__(self, spec: Spec, run_dir: Path):
         self.spec = spec
-        self.interval = spec.checkpoint.interval
-        self.directory = (Path(run_dir) / spec.checkpoint.dir).absolute()
-        # The trunk's policy over orbax's layout: orbax writes, renames and lists the steps
-        # (its unfinished `*.orbax-checkpoint-tmp*` are never listed) and verification is the
-        # per-array checksums; the trunk decides fallback, quarantine and refusal.
-        self.store = Checkpoints(self.directory, writer=is_writer(), sync=self._reload_everywhere)
+        self.interval, self.keep = spec.checkpoint.interval, spec.checkpoint.keep
+        self.store = Checkpoints(Path(run_dir) / spec.checkpoint.dir, writer=is_writer(),
+                                 sync=_barrier, agree=agreement(JaxRuntime().gather_objects))
         self.store.check_directory()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=spec.checkpoint.keep,
-            enable_async_checkpointing=spec.checkpoint.async_save,
-            create=True,
-        )
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": _state_handler(), "meta": ocp.JsonCheckpointHandler()},
-        )
+        self.directory = self.store.directory
+        self._orbax = ocp.AsyncCheckpointer(_state_handler())
+        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainspec-seal")
+        self._sealing: Future | None = None  # the save in flight: orbax's finalize, the seal
         self.last_saved: int | None = None  # set by a verified restore or a completed save call
 
     @property
@@ -155,11 +163,34 @@ class Checkpointer:
     def due(self, step: int, last_step: int) -> bool:
         return due(step, last_step, self.interval)
 
+    # -- what is on disk ----------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete checkpoints (not yet verified), newest first; another implementation's,
+        and orbax-only ones, are refused by name."""
+        refuse_foreign_checkpoints(self.directory, "jax")
+        return self.store.steps()
+
+    @property
+    def quarantine(self) -> Path:
+        return self.store.quarantine_dir
+
+    def set_aside(self) -> list[Path]:
+        """Move every checkpoint, whoever wrote it, into the quarantine (starting over keeps
+        the old ones)."""
+        self.wait()
+        return self.store.set_aside()
+
+    def saved_total_steps(self) -> int | None:
+        """The run length the newest readable checkpoint was planned for (its LR schedule);
+        a spec that cannot resume it is refused here, before anything is written."""
+        return self.store.saved_total_steps(self.spec, self.steps())
+
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, state, total_steps: int, health: dict | None = None) -> None:
-        """Start writing `state` as of `step` (steps done = next batch index); returns at once
-        when `checkpoint.async_save`. The previous save is finished first (orbax). `health`:
-        the non-finite guard's counts, restored with the state."""
+        """Start writing `state` as of `step` (steps done = next batch index); returns once
+        orbax holds a host copy when `checkpoint.async_save`, else once it is sealed. The
+        previous save is complete and sealed first. `health`: the non-finite guard's counts,
+        restored with the state."""
         if not self.enabled or step == self.last_saved:
             return
         meta = {
@@ -177,15 +208,31 @@ class Checkpointer:
             "spec": self.spec.to_dict(),
             "mesh": mesh_shape(state),
         }
+        self.wait()
         with self._failing_saves_end_the_run():
-            self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)))
+            # The writer empties `<step>.partial` before orbax's first barrier, which every
+            # process passes before it writes there.
+            partial = self.store.partial(step)
+            self._orbax.save(partial / STATE, args=ocp.args.PyTreeSave(state))
+        self._sealing = self._sealer.submit(self._seal, step, meta)
+        if not self.spec.checkpoint.async_save:
+            self.wait()
         self.last_saved = step
 
+    def _seal(self, step: int, meta: dict) -> None:
+        """In the background: once orbax has finalized `step` (every process's files in, the
+        processes past orbax's commit barrier), the writer seals it."""
+        self._orbax.wait_until_finished()
+        if self.store.writer:
+            self.store.seal(step, meta, self.keep)
+
     def wait(self) -> None:
-        """Block until the background save (if any) is complete and renamed into place."""
-        with self._failing_saves_end_the_run():
-            self.manager.wait_until_finished()
+        """Block until the last save is complete (written, finalized and sealed); a failed
+        save is raised here, as one line."""
+        sealing, self._sealing = self._sealing, None
+        if sealing is not None:
+            with self._failing_saves_end_the_run():
+                sealing.result()
 
     @contextlib.contextmanager
     def _failing_saves_end_the_run(self):
@@ -196,9 +243,13 @@ class Checkpointer:
             raise CheckpointSaveError(save_failed(self.directory, err)) from None
 
     def close(self) -> None:
-        """Finish the background save, if any, and release orbax's manager."""
-        with self._failing_saves_end_the_run():
-            self.manager.close()
+        """Finish the save in flight, if any, and release orbax's checkpointer."""
+        try:
+            self.wait()
+        finally:
+            self._sealer.shutdown()
+            with self._failing_saves_end_the_run():
+                self._orbax.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -210,80 +261,53 @@ class Checkpointer:
         # Leaving on an error: that error is the one to report (a failed save would raise
         # again from close), so closing is best effort here.
         with contextlib.suppress(Exception):
-            self.manager.close()
+            self.close()
 
     # -- restore ------------------------------------------------------------------------------
-    def good_steps(self) -> list[int]:
-        """Finalized steps, newest first (unfinished `*.orbax-checkpoint-tmp*` never appear)."""
-        self.manager.reload()
-        return sorted(self.manager.all_steps(), reverse=True)
-
-    def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-
     def restore(self, step: int, target):
         """(state, meta) of `step`, resharded onto the shardings of `target` (see abstract_like)
-        and verified against its checksums; BadCheckpoint says why it is not good.
-
-        The meta is read and checked first: a checkpoint of another model must be reported as
-        such (UserInputError), not fail as an unreadable state."""
-        try:
-            meta = self.read_meta(step)
-        except Exception as err:  # noqa: BLE001
-            raise BadCheckpoint(f"its meta does not read back ({first_line(err)})") from None
-        if meta.get("format") != FORMAT or meta.get("step") != step:
-            raise BadCheckpoint(f"it is not a trainspec format-{FORMAT} checkpoint of step {step}")
+        and checked against its checksums; BadCheckpoint says why it is not good. Nothing of
+        the step is read before the writer verified its files; a checkpoint of another model
+        is a UserInputError naming the field, not a bad state."""
+        meta = self.store.verified(step)["meta"]
+        if meta.get("format") != FORMAT or not isinstance(meta.get("spec"), dict) \
+                or not isinstance(meta.get("checksums"), dict):
+            raise BadCheckpoint(f"its meta is not that of a {FORMAT} checkpoint")
         check_compatible(meta["spec"], self.spec, self.directory)
         saved_replicas = meta.get("residual_replicas")
         fold = saved_replicas not in (None, residual_replicas(target))
         read_as = _with_residual_replicas(target, saved_replicas) if fold else target
         check_replicas(meta.get("shapes", {}), read_as, step)  # residuals fold, the rest not
+        abstract = abstract_like(read_as)
         try:
-            abstract = abstract_like(read_as)
-            state = ocp.args.PyTreeRestore(
-                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=state))
-        except Exception as err:  # noqa: BLE001
-            raise BadCheckpoint(f"its state does not read back ({first_line(err)})") from None
-        differs = first_mismatch(meta["checksums"], restored.state)
+            state, why = self._orbax.restore(
+                self.directory / str(step) / STATE, args=ocp.args.PyTreeRestore(
+                    abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+            ), None
+        except Exception as err:  # noqa: BLE001  whatever orbax raised on files that verified
+            state, why = None, f"its state does not read back ({first_line(err)})"
+        why = self.store.agree(why)  # every process holds the state, or none: the checksums
+        if why is not None:  # below are computed over every process's devices
+            raise BadCheckpoint(why)
+        differs = first_mismatch(meta["checksums"], state)
         if differs is not None:
             raise BadCheckpoint(f"the checksum of {differs} differs from the one saved")
-        return (_fold_residual(restored.state, target) if fold else restored.state), meta
+        return (_fold_residual(state, target) if fold else state), meta
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
         """The newest good checkpoint resharded like `target`, or (None, None) when there is
         none. `target` carries the current job's shardings: the abstract state its step
         planned, so that nothing is initialised only to be overwritten. The trunk's policy
         (trainspec.core.store): newer bad ones quarantined; none good, NoGoodCheckpoint."""
-        found = self.store.restore_newest(lambda step: self.restore(step, target),
-                                          self.good_steps())
+        self.wait()
+        found = self.store.restore_newest(lambda step: self.restore(step, target), self.steps())
         if found is None:
             return None, None
-        self.manager.reload()
         self.last_saved = found[1]["step"]
         return found
 
-    @property
-    def quarantine(self) -> Path:
-        return self.store.quarantine_dir
 
-    def _reload_everywhere(self) -> None:
-        """Every process lists the steps again once process 0 has moved some aside."""
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("trainspec checkpoints moved aside")
-        self.manager.reload()
-
-    def set_aside(self) -> list[Path]:
-        """Move every checkpoint into the quarantine (starting over keeps the old ones)."""
-        return self.store.set_aside(self.good_steps())
-
-    def saved_total_steps(self) -> int | None:
-        """The run length the newest good checkpoint was planned for (its LR schedule), if any."""
-        for step in self.good_steps():
-            try:
-                meta = self.read_meta(step)
-            except Exception:  # noqa: BLE001  an unreadable meta: restore_latest says why
-                continue
-            check_compatible(meta["spec"], self.spec, self.directory)
-            return int(meta["total_steps"])
-        return None
+def _barrier() -> None:
+    """Every process waits here until all have come (after the writer moved checkpoints)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("trainspec checkpoints moved")

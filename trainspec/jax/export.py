@@ -8,7 +8,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from trainspec.core.errors import UserInputError
 from trainspec.core.reference_train import leaves
 from trainspec.core.spec import Spec
 from trainspec.jax import layout
@@ -16,13 +15,12 @@ from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.train import build_job
 
 
-def trained_params(spec: Spec, run_dir: Path) -> tuple[dict[str, np.ndarray], int]:
-    """(parameters by flax path, the step they were saved at)."""
+def trained_params(spec: Spec, run_dir: Path) -> tuple[dict[str, np.ndarray], int] | None:
+    """(parameters by flax path, the step they were saved at); None where no checkpoint is."""
     job = build_job(spec, init=False)
     with Checkpointer(spec, Path(run_dir)) as checkpoints:
         state, meta = checkpoints.restore_latest(job.abstract_state)
     if meta is None:
-        raise UserInputError(f"export: {run_dir} holds no checkpoint to export (train it with "
-                             "checkpoint.interval > 0)")
+        return None
     params = jax.tree.map(np.asarray, jax.device_get(layout.strip_boxes(state.params)))
     return leaves(params), meta["step"]

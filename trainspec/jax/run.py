@@ -20,7 +20,6 @@ import jax
 
 from trainspec.core import run as core_run
 from trainspec.core.flops import ModelFlops
-from trainspec.core.run_files import refuse_foreign_checkpoints
 from trainspec.jax.checkpoint import Checkpointer
 from trainspec.jax.engine import JaxEngine
 from trainspec.jax.step import WrappedStep
@@ -46,8 +45,6 @@ class Run(core_run.Run):
                  schedule=None, model_flops: ModelFlops | None = None, eval_data=None,
                  **options):
         run_dir = Path(run_dir)
-        if not options.get("restart"):  # before orbax lists them (and warns they are not its own)
-            refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")
         super().__init__(spec, run_dir, Checkpointer(spec, run_dir), steps or spec.train.steps,
                          **options)
         self.jax_step = JaxEngine(step, model_flops, schedule, eval_data)

@@ -24,7 +24,7 @@ from trainspec.core.faults import Faults
 from trainspec.core.loop import train
 from trainspec.core.mesh import resolve_mesh, usable_ids
 from trainspec.core.run import Run
-from trainspec.core.run_files import refuse_foreign_checkpoints, write_json_atomically
+from trainspec.core.run_files import write_json_atomically
 from trainspec.core.spec import Spec
 from trainspec.core.transformer_flops import for_spec as model_flops
 from trainspec.core.user_model import UserModel
@@ -229,8 +229,6 @@ def run(
         raise UserInputError("--model: tensor_plan and fsdp_units name torch modules; on JAX "
                              "the spec's layout.rules split a model by its logical axis names")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not restart:  # before orbax lists them (and warns that they are not its own)
-        refuse_foreign_checkpoints(run_dir / spec.checkpoint.dir, "jax")
     faults = faults or Faults()
 
     def job(spec: Spec):

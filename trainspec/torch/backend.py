@@ -65,7 +65,7 @@ class TorchBackend(Backend):
 
             check_init(model)
 
-    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int]:
+    def trained_params(self, spec, run_dir: Path) -> tuple[dict, int] | None:
         """The newest good checkpoint, whatever world size wrote it, read whole here."""
         from trainspec.torch.export import trained_params
 

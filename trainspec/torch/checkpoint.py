@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainspec.core.errors import UserInputError
 from trainspec.core.run_files import refuse_foreign_checkpoints
 from trainspec.core.spec import Spec
-from trainspec.core.store import BadCheckpoint, Checkpoints, check_compatible, due
+from trainspec.core.store import BadCheckpoint, Checkpoints, agreement, check_compatible, due
 from trainspec.torch import state_files
 from trainspec.torch.background_save import BackgroundSave
 from trainspec.torch.semi_sync import OuterStep
@@ -45,7 +45,7 @@ class TorchCheckpointer:
         self.spec = spec
         self.writer = dist.get_rank() == 0 if writer is None else writer
         self.store = Checkpoints(Path(run_dir) / spec.checkpoint.dir, writer=self.writer,
-                                 sync=dist.barrier, agree=_agree)
+                                 sync=dist.barrier, agree=agreement(_all_gather))
         self.store.check_directory()
         self.directory = self.store.directory
         self.interval, self.keep = spec.checkpoint.interval, spec.checkpoint.keep
@@ -72,14 +72,7 @@ class TorchCheckpointer:
     def saved_total_steps(self) -> int | None:
         """The run length the newest readable checkpoint was planned for (its schedule); a
         spec that cannot resume it is refused here, before anything is written."""
-        for step in self.steps():
-            try:
-                meta = self.store.manifest(step)["meta"]
-            except BadCheckpoint:  # restore_latest says why
-                continue
-            check_compatible(meta.get("spec", {}), self.spec, self.directory)
-            return int(meta["total_steps"])
-        return None
+        return self.store.saved_total_steps(self.spec, self.steps())
 
     def set_aside(self) -> list[Path]:
         """Move every checkpoint into the quarantine (rank 0; the others wait)."""
@@ -194,11 +187,6 @@ def _all_gather(mine):
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every
-
-
-def _agree(why: str | None) -> str | None:
-    """The first reason any rank gave for a step being bad, the same on every rank."""
-    return next((reason for reason in _all_gather(why) if reason is not None), None)
 
 
 def _state(model, optimizer, outer: OuterStep | None) -> dict:

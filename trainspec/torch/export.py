@@ -17,8 +17,8 @@ from trainspec.torch.checkpoint import FORMAT
 from trainspec.torch.models.transformer import Transformer, to_flax
 
 
-def trained_params(spec: Spec, run_dir: Path) -> tuple[dict[str, np.ndarray], int]:
-    """(parameters by flax path, the step they were saved at)."""
+def trained_params(spec: Spec, run_dir: Path) -> tuple[dict[str, np.ndarray], int] | None:
+    """(parameters by flax path, the step they were saved at); None where no checkpoint is."""
     model = Transformer(spec.model)  # float32 whatever the run trained in: the export's dtype
     store = Checkpoints(Path(run_dir) / spec.checkpoint.dir)
     target = {"model": dict(model.named_parameters())}
@@ -36,6 +36,5 @@ def trained_params(spec: Spec, run_dir: Path) -> tuple[dict[str, np.ndarray], in
 
     meta = store.restore_newest(restore)
     if meta is None:
-        raise UserInputError(f"export: {run_dir} holds no checkpoint to export (train it with "
-                             "checkpoint.interval > 0)")
+        return None
     return leaves(to_flax(model, target["model"])), meta["step"]
