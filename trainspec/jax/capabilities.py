@@ -131,7 +131,9 @@ JAX = Capabilities("jax", dict([
     *_reference("optimizer.name", "optimizer.learning_rate",
                 "optimizer.warmup_steps", "optimizer.weight_decay", "optimizer.grad_clip_norm",
                 "train.steps", "checkpoint.interval", "checkpoint.keep"),
-    ("checkpoint.async_save", honoured("orbax writes in the background")),
+    ("checkpoint.async_save", honoured("true: orbax writes the state in the background, then "
+                                       "process 0 seals it (manifest, rename) from a thread of "
+                                       "its own; false: training waits for each save")),
     ("eval.interval", honoured("loss_fn's forward pass, jitted, on the step's batch sharding "
                                "(a loss_step; a semi_sync step refuses it by name)")),
     *_reference("eval.batches", "eval.source"),
