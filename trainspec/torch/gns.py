@@ -44,7 +44,7 @@ class StepNoiseScale:
         """After micro-batch j's backward: the squares of its gradient (this rank's blocks of
         the summed gradient, less the sum before it) and this rank's valid tokens in it."""
         now = [local_block(g) for g in grads]
-        parts = now if self._previous is None else [b - p for b, p in zip(now, self._previous)]
+        parts = now if self._previous is None else torch._foreach_sub(now, self._previous)
         self._micro.append((self.norms.local_squares(grads, parts), tokens.float()))
         self._previous = [b.detach().clone() for b in now]
 
@@ -65,12 +65,14 @@ class StepNoiseScale:
         replicas)."""
         if self.source != REPLICAS:
             return None
-        tokens = tokens.float().reshape(1).clone()
-        if self.replica_group is not None:
+        tokens = tokens.float()
+        if self.replica_group is not None:  # a copy: the step's own count stays this rank's
+            tokens = tokens.reshape(1).clone()
             dist.all_reduce(tokens, group=self.replica_group)
+            tokens = tokens[0]
         tokens = tokens.clamp(min=1.0)
         square = self.norms.total(self.norms.local_squares(grads))
-        return torch.stack([square / tokens[0] ** 2, tokens[0]])
+        return torch.stack([square / tokens ** 2, tokens])
 
     def small_batch(self, summed: torch.Tensor | None = None) -> tuple | None:
         """The small batch's (|G_small|^2, B_small) as float64 tensors; None when nothing is

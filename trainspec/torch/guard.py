@@ -20,10 +20,13 @@ class DeviceGuard:
         self.policy, self.device = policy, device
         self.state = {k: torch.as_tensor(v, device=device)
                       for k, v in init_nan_guard(step, skipped, consecutive).items()}
+        self._always = torch.ones((), dtype=torch.bool, device=device)
 
     def __call__(self, finite: torch.Tensor) -> torch.Tensor:
         self.state, take = nan_guard_step(self.policy, self.state, finite, torch.where)
-        return torch.as_tensor(take, device=self.device)
+        if take is True:  # rollback keeps every update: one tensor, not one per step
+            return self._always
+        return take
 
     def check(self) -> int:
         """At a host sync: HealthHalt if the guard tripped; else the steps it skipped."""

@@ -39,27 +39,28 @@ class Norms:
     def local_squares(tensors: Sequence[torch.Tensor],
                       blocks: Iterable[torch.Tensor] | None = None) -> Squares:
         """This rank's sum of squares (float32) per set of axes the blocks are split over;
-        `blocks`: other local blocks laid out as `tensors` (default: theirs)."""
+        `blocks`: other local blocks laid out as `tensors` (default: theirs). Each set's
+        blocks take one multi-tensor norm (float32 whatever their dtype), whose squares are
+        summed: a fixed few operations per set, not a few per tensor."""
         if blocks is None:
             blocks = [local_block(t) for t in tensors]
-        by_axes: Squares = {}
+        by_axes: dict[tuple[str, ...], list[torch.Tensor]] = {}
         for t, block in zip(tensors, blocks):
-            axes = sharded_axes(t) if isinstance(t, DTensor) else ()
-            square = block.float().pow(2).sum()
-            by_axes[axes] = by_axes[axes] + square if axes in by_axes else square
-        return by_axes
+            by_axes.setdefault(sharded_axes(t) if isinstance(t, DTensor) else (), []).append(block)
+        return {axes: torch.stack(torch._foreach_norm(held, 2, dtype=torch.float32)).square().sum()
+                for axes, held in by_axes.items()}
 
     def total(self, by_axes: Squares) -> torch.Tensor:
         """The global sum of squares: each set all-reduced over its axes, then added. Values
         may be vectors (one entry per micro-batch), reduced in one call per set."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = None
         for split, square in by_axes.items():
             axes = tuple(a for a in self.mesh.mesh_dim_names
                          if a in split or a in self.stage_axes)  # in mesh order
             if axes:
                 dist.all_reduce(square, group=self.group(axes))
-            total = total + square
-        return total
+            total = square if total is None else total + square
+        return torch.zeros((), dtype=torch.float32, device=self.device) if total is None else total
 
     def norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of `tensors` (a float32 scalar on the device: nothing is read)."""

@@ -41,7 +41,8 @@ class DeviceUpdate:
             self._table = (total_steps, schedule_table(
                 self.settings, total_steps, self.count.device))
         rates = self._table[1]
-        return rates[self.count.clamp(max=rates.numel() - 1)]
+        # take, not indexing: a tensor index is read on the host (a sync per step on a GPU)
+        return rates.take(self.count.clamp(max=rates.numel() - 1))
 
     def _on_device(self) -> torch.optim.Optimizer | None:
         """The optimizer that takes the verdict as `found_inf`, or None."""
