@@ -2,13 +2,13 @@
 
 - from JAX's initial parameters (--init-from), the losses and gradient norms of the groups
   follow the JAX implementation's (trainspec/jax/semi_sync.py) within rtol 1e-4 over 8 steps
-  with an outer step every 2 (data 4, and data 2 x fsdp 2);
+  (data 4 with an outer step every 3, data 2 x fsdp 2 with one every 2);
 - one inner step with a plain outer step (lr 1, no momentum) is synchronous training (SGD,
   no clipping: the mean of the groups' updates is the update of the mean gradient), within 32
   float32 ulps, on 2 ranks; with outer momentum it is not;
 - the inner steps count no data-axis traffic (read from the data 4 run above);
-- a checkpoint mid-round (step 4 of rounds of 3) resumes bit for bit; a resume on another
-  number of groups is refused in one line.
+- a checkpoint mid-round (step 4 of rounds of 3: the data 4 run above saves every 4 steps)
+  resumes bit for bit; a resume on another number of groups is refused in one line.
 """
 import shutil
 
@@ -20,31 +20,41 @@ from tiny import TINY
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.torch.models.transformer import Transformer
 
-pytestmark = pytest.mark.slow  # two JAX runs and eight torch jobs: over a minute on 2 cores
+pytestmark = pytest.mark.slow  # two JAX runs and seven torch jobs: over a minute on 2 cores
 
 STEPS, RANKS = 8, 4
-LAYOUTS = {"data4": ["semi_sync.inner_steps=2"],
-           "data2_fsdp2": ["semi_sync.inner_steps=2", "mesh.axes.data.size=2",
-                           "mesh.axes.fsdp.size=2"]}
+# data 4 in rounds of 3 saving every 4 steps, so its checkpoint at step 4 is mid-round
+MID_ROUND = ["semi_sync.inner_steps=3", "checkpoint.interval=4", "checkpoint.keep=3"]
+LAYOUTS = {"data4": MID_ROUND,
+           "data2_fsdp2": ["semi_sync.inner_steps=2", "checkpoint.interval=0",
+                           "mesh.axes.data.size=2", "mesh.axes.fsdp.size=2"]}
 SGD = ['optimizer.name="sgd"', "optimizer.grad_clip_norm=1e9", "optimizer.learning_rate=0.3"]
 
 
-def test_the_groups_follow_the_jax_implementation(tmp_path):
-    """JAX (4 devices) writes its initial parameters; torch (4 ranks) starts from them
-    (--init-from): the records' losses and gradient norms, combined over the groups on either
-    side, agree within rtol 1e-4. The inner steps carry nothing over the data axes: amortised
-    over the round, 1/H of the outer step's all-reduce is all of `data`'s."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """layout -> (JAX's records, the torch run's dir, its records): JAX on 4 devices writes
+    its initial parameters, torch on 4 ranks starts from them (--init-from)."""
+    tmp, found = tmp_path_factory.mktemp("semi_sync"), {}
     for name, sets in LAYOUTS.items():
-        jax_dir, torch_dir = tmp_path / f"jax_{name}", tmp_path / f"torch_{name}"
-        want = _train(jax_dir, ["checkpoint.interval=0", *sets], "--host-devices", "4",
+        jax_dir, torch_dir = tmp / f"jax_{name}", tmp / f"torch_{name}"
+        want = _train(jax_dir, [*sets, "checkpoint.interval=0"], "--host-devices", "4",
                       framework=None)
-        got = _train(torch_dir, ["checkpoint.interval=0", *sets], "--init-from", str(jax_dir))
+        found[name] = (want, torch_dir, _train(torch_dir, sets, "--init-from", str(jax_dir)))
+    return found
+
+
+def test_the_groups_follow_the_jax_implementation(runs):
+    """The records' losses and gradient norms, combined over the groups on either side, agree
+    within rtol 1e-4. The inner steps carry nothing over the data axes: amortised over the
+    round, 1/H of the outer step's all-reduce is all of `data`'s."""
+    for name, (want, _, got) in runs.items():
         for quantity in ("loss", "grad_norm"):
             np.testing.assert_allclose([r[quantity] for r in got], [r[quantity] for r in want],
                                        rtol=1e-4, err_msg=f"{name} {quantity}")
-    semi = read_summary(tmp_path / "torch_data4")["semi_sync"]
+    semi = read_summary(runs["data4"][1])["semi_sync"]
     assert semi["inner_comm_bytes_per_step"] == 0 and semi["outer_comm_bytes"] == _param_bytes()
-    assert semi["groups"] == 4 and semi["inner_steps"] == 2
+    assert semi["groups"] == 4 and semi["inner_steps"] == 3
 
 
 def _cmd(run_dir, sets, *extra, steps=STEPS, nprocs=RANKS, framework="torch"):
@@ -81,16 +91,18 @@ def _param_bytes() -> int:
     return 4 * sum(x.numel() for x in model.parameters())
 
 
-def test_a_checkpoint_mid_round_resumes_bitwise(tmp_path):
-    sets = ["semi_sync.inner_steps=3", "checkpoint.interval=4", "checkpoint.keep=3"]
-    want = {r["step"]: r["loss"] for r in _train(tmp_path / "whole", sets)}
+def test_a_checkpoint_mid_round_resumes_bitwise(runs, tmp_path):
+    _, whole, records = runs["data4"]
+    want = {r["step"]: r["loss"] for r in records}
     run_dir = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "whole", run_dir)
+    shutil.copytree(whole, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # from step 4: the round began at 3
-    got = {r["step"]: r["loss"] for r in _train(run_dir, sets)}
+    # the same command (its --init-from is not used: a resume wins)
+    got = {r["step"]: r["loss"] for r in _train(run_dir, MID_ROUND, "--init-from",
+                                                  str(whole.parent / "jax_data4"))}
     assert read_summary(run_dir)["resumed_from"] == 4
     assert got == want
-    other = run_cli(_cmd(run_dir, sets, steps=STEPS + 2, nprocs=2))
+    other = run_cli(_cmd(run_dir, MID_ROUND, steps=STEPS + 2, nprocs=2))
     assert other.returncode == 2, other.stdout[-3000:] + other.stderr[-3000:]
     said = {line.split("] ", 1)[1] for line in other.stdout.splitlines() if "error" in line}
     assert said == {f"trainspec: error: semi_sync: the checkpoint in {run_dir}/checkpoints/8 "
