@@ -1,6 +1,6 @@
 """The MoE reference model on 4 gloo ranks, from the same seeded draws, on ragged batches:
-with dropless routing, expert 4, expert 2 x data 2 and expert 2 x fsdp 2 (FSDP2 shards all but
-the experts' kernels) give the losses and gradient norms of data 4 (the experts whole on every
+with dropless routing, expert 4, expert 2 x data 2, expert 2 x fsdp 2 (FSDP2 shards all but
+the experts' kernels) and expert 2 x context 2 give the losses and gradient norms of data 4 (the experts whole on every
 rank) within 1e-5 over 10 steps; with capacity-limited
 routing the dropped assignments are counted, the same on every layout, and the losses agree;
 a router whose drop order is reversed (later rows first) misses the tolerance; the routing
@@ -23,6 +23,8 @@ EXPERT2 = ["mesh.axes.data.size=2", "mesh.axes.expert.size=2"]
 EXPERT2_FSDP2 = ["mesh.axes.data.size=1", "mesh.axes.fsdp.size=2", "mesh.axes.expert.size=2"]
 LAYOUTS = {"data4": [], "expert4": EXPERT4, "expert2_data2": EXPERT2,
            "expert2_fsdp2": EXPERT2_FSDP2,
+           "expert2_context2": ["mesh.axes.data.size=1", "mesh.axes.context.size=2",
+                                "mesh.axes.expert.size=2"],
            "data4_limited": [LIMITED], "expert4_limited": [*EXPERT4, LIMITED],
            "expert2_data2_limited": [*EXPERT2, LIMITED],
            "broken_router": [*EXPERT4, LIMITED]}
@@ -42,7 +44,7 @@ def _close(got, want, key):
 
 
 @pytest.mark.parametrize("layout,like", [("expert4", "data4"), ("expert2_data2", "data4"),
-                                         ("expert2_fsdp2", "data4"),
+                                         ("expert2_fsdp2", "data4"), ("expert2_context2", "data4"),
                                          ("expert4_limited", "data4_limited"),
                                          ("expert2_data2_limited", "data4_limited")])
 def test_expert_parallel_equals_experts_whole(runs, layout, like):

@@ -77,11 +77,11 @@ EXPERTS_ALONE = Refusal(
     lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in
                                  r.split("expert") + r.split("tensor"))})
 MOE_BESIDE = Refusal(
-    "with a split context or tensor axis, or semi_sync",
-    lambda value, r: value is not None and (bool(r.split("context") + r.split("tensor"))
+    "with a split tensor axis, or semi_sync",
+    lambda value, r: value is not None and (bool(r.split("tensor"))
                                             or r.spec.semi_sync is not None),
-    "the torch implementation routes experts with the data, fsdp and expert axes only: leave "
-    "the context and tensor axes at 1 and [semi_sync] out")
+    "the torch implementation routes experts with the data, fsdp, context and expert axes "
+    "only: leave the tensor axis at 1 and [semi_sync] out")
 
 
 TORCH = Capabilities("torch", dict([

@@ -41,7 +41,7 @@ from trainspec.torch.layout import (
     shard_units)
 from trainspec.torch.micro_batches import MicroBatches
 from trainspec.torch.norms import Norms
-from trainspec.torch.models.moe import lay_out_experts
+from trainspec.torch.models.moe import lay_out_experts, routing_of
 from trainspec.torch.optim import spec_optimizer
 from trainspec.torch.optimizer_state import StepOptimizer, check_shardable
 from trainspec.torch.overlap import OverlappedReduction
@@ -130,8 +130,8 @@ class WrappedStep(MicroBatches, CheckpointedState):
             plan = tensor_plan or default_tensor_plan(self.model, self.dims.tensor)
             apply_tensor_parallel(self.model, mesh[tensor[0]], plan)
         expert = self.dims.split("expert")
-        experts = lay_out_experts(self.model, mesh, group_of(mesh, self.batch_axes)
-                                  if self.batch_axes else None, expert[0] if expert else None)
+        experts = lay_out_experts(self.model, mesh, routing_of(mesh, self.batch_axes, context),
+                                  expert[0] if expert else None)
         units = shard_units(self.model, fsdp_units)  # checked on any mesh
         apply_remat(self.model, units, spec.remat.policy)  # inside FSDP2's hooks
         if fsdp:
