@@ -19,12 +19,7 @@ from trainspec.jax.tools.plan_check import validation_layouts, validation_spec
 
 pytestmark = pytest.mark.slow
 
-# Every example but the context one, whose blocks of 128 x 128 keys XLA:CPU's fusion leaves a
-# fourth score-sized buffer per layer live that the plan does not count (docs/plan.md, "Context
-# and expert layouts": 14% low); the context layouts are checked in
-# test_plan_context_expert_compiled.py.
-EXAMPLES = [p for p in sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
-            if p.stem != "context"]
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)

@@ -51,11 +51,16 @@ def activation_bytes(m: ModelSpec, seq_len: int, tensor: int, compute: str,
 
 def context_attention(m: ModelSpec, seq_len: int, context: int, attention: str) -> float:
     """Elements per local token and layer of attention under a split context axis
-    (trainspec.jax.context), in place of the 2 H T of scores and probabilities: the scores,
-    the causally masked scores and the probabilities of every key/value block, H x T in all
-    each (3 H T, float32); the ring also keeps each block's partial output (c x d), the blocks
-    it received (c - 1 keys or values, d each: the other of each pair is read as it arrives)."""
-    blocks = 3 * m.n_heads * seq_len
+    (trainspec.jax.context), in place of the 2 H T of scores and probabilities: for every
+    key/value block, H x T in all each (c blocks of t keys for the ring, one of T for
+    all_gather), float32: the scores, the causally masked scores, the probabilities, and the
+    mask of each row's maximum that the maximum's derivative reads (4 H T). XLA:CPU keeps that
+    mask to the backward pass for large blocks (64 x 64 keys and more, the context example's
+    128 x 128 among them) and reduces it as soon as it is made for small ones (36 x 36 and
+    fewer): there the plan is H T a layer high (docs/plan.md). The ring also keeps each block's
+    partial output (c x d) and the blocks it received (c - 1 keys or values, d each: the other
+    of each pair is read as it arrives)."""
+    blocks = 4 * m.n_heads * seq_len
     if attention == "ring":
         return blocks + (2 * context - 1) * m.d_model
     return blocks
