@@ -17,17 +17,26 @@ def refusals(stages: int, *sets: str, tensor: int = 1) -> list[str]:
     return TORCH.refusals(Request(s, resolve_mesh(s, 4)))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_torch_runs_gpipe_and_1f1b_over_a_split_pipeline_axis(schedule):
-    assert refusals(2, f'pipeline.schedule="{schedule}"') == []
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_torch_runs_the_core_s_schedules_over_a_split_pipeline_axis(schedule):
+    assert refusals(2, f'pipeline.schedule="{schedule}"', "pipeline.virtual_stages="
+                    f"{2 if schedule == 'interleaved_1f1b' else 1}") == []
+
+
+def test_torch_refuses_interleaved_beside_a_split_fsdp_axis_by_name():
+    s = load_spec(None, ['mesh.axes={fsdp={size=2},stage={role="pipeline",size=2}}',
+                         "model.n_layers=4", 'pipeline.schedule="interleaved_1f1b"',
+                         "pipeline.virtual_stages=2"])
+    lines = TORCH.refusals(Request(s, resolve_mesh(s, 4)))
+    assert len(lines) == 1 and lines[0].startswith(
+        "pipeline.schedule: interleaved_1f1b runs each rank's chunks as views of one module"), lines
 
 
 @pytest.mark.parametrize("sets, field", [
-    (['pipeline.schedule="interleaved_1f1b"', "pipeline.virtual_stages=2"], "pipeline.schedule"),
     (['pipeline.schedule="zero_bubble_v"'], "pipeline.schedule"),
     (["metrics.gns=true", "batch.micro_batch=8"], "metrics.gns"),
     (["semi_sync.inner_steps=4"], "semi_sync.inner_steps"),
-], ids=["interleaved", "zero_bubble_v", "gns", "semi_sync"])
+], ids=["zero_bubble_v", "gns", "semi_sync"])
 def test_torch_refuses_what_its_pipeline_does_not_run_by_name(sets, field):
     lines = refusals(2, *sets)
     assert len(lines) == 1 and lines[0].startswith(f"{field}: "), lines

@@ -1,12 +1,15 @@
-"""The torch pipeline on four stages, and a user's model through `trainspec.torch.wrap` with its
-split points named (docs/wrapping.md, "Pipeline"), in one job of 8 gloo ranks
-(tests/torch/torch_pipeline_layouts_worker.py): 10 float32 steps of each layout from the same
-seeded parameters, the per-step loss and gradient norm within 1e-5 of the same model without a
+"""The torch pipeline on four stages, interleaved, and a user's model through
+`trainspec.torch.wrap` with its split points named (docs/wrapping.md, "Pipeline"), in one job
+of 8 gloo ranks (tests/torch/torch_pipeline_layouts_worker.py): 10 float32 steps of each layout
+from the same seeded parameters, the per-step loss and gradient norm, and the trained model's
+evaluated loss (a forward through every stage in turn), within 1e-5 of the same model without a
 pipeline (data 8). The reference model (4 layers) runs pipeline 2 x data 4 and pipeline 4 x
-data 2 under GPipe, and pipeline 4 x fsdp 2 under 1F1B with 8 micro-batches (its steady state
-alternating); the user's model (4 residual blocks) runs pipeline 2
-x fsdp 2 x data 2 under 1F1B and pipeline 4 x data 2 under GPipe. Gradients are clipped at 1.0
-from the first step, so a lost micro-batch or a stage applied twice changes every update."""
+data 2 under GPipe, pipeline 4 x fsdp 2 under 1F1B with 8 micro-batches (its steady state
+alternating), and pipeline 2 x data 4 under interleaved 1F1B (2 chunks of one layer per stage);
+the user's model (4 residual blocks) runs pipeline 2 x fsdp 2 x data 2 under 1F1B, pipeline 4
+x data 2 under GPipe and pipeline 2 x data 4 under interleaved 1F1B (m = 4). Gradients are
+clipped at 1.0 from the first step, so a lost micro-batch or a stage applied twice changes
+every update."""
 import json
 from pathlib import Path
 
@@ -40,10 +43,16 @@ JOB = {
                   "pipeline2_data4_gpipe": [*REFERENCE, *mesh(2, 4, 1, "gpipe")],
                   "pipeline4_data2_gpipe": [*REFERENCE, *mesh(4, 2, 1, "gpipe")],
                   "pipeline4_fsdp2_1f1b_m8": [*REFERENCE, *mesh(4, 1, 2, "1f1b"),
-                                              "pipeline.microbatches=8"]},
+                                              "pipeline.microbatches=8"],
+                  "pipeline2_data4_interleaved_v2": [*REFERENCE,
+                                                     *mesh(2, 4, 1, "interleaved_1f1b"),
+                                                     "pipeline.virtual_stages=2"]},
     "user": {"flat": [*USER, *FLAT],
              "pipeline2_fsdp2_data2_1f1b": [*USER, *mesh(2, 2, 2, "1f1b")],
-             "pipeline4_data2_gpipe": [*USER, *mesh(4, 2, 1, "gpipe")]},
+             "pipeline4_data2_gpipe": [*USER, *mesh(4, 2, 1, "gpipe")],
+             "pipeline2_data4_interleaved_v2_m4": [*USER, *mesh(2, 4, 1, "interleaved_1f1b"),
+                                                   "pipeline.virtual_stages=2",
+                                                   "pipeline.microbatches=4"]},
 }
 
 
@@ -62,7 +71,7 @@ def trained(tmp_path_factory) -> dict:
 def test_ten_pipelined_steps_equal_the_run_without_a_pipeline(trained, family, layout):
     got, want = trained[family][layout], trained[family]["flat"]
     assert len(got["loss"]) == STEPS
-    for quantity in ("loss", "grad_norm"):
+    for quantity in ("loss", "grad_norm", "evaluated"):
         g, w = np.array(got[quantity]), np.array(want[quantity])
         print(f"{family} {layout} vs flat, {quantity}: largest relative difference "
               f"{np.max(np.abs(g - w) / np.abs(w)):.2e}")

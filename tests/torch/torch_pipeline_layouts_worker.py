@@ -3,7 +3,7 @@ torch_pipeline_layouts_worker.py JOB.json`: every layout of JOB["reference"] (th
 model, trainspec.torch.train.TorchStep) and of JOB["user"] (the user's model below, through
 `trainspec.torch.wrap`) trained for JOB["steps"] steps from the same seeded parameters, one
 after the other in the one process group (8 ranks start once). Rank 0 writes
-{family: {layout: {"loss": [...], "grad_norm": [...]}}} to JOB["out"].
+{family: {layout: {"loss": [...], "grad_norm": [...], "evaluated": [loss]}}} to JOB["out"].
 
 The user's model is a stack of identical blocks (a linear embedding, residual tanh blocks in an
 nn.ModuleDict, a linear head) that names its pipeline split points as docs/wrapping.md
@@ -79,9 +79,13 @@ def user_batches(rows: int, steps: int) -> list[dict]:
 
 
 def trajectory(step, batches) -> dict[str, list[float]]:
-    rows = step.rows()
-    metrics = [step({key: np.asarray(v)[rows] for key, v in batch.items()}) for batch in batches]
-    return {key: [float(m[key]) for m in metrics] for key in ("loss", "grad_norm")}
+    """Each step's loss and gradient norm, then the trained model's loss on the first batch
+    (`evaluate`: a forward only, through every stage in turn)."""
+    rows = [{key: np.asarray(v)[step.rows()] for key, v in batch.items()} for batch in batches]
+    metrics = [step(batch) for batch in rows]
+    out = {key: [float(m[key]) for m in metrics] for key in ("loss", "grad_norm")}
+    loss_sum, tokens = step.evaluate(rows[0])
+    return {**out, "evaluated": [loss_sum / tokens]}
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """One rank of test_torch_pipeline_schedule.py, under `trainspec launch --nprocs 2`: the second
-step of the reference model over pipeline 2 (m = 8 pipeline micro-batches) under SCHEDULE, then the
+step of the reference model over pipeline 2 (m = 8 pipeline micro-batches, VIRTUAL chunks per
+stage, one layer each) under SCHEDULE, then the
 operations this rank's stage ran (trainspec.torch.pipeline.ExecutedOrder) gathered to rank 0,
 which prints them as JSON: per stage, [kind, micro-batch, chunk] in order, the
 micro-batches of activations held after each, and the bytes held for the backwards at the
@@ -15,12 +16,13 @@ from trainspec.core.spec import load_spec
 from trainspec.torch.runtime import TorchRuntime
 from trainspec.torch.train import TorchStep
 
-schedule = sys.argv[1]
+schedule, virtual = sys.argv[1], int(sys.argv[2])
 spec = load_spec(None, [
-    "model.d_model=16", "model.d_ff=32", "model.n_layers=2", "model.n_heads=2",
+    "model.d_model=16", "model.d_ff=32", f"model.n_layers={2 * virtual}", "model.n_heads=2",
     "batch.seq_len=8", "batch.global_batch=8", "batch.micro_batch=8", "eval.interval=0",
     'mesh.axes={stage={role="pipeline",size=2},data={size=1},fsdp={size=1},tensor={size=1}}',
-    f'pipeline.schedule="{schedule}"', "pipeline.microbatches=8"])
+    f'pipeline.schedule="{schedule}"', "pipeline.microbatches=8",
+    f"pipeline.virtual_stages={virtual}"])
 runtime = TorchRuntime()
 runtime.join()
 step = TorchStep(spec, runtime.build_mesh(spec), 1, runtime.device)

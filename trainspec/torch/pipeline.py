@@ -25,6 +25,7 @@ fraction, and count the activations it holds (tests/torch/test_torch_pipeline_sc
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 import weakref
@@ -192,22 +193,30 @@ class StagePipeline:
         self.chunks = chunk_layers(n_layers, self.stages * self.virtual, section.layers_per_stage)
         self.schedule_name = section.schedule
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
-        self.model: nn.Module | None = None
+        self.parts: list[tuple[int, nn.Module]] = []  # (model chunk, module running it)
         self.schedule: CoreSchedule | None = None
         self.executed: ExecutedOrder | None = None
 
-    def layers(self) -> range:
-        """The blocks this rank's stage holds."""
-        return self.chunks[self.stage]
+    def chunk_ids(self) -> list[int]:
+        """The model chunks this rank's stage runs: c·p + stage for each local chunk c."""
+        return [c * self.stages + self.stage for c in range(self.virtual)]
+
+    def layers(self) -> list[int]:
+        """The blocks this rank's stage holds (those of all its chunks)."""
+        return [layer for k in self.chunk_ids() for layer in self.chunks[k]]
 
     def start(self, model: nn.Module) -> None:
-        """The schedule over `model`, this rank's part, laid out (FSDP2 and tensor plan
-        applied)."""
-        self.model = model
-        stage = PipelineStage(model, self.stage, self.stages, self.device, group=self.group)
+        """The schedule over `model`, this rank's part, laid out (FSDP2 applied); with
+        virtual stages one PipelineStage per chunk, each running a view of `model`."""
+        count = self.stages * self.virtual
+        self.parts = [(self.stage, model)] if self.virtual == 1 else [
+            (k, chunk_view(model, self.chunks[k], k == 0, k == count - 1))
+            for k in self.chunk_ids()]
+        stages = [PipelineStage(part, k, count, self.device, group=self.group)
+                  for k, part in self.parts]
         stage_orders = orders(self.schedule_name, self.stages, self.microbatches, self.virtual)
-        self.schedule = CoreSchedule([stage], self.microbatches, self.io.loss, stage_orders)
-        self.executed = ExecutedOrder([stage], self.stages, list(model.parameters()))
+        self.schedule = CoreSchedule(stages, self.microbatches, self.io.loss, stage_orders)
+        self.executed = ExecutedOrder(stages, self.stages, list(model.parameters()))
 
     def run(self, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The forwards and backwards of one accumulation micro-batch (this rank's rows);
@@ -228,21 +237,41 @@ class StagePipeline:
         return loss_sum, torch.as_tensor(self.io.tokens(micro), device=self.device).float()
 
     def evaluate(self, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """`run`'s sums for a forward only (no gradient), the rows whole: each stage takes
-        the previous stage's activations, runs its part and hands them on."""
-        if self.first:
-            x = self.io.inputs(micro)
-        else:
-            received = [None]
-            dist.recv_object_list(received, group=self.group, group_src=self.stage - 1,
-                                  device=self.device)
-            x = received[0].to(self.device)
-        with torch.no_grad():
-            y = self.model(x)
+        """`run`'s sums for a forward only (no gradient), the rows whole: each chunk takes the
+        previous chunk's activations (from the previous stage), runs and hands them on."""
+        last = self.stages * self.virtual - 1
         zero = torch.zeros((), device=self.device)
-        if not self.last:
-            dist.send_object_list([y], group=self.group, group_dst=self.stage + 1,
+        for k, part in self.parts:
+            if k == 0:
+                x = self.io.inputs(micro)
+            else:
+                received = [None]
+                dist.recv_object_list(received, group=self.group,
+                                      group_src=(self.stage - 1) % self.stages,
+                                      device=self.device)
+                x = received[0].to(self.device)
+            with torch.no_grad():
+                y = part(x)
+            if k == last:
+                loss_sum = self.io.loss(y, self.io.target(micro)).float()
+                return loss_sum, torch.as_tensor(self.io.tokens(micro), device=self.device).float()
+            dist.send_object_list([y], group=self.group, group_dst=(self.stage + 1) % self.stages,
                                   device=self.device)
-            return zero, zero
-        loss_sum = self.io.loss(y, self.io.target(micro)).float()
-        return loss_sum, torch.as_tensor(self.io.tokens(micro), device=self.device).float()
+        return zero, zero
+
+
+def chunk_view(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """A module that runs one chunk of `model` (a stage's part: its blocks of several chunks)
+    with `model`'s own parameters: a shallow copy with tables of its own (modules, parameters,
+    buffers, and `blocks`'s modules), cut by the model's `keep_stage`, so that the same
+    parameter objects gather every chunk's gradients and the optimizer, checkpoints and the
+    data reduction see `model` alone."""
+    view = copy.copy(model)
+    for table in ("_modules", "_parameters", "_buffers"):
+        setattr(view, table, dict(getattr(model, table)))
+    blocks = copy.copy(model.blocks)
+    blocks._modules = dict(model.blocks._modules)
+    name = next(n for n, child in model.named_children() if child is model.blocks)
+    view._modules[name] = blocks
+    view.keep_stage(layers, first, last)
+    return view
