@@ -57,6 +57,7 @@ from trainspec.core.store import (  # noqa: F401 (CheckpointSaveError re-exporte
     BadCheckpoint, Checkpoints, CheckpointSaveError, agreement, check_compatible, due,
     first_line, save_failed)
 from trainspec.jax.checksum import checksums, first_mismatch
+from trainspec.jax.pipeline_params import staged_like, whole_abstract, whole_arrays
 from trainspec.jax.runtime import JaxRuntime, is_writer
 
 FORMAT = "trainspec.jax/3"  # 3: orbax's files under the trunk's manifest
@@ -191,6 +192,7 @@ class Checkpointer:
         restored with the state."""
         if not self.enabled or step == self.last_saved:
             return
+        state = whole_arrays(state)  # one leaf per block, whatever the stage count
         meta = {
             "format": FORMAT,
             "step": step,
@@ -271,6 +273,7 @@ class Checkpointer:
         if meta.get("format") != FORMAT or not isinstance(meta.get("spec"), dict) \
                 or not isinstance(meta.get("checksums"), dict):
             raise BadCheckpoint(f"its meta is not that of a {FORMAT} checkpoint")
+        staged, target = target, whole_abstract(target)  # saved one leaf per block
         check_compatible(meta["spec"], self.spec, self.directory)
         saved_replicas = meta.get("residual_replicas")
         fold = saved_replicas not in (None, residual_replicas(target))
@@ -290,7 +293,8 @@ class Checkpointer:
         differs = first_mismatch(meta["checksums"], state)
         if differs is not None:
             raise BadCheckpoint(f"the checksum of {differs} differs from the one saved")
-        return (_fold_residual(state, target) if fold else state), meta
+        state = _fold_residual(state, target) if fold else state
+        return staged_like(state, staged), meta
 
     def restore_latest(self, target) -> tuple[Any, dict | None]:
         """The newest good checkpoint resharded like `target`, or (None, None) when there is

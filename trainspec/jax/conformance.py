@@ -19,6 +19,7 @@ from trainspec.jax import collectives
 from trainspec.core.adapter import OPS, Adapter
 from trainspec.jax.capabilities import JAX
 from trainspec.jax.backends import backend
+from trainspec.jax.pipeline_params import staged_like, whole_arrays
 from trainspec.jax.runtime import JaxRuntime
 from trainspec.core.errors import UserInputError
 
@@ -104,13 +105,14 @@ class JaxConformance(JaxRuntime, Adapter):
         from trainspec.jax.train import build_job
 
         job = build_job(spec)
-        state = job.state.replace(params=jax.device_put(params, job.step.state_shardings.params))
+        held = staged_like(params, job.state.params)  # the blocks by stage under a pipeline
+        state = job.state.replace(params=jax.device_put(held, job.step.state_shardings.params))
         steps = []
         for batch in batches:
             state, metrics = job.step(state, batch)
             metrics = job.step.host_metrics(metrics)
             steps.append((float(metrics["loss"]), float(metrics["grad_norm"]),
-                          jax.device_get(state.params)))
+                          jax.device_get(whole_arrays(state.params))))
         return steps
 
     def train_run(self, spec, run_dir, steps):

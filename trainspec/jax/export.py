@@ -12,6 +12,7 @@ from trainspec.core.reference_train import leaves
 from trainspec.core.spec import Spec
 from trainspec.jax import layout
 from trainspec.jax.checkpoint import Checkpointer
+from trainspec.jax.pipeline_params import whole_arrays
 from trainspec.jax.train import build_job
 
 
@@ -22,5 +23,6 @@ def trained_params(spec: Spec, run_dir: Path) -> tuple[dict[str, np.ndarray], in
         state, meta = checkpoints.restore_latest(job.abstract_state)
     if meta is None:
         return None
-    params = jax.tree.map(np.asarray, jax.device_get(layout.strip_boxes(state.params)))
+    params = whole_arrays(layout.strip_boxes(state.params))  # one leaf per block
+    params = jax.tree.map(np.asarray, jax.device_get(params))
     return leaves(params), meta["step"]

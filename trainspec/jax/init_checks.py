@@ -68,9 +68,12 @@ def check_same_structure(planned, built) -> None:
 
 def warn_unannotated(abstract_boxed_state, dims: ParallelDims) -> None:
     """Warn when a mesh that could shard parameters finds leaves with no logical names."""
-    shardable = dims.split_beside("data")
+    # pure data parallelism replicates the state anyway; a pipeline axis splits the blocks
+    # by stage whatever their names (trainspec.jax.pipeline_params)
+    shardable = tuple(a for a in dims.split_beside("data")
+                      if a not in dims.axes_with_role("pipeline"))
     if not shardable:
-        return  # pure data parallelism replicates the state anyway
+        return
     # flax gives an unboxed array P() and a boxed one a name (or None) per dimension.
     logical = jax.tree.leaves(nn.get_partition_spec(abstract_boxed_state),
                               is_leaf=lambda x: isinstance(x, P))

@@ -35,9 +35,11 @@ def to_partition_spec(logical: P, shape: Sequence[int], rules, mesh: Mesh) -> P:
     return P(*(_mesh_axes_for_dim(rules, n, s, mesh, used) for n, s in zip(names, shape)))
 
 
-def _add_data_axes(pspec: P, shape: Sequence[int], data_axes: tuple[str, ...], mesh: Mesh) -> P:
-    """ZeRO-1: shard the first free, evenly divisible dimension over the data axes too."""
-    free = tuple(a for a in data_axes if mesh.shape[a] > 1 and a not in mesh_axes_of(pspec))
+def add_axes_on_free_dim(pspec: P, shape: Sequence[int], axes: tuple[str, ...], mesh: Mesh) -> P:
+    """`pspec` with its first free dimension that their sizes divide split over `axes` too
+    (those of them that split and it does not use yet): ZeRO-1 over the data axes, a stored
+    block over the pipeline axis (trainspec.jax.pipeline_params)."""
+    free = tuple(a for a in axes if mesh.shape[a] > 1 and a not in mesh_axes_of(pspec))
     if not free:
         return pspec
     n = math.prod(mesh.shape[a] for a in free)
@@ -133,7 +135,7 @@ def state_partition_specs(abstract_boxed_state, spec: Spec, mesh: Mesh):
     if spec.layout.optimizer_state == "shard_over_data" and hasattr(pspecs, "opt_state"):
         data_axes = spec.mesh.axes_with_role("data")
         opt = jax.tree.map(
-            lambda ps, leaf: _add_data_axes(ps, leaf.shape, data_axes, mesh),
+            lambda ps, leaf: add_axes_on_free_dim(ps, leaf.shape, data_axes, mesh),
             pspecs.opt_state,
             shapes.opt_state,
             is_leaf=lambda x: isinstance(x, P),

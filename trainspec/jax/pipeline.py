@@ -21,9 +21,9 @@ Gradients are computed by the schedule, not by autodiff of it: a `custom_vjp` wh
 runs the whole schedule and returns the loss sum with the gradients as residuals, scaled by the
 loss sum's cotangent in the backward. The step's token-weighted accumulation is unchanged.
 
-The blocks' parameters stay one leaf per block, laid out as without a pipeline (replicated
-over the pipeline axis, so checkpoints are the same for any stage count); the step stacks each
-stage's chunks and hands each stage its own.
+The wrapped step holds the blocks' parameters and their optimizer state by stage
+(trainspec.jax.pipeline_params): stage s holds its own chunks only, and their gradients come out
+of the schedule where they are held. Checkpoints keep one leaf per block, for any stage count.
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ from jax.sharding import PartitionSpec as P
 from trainspec.core.errors import UserInputError
 from trainspec.core.mesh import ParallelDims
 from trainspec.core.pipeline import schedule as core_schedule
-from trainspec.core.pipeline.stages import INTERLEAVED, chunk_layers
+from trainspec.core.pipeline.stages import INTERLEAVED
 from trainspec.core.pipeline.ticks import BACKWARD_KIND, FORWARD_KIND, Ticks, tables
 from trainspec.core.spec import Spec
+from trainspec.jax.pipeline_params import Staged, StageForm
 from trainspec.jax.models.transformer import (
     Transformer, as_logits, block_class, embed, final_norm, head, next_token_loss)
 from trainspec.jax.step_forms import LossStep
@@ -51,7 +52,8 @@ from trainspec.jax.step_forms import LossStep
 class Stages:
     """Where a model's pipeline stages begin and end (docs/wrapping.md, "Pipeline").
 
-    `embed(params, batch) -> x`: everything before the blocks, x of shape (rows, ...);
+    `embed(params, batch) -> x`: everything before the blocks, x of shape (rows, ...), from
+    the parameters other than the blocks';
     `block(block_params, x) -> x`: one block, the same function for every block;
     `blocks`: the top-level keys of `params` holding the blocks' parameters, in order;
     `head_loss(params, y, batch) -> (loss_sum, valid_tokens)`: everything after the blocks,
@@ -74,6 +76,7 @@ class PipelinedLoss:
     microbatches: int
     virtual: int
     ticks: Ticks  # what each stage runs at each tick: the executed schedule
+    form: StageForm  # the blocks' parameters held by stage in the wrapped step's state
 
     def __call__(self, params, batch):
         return self.fn(params, batch)
@@ -104,14 +107,6 @@ def _microbatched(tree, m: int):
     """Every leaf (rows, ...) -> (m, rows / m, ...), micro-batch i holding rows i, i+m, ..."""
     return jax.tree.map(lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1),
                         tree)
-
-
-def _stacked_chunks(params, blocks: Sequence[str], layers: list[range], p: int, v: int):
-    """Leaves [p, v, layers per chunk, ...]: [s, c] holds model chunk c·p + s."""
-    chunk = [jax.tree.map(lambda *ls: jnp.stack(ls), *(params[blocks[i]] for i in rng))
-             for rng in layers]
-    return jax.tree.map(lambda *cs: jnp.stack(cs).reshape(v, p, *cs[0].shape).swapaxes(0, 1),
-                        *chunk)
 
 
 def _run_schedule(stages: Stages, ticks: Ticks, axis: str, p: int, v: int):
@@ -219,18 +214,13 @@ def pipelined(stages: Stages, spec: Spec, n_stages: int, axis: str) -> Pipelined
     m = section.microbatches or p
     chunks = p * v
     counts = list(section.layers_per_stage) or [len(stages.blocks) // chunks] * chunks
-    if sum(counts) != len(stages.blocks) or len(set(counts)) != 1:
+    if len(counts) != chunks or sum(counts) != len(stages.blocks) or len(set(counts)) != 1:
         raise UserInputError(
             f"Stages.blocks: {len(stages.blocks)} blocks do not split into {chunks} equal "
             f"chunks of {counts} ({p} stages x {v} virtual stages): each stage's blocks are "
             "stacked")
-    layers = chunk_layers(len(stages.blocks), chunks, counts)
     ticks = tables(core_schedule.run(section.schedule, p, m, v))
     run = _run_schedule(stages, ticks, axis, p, v)
-
-    def split(params):
-        rest = {k: a for k, a in params.items() if k not in set(stages.blocks)}
-        return _stacked_chunks(params, stages.blocks, layers, p, v), rest
 
     @jax.custom_vjp
     def through_pipeline(chunks, rest, xs, micro):
@@ -246,13 +236,16 @@ def pipelined(stages: Stages, spec: Spec, n_stages: int, axis: str) -> Pipelined
 
     through_pipeline.defvjp(forward, backward)
 
+    form = StageForm(tuple(stages.blocks), p, v, axis)
+
     def loss_fn(params, batch):
-        chunks, rest = split(params)
-        xs = _microbatched(stages.embed(params, batch), m)
-        loss_sum, tokens = through_pipeline(chunks, rest, xs, _microbatched(batch, m))
+        # the model's own tree (the loss called outside a wrapped step) is staged here
+        held = params if isinstance(params, Staged) else form.staged(params)
+        xs = _microbatched(stages.embed(held.rest, batch), m)
+        loss_sum, tokens = through_pipeline(held.stages, held.rest, xs, _microbatched(batch, m))
         return loss_sum, tokens, {}
 
-    return PipelinedLoss(loss_fn, section.schedule, p, m, v, ticks)
+    return PipelinedLoss(loss_fn, section.schedule, p, m, v, ticks, form)
 
 
 def transformer_stages(model: Transformer) -> Stages:

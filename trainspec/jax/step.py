@@ -129,6 +129,7 @@ class WrappedStep(StepHealth):
         """Shardings of the state `init_fn(*args)` would build, without building it.
 
         Returns the abstract (possibly flax-boxed) state; sets `state_pspecs`/`state_shardings`.
+        With a pipelined loss the state holds the blocks by stage (pipeline_params.Staged).
         """
         if self.groups is not None:
             return self.groups.plan(self, init_fn, *args)
@@ -136,6 +137,10 @@ class WrappedStep(StepHealth):
             abstract = jax.eval_shape(init_fn, *args)
         self.state_pspecs = layout.state_partition_specs(abstract, self.spec, self.mesh)
         init_checks.warn_unannotated(abstract, self.dims)
+        if self.pipelined:  # each stage holds its own blocks (trainspec.jax.pipeline_params)
+            form = self.pipelined.form
+            abstract = jax.eval_shape(form.staged, layout.strip_boxes(abstract))
+            self.state_pspecs = form.staged_pspecs(self.state_pspecs)
         if self.error_feedback:  # (replicas, *param) per parameter, split over the data axes
             abstract = self._with_residual(abstract, jax.ShapeDtypeStruct)
             self.state_pspecs = compression.with_residual(self.state_pspecs, jax.tree.map(
@@ -153,6 +158,8 @@ class WrappedStep(StepHealth):
 
         def unboxed(*a):
             state = layout.strip_boxes(init_fn(*a))
+            if self.pipelined:
+                state = self.pipelined.form.staged(state)
             if self.error_feedback:
                 state = self._with_residual(state, jnp.zeros)
             init_checks.check_same_structure(planned, state)  # while tracing: costs nothing

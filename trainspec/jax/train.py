@@ -41,6 +41,7 @@ from trainspec.jax.health.preflight import preflight
 from trainspec.jax.models.moe import moe_losses_and_stats
 from trainspec.jax.models.transformer import Transformer, next_token_loss
 from trainspec.jax.pipeline import pipelined_loss
+from trainspec.jax.pipeline_params import whole_abstract, whole_arrays
 from trainspec.jax.params_file import placed, save_initial, with_values
 from trainspec.jax.engine import JaxEngine
 from trainspec.jax.run import abstract_state
@@ -94,7 +95,7 @@ class Job:
             self.state = self.step.init(self.init_fn, rng)
         else:
             self.state = self.step.init(self.init_fn, rng,
-                                        placed(self.abstract_state.params, initial))
+                                        placed(whole_abstract(self.abstract_state.params), initial))
         return self.state
 
 
@@ -178,7 +179,7 @@ def reference_job(spec: Spec, total_steps: int, run_dir: Path,
 
     def init():
         state = job.init_state(initial)
-        save_initial(state.params, run_dir, spec.model)
+        save_initial(whole_arrays(state.params), run_dir, spec.model)
         return state
 
     return step, job.abstract_state, init, lambda index: job.data.batch(index, rows)

@@ -19,6 +19,7 @@ from trainspec.core.data import ByteBatches
 from trainspec.core.errors import UserInputError
 from trainspec.core.transformer_flops import for_spec as model_flops
 from trainspec.jax.models.transformer import next_token_loss
+from trainspec.jax.pipeline_params import whole_arrays
 from trainspec.core.scaling import RESULT  # what `trainspec scaling` reads
 from trainspec.core.spec import Spec, load_spec
 from trainspec.jax.train import build_job, run as train
@@ -55,7 +56,8 @@ def held_out_loss(spec: Spec, run_dir: Path, batches: int) -> float:
 
     with job.step.context():
         fn = jax.jit(loss_sums)
-        sums = [jax.device_get(fn(state.params, job.step.shard_batch(data.batch(i))))
+        params = whole_arrays(state.params)  # the model's own tree under a pipeline too
+        sums = [jax.device_get(fn(params, job.step.shard_batch(data.batch(i))))
                 for i in range(batches)]
     return float(np.sum([s for s, _ in sums]) / np.sum([t for _, t in sums]))
 
