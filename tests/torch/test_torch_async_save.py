@@ -2,9 +2,10 @@
 
 - the state a save holds is the one of its step, though the step goes on changing the tensors
   in place while it is written (one rank, in process);
-- a job on 4 gloo ranks that saves in the background trains the synchronous job's losses bit
+- a job on 2 gloo ranks that saves in the background trains the synchronous job's losses bit
   for bit, and resumed from its step-4 checkpoint (written while steps 5-8 trained) it goes on
-  to those losses bit for bit;
+  to those losses bit for bit (2 ranks: each writes its own file and the seal waits for both,
+  the same code as on more ranks at half the processes);
 - a save held in the middle of its write (every rank's file written, never sealed) lets
   training go on,
   and after kill -9 of the whole job it is never taken for a checkpoint: the rerun resumes from
@@ -28,9 +29,9 @@ from trainspec.core.data import ByteBatches
 from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec
 from trainspec.torch.runtime import TorchRuntime
 
-pytestmark = pytest.mark.slow  # four torch jobs of 4 ranks: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # five torch jobs of 2 ranks: about a minute on 2 cores
 
-STEPS, RANKS = 12, 4
+STEPS, RANKS = 12, 2
 SETS = [*TINY, "metrics.interval=1", "checkpoint.interval=4", "checkpoint.keep=3"]
 # Holds the save of step 8 in the middle of its write: the seal (rank 0 writes the manifest
 # and renames, after every rank's file) never returns; a file says it got there.

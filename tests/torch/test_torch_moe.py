@@ -70,13 +70,15 @@ def test_a_router_dropping_the_wrong_tokens_misses_the_tolerance(runs):
 
 
 def test_the_train_command_records_the_expert_fields_once(tmp_path):
-    """`trainspec train --framework torch` with experts over an expert axis: every record has
-    the expert fields, and the raw sums they are made of are not in its `aux` again; the
-    summary gives the all-to-alls' bytes on the expert axis."""
+    """`trainspec train --framework torch` with experts over an expert axis (2 ranks, the
+    experts split in two): every record has the expert fields, and the raw sums they are made
+    of are not in its `aux` again; the summary gives the all-to-alls' bytes on the expert
+    axis."""
     run_dir = tmp_path / "run"
-    run_cli_ok(train_command(run_dir, [*MOE, *EXPERT4, LIMITED, "metrics.interval=1",
+    expert2 = ["mesh.axes.data.size=1", "mesh.axes.expert.size=2"]
+    run_cli_ok(train_command(run_dir, [*MOE, *expert2, LIMITED, "metrics.interval=1",
                                        "checkpoint.interval=0"], steps=2, framework="torch",
-                             nprocs=4))
+                             nprocs=2))
     for record in read_records(run_dir):
         assert record["moe_dropped_tokens"] > 0 and record["moe_load_max_over_mean"] >= 1
         assert record["moe_load_balance_loss"] > 0 and record["moe_z_loss"] > 0
