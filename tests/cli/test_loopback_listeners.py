@@ -1,6 +1,7 @@
-"""A local job listens on loopback only: during a 2-process JAX run and a 4-rank torch run, no
+"""A local job listens on loopback only: during a 2-process JAX run and a 2-rank torch run, no
 socket of the job's processes listens anywhere but loopback: not JAX's coordinator, not torch
-rank 0's TCPStore, not gloo's."""
+rank 0's TCPStore, not gloo's (every rank's listener for its peers; more ranks add listeners of
+the same code)."""
 import os
 import subprocess
 import time
@@ -73,7 +74,7 @@ def _listeners_during(argv, cwd):
     return seen, job.returncode, job.stdout.read()
 
 
-@pytest.mark.parametrize("framework, nprocs", [("jax", 2), ("torch", 4)])
+@pytest.mark.parametrize("framework, nprocs", [("jax", 2), ("torch", 2)])
 def test_a_local_job_listens_on_loopback_only(tmp_path, framework, nprocs):
     sets = [a for s in TINY for a in ("--set", s)]
     train = ["trainspec", "train", "--framework", framework, "--quiet", "--steps", "3",
