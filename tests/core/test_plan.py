@@ -7,6 +7,7 @@ what calibrates it.
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import jax
 import pytest
@@ -82,6 +83,29 @@ def test_ranked_table_json_and_plot_from_8_to_100k_devices(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "rank layout" in out and "as XLA:GPU compiles the step" in out  # the backend modelled
+
+
+def test_context_sizes_ranked_with_the_other_axes_on_the_cpu_profile(tmp_path, capsys):
+    """--all-layouts sizes the spec's context axis too: every context x data split of 8
+    devices is planned (memory and ring bytes growing with the context size, the batch
+    replicated over it), and a pipeline beside it is refused by name. Elsewhere than the cpu
+    profile the reference model's context layouts are refused, naming the planner that
+    models them."""
+    out = tmp_path / "plan.json"
+    example = str(Path(__file__).parents[2] / "examples" / "context.toml")
+    assert main(["plan", "--spec", example, "--devices", "8", "--hardware", "cpu",
+                 "--all-layouts", "--json", str(out)]) == 0
+    preds = {(p["layout"]["pipeline"], p["layout"]["context"]): p
+             for p in json.loads(out.read_text())["predictions"]}
+    ring = [preds[(1, c)]["comm_bytes_by_kind_and_axis"].get("collective-permute", {})
+            .get("context", 0.0) for c in (1, 2, 4, 8)]
+    memory = [preds[(1, c)]["memory"]["total"] for c in (1, 2, 4, 8)]
+    assert all(preds[(1, c)]["fits"] for c in (1, 2, 4, 8))
+    assert ring[0] == 0 and ring[1] < ring[2] < ring[3] and memory == sorted(memory)
+    assert "mesh pipeline beside context" in preds[(2, 4)]["reasons"][0]
+    capsys.readouterr()
+    assert main(["plan", "--spec", example, "--devices", "8", "--hardware", "h100_sxm"]) == 2
+    assert "trainspec.core.plan.sharded_decoder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n", [125e6, 1.3e9, 8e9, 175e9, 1e12])

@@ -21,6 +21,7 @@ from trainspec.core.plan.pipeline import PipelinePlan, pipeline_plan, pipeline_r
 from trainspec.core.plan.shards import Stage
 from trainspec.core.mesh import ParallelDims
 from trainspec.core.spec import Spec
+from trainspec.core.spec_sequence import sequence_and_expert_errors
 from trainspec.core.transformer_flops import TransformerFlops
 
 
@@ -97,10 +98,11 @@ def sequence_expert_reasons(spec: Spec, layout: ParallelDims, profile: Profile) 
                 "them to XLA:CPU's programs only; plan them with "
                 "trainspec.core.plan.sharded_decoder (docs/plan.md)"]
     beside = [r for r in ("fsdp", "tensor", "pipeline") if layout.split(r)]
-    if beside and (spec.model.moe is not None or split):
+    if beside:
         return [f"mesh {beside[0]} beside {'model.moe' if not split else split[0]}: this "
                 "planner models context and expert layouts beside data only"]
-    return []
+    return [f"{field}: {message}" for field, message in sequence_and_expert_errors(
+        spec, layout.shape)]
 
 
 # Per micro-batch on a stage, and so stretched by the pipeline's bubble; the other collectives

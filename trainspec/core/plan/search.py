@@ -1,5 +1,6 @@
-"""Layouts of a device count: every (pipeline, data, fsdp, tensor) factorisation, hosts on the
-outer axes, ranked by predicted step time (those that fit first)."""
+"""Layouts of a device count: every (pipeline, data, fsdp, tensor, context, expert) factorisation
+over the roles the spec's mesh has, hosts on the outer axes, ranked by predicted step time (those
+that fit first)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from trainspec.core.plan.hardware import Profile
 from trainspec.core.plan.model import Prediction
 from trainspec.core.spec import Spec
 
-ROLE_ORDER = ("pipeline", "data", "fsdp", "tensor")
+ROLE_ORDER = ("pipeline", "data", "fsdp", "tensor", "context", "expert")
 
 
 def _divisors(n: int) -> list[int]:
