@@ -9,9 +9,11 @@ only the reported number; the JAX and torch pipelines run different schedules, a
 is summed over micro-batches the same way by both.
 
 The torch pipeline run is also the uninterrupted reference of a resume: the same run killed
-with kill -9 after its first checkpoint resumes onto 4 stages (pipeline 4, 4 ranks) and onto
-none (fsdp 2, 2 ranks), and continues the uninterrupted losses within 1e-4 (a checkpoint
-stores every parameter and its optimizer state by name, whichever stage held it)."""
+with kill -9 after its first checkpoint resumes onto 4 stages (pipeline 4, 4 ranks), and
+continues the uninterrupted losses within 1e-4 (a checkpoint stores every parameter and its
+optimizer state by name, whichever stage held it). Onto no pipeline (fsdp 2, 2 ranks) the
+resume measured the same margin once (docs/results.md); the suite runs the stage-count change
+alone, for its time."""
 import shutil
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from cli_runs import trained_trajectory
 from run_dirs import recorded_losses
 from tiny import TINY
 
-pytestmark = pytest.mark.slow  # one JAX run, five torch jobs of 10 steps: about 4 minutes
+pytestmark = pytest.mark.slow  # one JAX run, four torch jobs of 10 steps: about 3.5 minutes
 
 STEPS, RTOL, RESUMED_ATOL = 10, 1e-5, 1e-4
 SETS = [*TINY, "model.n_layers=4", "metrics.interval=1", "checkpoint.interval=0"]
@@ -34,8 +36,7 @@ TORCH_PIPELINE = ['mesh.axes={stage={role="pipeline",size=2},data={size=1},fsdp=
 TORCH_FLAT = ['mesh.axes={data={size=1},fsdp={size=2},tensor={size=1}}']
 RESUMED_ONTO = {  # (overrides, ranks)
     "pipeline4": (['mesh.axes={stage={role="pipeline",size=4},data={size=1},fsdp={size=1},'
-                   'tensor={size=1}}', *CHECKPOINTED], 4),
-    "none": ([*TORCH_FLAT, *CHECKPOINTED], 2)}
+                   'tensor={size=1}}', *CHECKPOINTED], 4)}
 JAX_PIPELINE = ['mesh.axes={data={size=2},stage={role="pipeline",size=2},fsdp={size=1},'
                 'tensor={size=2}}', 'pipeline.schedule="gpipe"']
 

@@ -30,9 +30,8 @@ batch = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batc
 rows = {key: np.asarray(v)[step.rows()] for key, v in batch.items()}
 step(rows)  # the first step's schedule also infers the stages' shapes, with a forward of its own
 executed = step.pipeline.executed
-executed.clear()
 executed.measure_bytes = True
-step(rows)
+step(rows)  # its record replaces the first step's
 mine = {"ops": [[op.kind, op.microbatch, op.chunk] for op, _, _ in executed.ops],
         "held": executed.held, "held_bytes": executed.held_bytes}
 every = [None] * dist.get_world_size()

@@ -104,7 +104,10 @@ class ExecutedOrder:
 
     @contextlib.contextmanager
     def step(self):
-        """Around one step's schedule: its saved tensors tracked when measuring bytes."""
+        """Around one run of the schedule (one accumulation micro-batch): the record starts
+        afresh, so it holds the last run's operations, not every step's; its saved tensors
+        are tracked when measuring bytes."""
+        self.clear()
         if not self.measure_bytes:
             yield
             return
