@@ -30,3 +30,17 @@ def test_jax_adapter_imports_no_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=tmp_path, env=_blocking(tmp_path, "torch"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_command_starting_the_ranks_imports_torch_only_where_a_gpu_could_be(tmp_path):
+    """The checks `trainspec train --framework torch --nprocs N` runs before starting its ranks
+    (the reference model's host memory, the default rank count) ask whether a rank has a GPU:
+    a CPU-only torch build (`+cpu`) answers from its version, without `import torch`."""
+    code = ("import sys; from importlib.metadata import version; "
+            "from trainspec.core.spec import DEFAULT_SPEC_PATH, load_spec; "
+            "from trainspec.torch.backend import BACKEND, default_ranks; "
+            "BACKEND.check_model(load_spec(DEFAULT_SPEC_PATH), None); default_ranks(); "
+            "assert ('torch' in sys.modules) != version('torch').endswith('+cpu'), version('torch')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
