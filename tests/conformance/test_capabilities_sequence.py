@@ -1,6 +1,6 @@
 """Context and expert axes and [model.moe] in the capability tables: JAX runs both (experts
-routed over the whole micro-batch), torch runs both beside data axes; what an implementation
-does not run is refused by name."""
+routed over the whole micro-batch), torch runs both beside the other axes; what an
+implementation does not run is refused by name."""
 from trainspec.core.capabilities import Request
 from trainspec.core.mesh import resolve_mesh
 from trainspec.core.spec import load_spec
@@ -27,17 +27,14 @@ def test_both_run_a_context_axis_and_torch_refuses_two_in_one_line():
                      "axis, got context=2, sequence=2"], lines
 
 
-def test_both_run_experts_and_torch_refuses_them_beside_other_axes_by_name():
+def test_both_run_experts_beside_every_other_axis_and_torch_refuses_semi_sync_by_name():
     assert _refusals(JAX, {**EXPERT, "metrics": {"gns": False}}) == [] == _refusals(TORCH, EXPERT)
-    with_fsdp = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], "fsdp": {"size": 2}}}}
-    assert _refusals(TORCH, with_fsdp) == []
-    beside = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], "tensor": {"size": 2}}}}
-    lines = _refusals(TORCH, beside)
-    assert lines[0] == ("mesh.axes.*.size: the torch implementation splits experts beside data "
-                        "and fsdp axes only, got expert=2, tensor=2"), lines
-    assert len(lines) == 2 and "leave the tensor axis at 1" in lines[1], lines
-    with_context = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], "context": {"size": 2}}}}
-    assert _refusals(TORCH, with_context) == []
+    for other in ("fsdp", "tensor", "context"):
+        beside = {**EXPERT, "mesh": {"axes": {**EXPERT["mesh"]["axes"], other: {"size": 2}}}}
+        assert _refusals(TORCH, beside) == [], other
+    lines = _refusals(TORCH, {**EXPERT, "semi_sync": {"inner_steps": 4}})
+    assert lines == ["model.moe.experts: the torch implementation routes experts over the whole "
+                     "micro-batch, which [semi_sync]'s groups divide: leave [semi_sync] out"], lines
 
 
 def test_jax_refuses_experts_routed_per_replica():

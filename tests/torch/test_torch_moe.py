@@ -1,9 +1,10 @@
 """The MoE reference model on 4 gloo ranks, from the same seeded draws, on ragged batches:
 with dropless routing, expert 4, expert 2 x data 2, expert 2 x fsdp 2 (FSDP2 shards all but
-the experts' kernels) and expert 2 x context 2 give the losses and gradient norms of data 4 (the experts whole on every
-rank) within 1e-5 over 10 steps; with capacity-limited
-routing the dropped assignments are counted, the same on every layout, and the losses agree;
-a router whose drop order is reversed (later rows first) misses the tolerance; the routing
+the experts' kernels) and expert 2 x context 2 give the losses and gradient norms of data 4
+(the experts whole on every rank) within 1e-5 over 10 steps; with capacity-limited routing
+the dropped assignments are counted, the same on every layout (expert 2 x tensor 2, attention
+tensor parallel and the experts whole over tensor, among them), and the losses agree; a
+router whose drop order is reversed (later rows first) misses the tolerance; the routing
 statistics are reported per step as JAX's (trainspec.core.records.moe_fields reads them)."""
 import numpy as np
 import pytest
@@ -27,6 +28,8 @@ LAYOUTS = {"data4": [], "expert4": EXPERT4, "expert2_data2": EXPERT2,
                                 "mesh.axes.expert.size=2"],
            "data4_limited": [LIMITED], "expert4_limited": [*EXPERT4, LIMITED],
            "expert2_data2_limited": [*EXPERT2, LIMITED],
+           "expert2_tensor2_limited": ["mesh.axes.data.size=1", "mesh.axes.tensor.size=2",
+                                      "mesh.axes.expert.size=2", LIMITED],
            "broken_router": [*EXPERT4, LIMITED]}
 
 
@@ -46,7 +49,8 @@ def _close(got, want, key):
 @pytest.mark.parametrize("layout,like", [("expert4", "data4"), ("expert2_data2", "data4"),
                                          ("expert2_fsdp2", "data4"), ("expert2_context2", "data4"),
                                          ("expert4_limited", "data4_limited"),
-                                         ("expert2_data2_limited", "data4_limited")])
+                                         ("expert2_data2_limited", "data4_limited"),
+                                         ("expert2_tensor2_limited", "data4_limited")])
 def test_expert_parallel_equals_experts_whole(runs, layout, like):
     for key in ("loss", "grad_norm", "moe_balance", "moe_z"):
         _close(runs[layout][key], runs[like][key], f"{layout} {key}")

@@ -72,18 +72,11 @@ SEMI_SYNC_REFUSALS = (
 )
 
 
-EXPERTS_ALONE = Refusal(
-    "when an expert axis is split beside a tensor axis",
-    lambda value, r: bool(r.split("expert")) and bool(r.split("tensor")),
-    "the torch implementation splits experts beside data and fsdp axes only, got {axes}",
-    lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in
-                                 r.split("expert") + r.split("tensor"))})
 MOE_BESIDE = Refusal(
-    "with a split tensor axis, or semi_sync",
-    lambda value, r: value is not None and (bool(r.split("tensor"))
-                                            or r.spec.semi_sync is not None),
-    "the torch implementation routes experts with the data, fsdp, context and expert axes "
-    "only: leave the tensor axis at 1 and [semi_sync] out")
+    "with semi_sync",
+    lambda value, r: value is not None and r.spec.semi_sync is not None,
+    "the torch implementation routes experts over the whole micro-batch, which [semi_sync]'s "
+    "groups divide: leave [semi_sync] out")
 
 
 TORCH = Capabilities("torch", dict([
@@ -99,7 +92,7 @@ TORCH = Capabilities("torch", dict([
                                   "order, one rank per device",
                                   _one_split_axis("fsdp"), _one_split_axis("tensor"),
                                   _one_split_axis("context"),
-                                  _one_split_axis("expert"), EXPERTS_ALONE,
+                                  _one_split_axis("expert"),
                                   *PIPELINE_REFUSALS)),
     ("mesh.axes.*.dcn", honoured(
         "across hosts (LOCAL_WORLD_SIZE ranks each), the core's hybrid layout: a dcn-shaped grid "
