@@ -6,21 +6,23 @@ Every decision is the trunk's (trainspec.core.pipeline): which layers each stage
 first stage, the final norm and head on the last), which rows form each pipeline micro-batch
 (`stages.microbatch_order`: micro-batch i holds rows i, i+m, ...), and the order of forwards
 and backwards on each stage (`schedule.orders`). torch moves the bytes: a `PipelineStage` per
-rank sends activations forward and their gradients back over the pipeline axis's process
-group, and `CoreSchedule` runs the trunk's orders as they are, through torch's schedule
+model chunk (one per rank; v under interleaved 1F1B) sends activations forward and their
+gradients back over the pipeline axis's process group, and `CoreSchedule` runs the trunk's orders as they are, through torch's schedule
 runtime (which adds the sends, receives and FSDP2's unshard, reshard and gradient
 reduce-scatter around them), rather than torch's own schedule classes, whose orders are
 torch's decisions (its GPipe, for one, runs the backwards first micro-batch first).
 
 Each rank builds the whole model (rank 0's parameters), then keeps its stage's part
-(`keep_stage`), which FSDP2 and the tensor plan then lay out like the whole model. The last
+(`keep_stage`), which FSDP2 then lays out like the whole model; with v chunks per stage each
+chunk runs a view of that part (`chunk_view`), which shares its parameters. The last
 stage's loss of each pipeline micro-batch is its summed per-token loss (the schedule's
 gradient scaling by 1/m is off), so the step's one division by the valid tokens of the whole
 batch stays the accumulation rule's.
 
 `ExecutedOrder` records what the schedule ran on this rank, one operation at a time, so that
 the trunk's `schedule.check` and `schedule.execute` can verify it and measure its idle
-fraction, and count the activations it holds (tests/torch/test_torch_pipeline_schedule.py).
+fraction, and count the activations it holds and their bytes
+(tests/torch/test_torch_pipeline_schedule.py).
 """
 from __future__ import annotations
 
