@@ -94,3 +94,12 @@ def test_a_model_without_its_split_points_is_refused_naming_what_it_lacks(
     with pytest.raises(UserInputError, match=rf"^mesh\.axes\.\*\.size: .* missing {missing} "):
         stage_pipeline(spec, check_layout(spec, 2), None, torch.device("cpu"), model,
                        object() if io else None)
+
+
+@pytest.mark.parametrize("sets, field", [
+    ([*mesh(2, 1, 2, "interleaved_1f1b"), "pipeline.virtual_stages=2"], "pipeline.schedule"),
+    (mesh(2, 2, 1, "zero_bubble_v"), "pipeline.schedule")], ids=["interleaved_fsdp", "zero_bubble_v"])
+def test_wrap_refuses_a_schedule_its_pipeline_does_not_run_by_name(sets, field):
+    # the layout check every wrapped step makes, a user's model or the reference one
+    with pytest.raises(UserInputError, match=rf"^{field}: "):
+        check_layout(load_spec(None, [*USER, *sets]), 4)

@@ -28,7 +28,7 @@ def rank_from_env() -> int:
 # The sections a step depends on whatever the model (the reference one or a user's); the
 # reference model's step adds `model.`; a run checks every field, and the train flags.
 LAYOUT_SECTIONS = ("mesh.", "layout.", "precision.", "batch.", "remat.", "collectives.",
-                   "optimizer.", "semi_sync", "metrics.gns")
+                   "optimizer.", "semi_sync", "metrics.gns", "pipeline.")
 
 
 def _check(spec: Spec, world: int, fields=None, flags: dict | None = None) -> ParallelDims:
