@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from cli_runs import kill_9_after_first_checkpoint, read_summary, run_cli_ok, train_command
+from cli_runs import kill_9_after_first_checkpoint, read_records, read_summary, run_cli_ok
+from cli_runs import train_command
 from cli_runs import trained_trajectory
 from run_dirs import recorded_losses
-from tiny import TINY
+from tiny import TINY, tiny_spec
 
 pytestmark = pytest.mark.slow  # one JAX run, four torch jobs of 10 steps: about 3.5 minutes
 
@@ -65,6 +66,18 @@ def test_ten_torch_pipeline_steps_equal_the_reference(runs, reference):
         print(f"torch pipeline vs {reference}, {quantity}: largest relative difference "
               f"{worst:.2e}")
         np.testing.assert_allclose(got[quantity], want[quantity], rtol=RTOL, err_msg=quantity)
+
+
+def test_the_records_count_the_stage_to_stage_sends_on_the_pipeline_axis(runs):
+    """Rank 0 (stage 0) sends each micro-batch's activations to stage 1: its rows (the batch
+    over fsdp 2) x seq_len x d_model float32 in all, plus the few bytes of their metadata;
+    counted as collective-permutes on the pipeline axis."""
+    spec = tiny_spec()
+    activations = spec.batch.global_batch // 2 * spec.batch.seq_len * spec.model.d_model * 4
+    record = read_records(runs["torch_pipeline"][0])[-1]
+    sent = record["comm_bytes_by_kind"]["collective-permute"]
+    assert activations <= sent <= 1.05 * activations, (sent, activations)
+    assert record["comm_bytes_by_axis"]["stage"] == sent
 
 
 def test_the_pipelined_run_writes_every_stage_s_initial_parameters(runs):
