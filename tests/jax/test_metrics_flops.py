@@ -25,7 +25,7 @@ TOLERANCE = 0.05  # XLA also counts elementwise ops (softmax, gelu, norms, AdamW
 def _job(*overrides):
     # Two micro-batches: the accumulating step is a loop, which XLA's cost analysis counts once.
     # Only lowered: its abstract state (`job.abstract_state`) stands in for an initialised one.
-    spec = load_spec(default_spec(), ["batch.micro_batch=16", *overrides])
+    spec = load_spec(None, ["batch.micro_batch=16", *overrides])
     return build_job(spec, init=False)
 
 
@@ -37,9 +37,16 @@ def test_parameter_formula_matches_the_model():
     assert params["embedding"].size == fl.embedding_params
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_analytic_hardware_flops_match_xla_cost_analysis(remat):
-    job = _job(f"remat.policy={remat}")
+# The MoE model on an fsdp axis: an expert axis's shard_map body is one device's work, which
+# the cost analysis of the unpartitioned program counts once.
+MOE = ("model.moe.experts=4", "metrics.gns=false", "mesh.axes.data.size=1",
+       "mesh.axes.fsdp.size=8")
+
+
+@pytest.mark.parametrize("overrides", [("remat.policy=none",), ("remat.policy=full",), MOE],
+                         ids=["none", "full", "moe"])
+def test_analytic_hardware_flops_match_xla_cost_analysis(overrides):
+    job = _job(*overrides)
     assert job.spec.batch.accumulation_steps == 2
     fl = for_spec(job.spec)
     tokens = core_flops.tokens_per_step(job.spec)

@@ -33,6 +33,13 @@ class TransformerFlops:
         return self.model.d_ff * (self.model.moe.top_k if self.model.moe else 1)
 
     @property
+    def executed_mlp_width(self) -> int:
+        """Hidden units computed per token: d_ff, or every expert's d_ff (the reference MoE runs
+        each expert on every row, zeros where it did not take the row: buffers indexed by token,
+        trainspec.jax.models.moe and trainspec.torch.models.moe)."""
+        return self.model.d_ff * (self.model.moe.experts if self.model.moe else 1)
+
+    @property
     def router_params(self) -> int:
         return self.model.d_model * self.model.moe.experts if self.model.moe else 0
 
@@ -66,11 +73,14 @@ class TransformerFlops:
 
     def hardware_per_token(self) -> float:
         """What this implementation executes in matmuls: the model FLOPs without discount
-        (the masked attention computes every score), minus the norm scales (elementwise), plus
+        (the masked attention computes every score), every expert's MLP on every row, minus the
+        norm scales (elementwise), plus
         the one-hot embedding matmul (forward 2 V d, weight gradient 2 V d) and the forward
         recomputed by rematerialisation."""
         m = self.model
-        matmul_params = m.n_layers * self.block_matmul_params + m.d_model * m.vocab_size
+        executed = self.block_matmul_params + 2 * m.d_model * (
+            self.executed_mlp_width - self.active_mlp_width)
+        matmul_params = m.n_layers * executed + m.d_model * m.vocab_size
         flops = 6.0 * matmul_params + self.attention_per_token("no_causal_discount")
         flops += 4.0 * m.vocab_size * m.d_model
         return flops + self.remat_per_token()
@@ -81,7 +91,7 @@ class TransformerFlops:
         if self.remat == "full":
             # The backward needs every block activation except the MLP output, so jax recomputes
             # the forward up to mlp_in: q, k, v, out, mlp_in projections and attention.
-            mlp_in = m.d_model * self.active_mlp_width + self.router_params
+            mlp_in = m.d_model * self.executed_mlp_width + self.router_params
             return m.n_layers * (2.0 * (4 * m.d_model**2 + mlp_in) + attn_fwd)
         if self.remat == "dots_with_no_batch_dims_saveable":
             return m.n_layers * attn_fwd  # attention einsums have batch dims: recomputed
