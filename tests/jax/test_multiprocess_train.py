@@ -134,18 +134,24 @@ def test_two_processes_follow_one_process_and_hierarchical_follows_xla(
     assert read_summary(tmp_path)["final_loss"] == _losses(xla)[-1]
 
     # hierarchical, checkpointed at steps 3, 6 and 8, follows xla. Then the job resumes from
-    # step 3 (the later checkpoints removed, as if lost) and redoes steps 4-8: orbax's
-    # multi-process save and restore and the data position must reproduce the same curve.
+    # step 3 (checkpoint 6 removed, as if lost; 8 damaged in a file process 1 wrote, which the
+    # writer finds bad and both processes pass over) and redoes steps 4-8: the multi-process
+    # save, the one verdict and the data position must reproduce the same curve.
     hier = tmp_path / "hierarchical"
     backend = ["--steps", str(STEPS), "--set", "collectives.backend=hierarchical",
                "--set", "checkpoint.interval=3"]
     _finish(_launch(spec_file, hier, *backend))
     np.testing.assert_allclose(_losses(hier), _losses(xla), rtol=RTOL)
     assert sorted(os.listdir(hier / "checkpoints"), key=int) == ["3", "6", "8"]
-    for lost in ("6", "8"):
-        shutil.rmtree(hier / "checkpoints" / lost)
+    shutil.rmtree(hier / "checkpoints" / "6")
+    damaged = max((hier / "checkpoints" / "8" / "state").glob("ocdbt.process_1/d/*"),
+                  key=lambda p: p.stat().st_size)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
     _finish(_launch(spec_file, hier, *backend, "--summary-json", str(tmp_path / "resumed.json")))
     assert json.loads((tmp_path / "resumed.json").read_text())["resumed_from"] == 3
+    assert (hier / "checkpoints-quarantine" / "8").is_dir()  # moved aside once, by the writer
     np.testing.assert_allclose(_losses(hier), _losses(xla), rtol=RTOL)
 
 
