@@ -14,6 +14,8 @@ from trainspec.jax.mesh import build_mesh
 from trainspec.jax.train import build_job
 from tiny import tiny_spec
 
+pytestmark = pytest.mark.slow  # four compilations: about a minute on 2 loaded cores
+
 STEPS = 3
 ONE = ("mesh.axes.data.size=1", "mesh.axes.fsdp.size=1", "mesh.axes.tensor.size=1")
 LAYOUTS = {  # name: (overrides, the axis, XLA's collective, its custom call)

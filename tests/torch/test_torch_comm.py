@@ -5,9 +5,13 @@ all-gathers between P (once per step) and 2P (again in backward), the data all-r
 rank's half-shard P/2 plus the step's few scalars; the bus bytes follow nccl-tests' factors.
 (Data parallel alone: one all-reduce of P plus scalars, in test_torch_train.py.)"""
 
+import pytest
+
 from cli_runs import read_records, run_cli_ok, train_command
 from tiny import TINY, tiny_spec
 from trainspec.torch.models.transformer import Transformer
+
+pytestmark = pytest.mark.slow  # two torch jobs (4 ranks, 2 ranks): over a minute on 2 cores
 
 SCALARS = 64  # bytes of loss sums, token counts and the like, at most
 
