@@ -4,7 +4,7 @@ abstract state (nothing runs) and shared by both checks:
 - the XLA:CPU planner (trainspec.core.plan.model): memory within 10%, communication within 2%
   per collective kind and mesh axis (tests/jax/plan_vs_compiled.py), on context 2, 4 and
   2 x data 2 (ring and all_gather) and expert 2, 4 and 2 x data 2 (dropless; and capacity
-  1.25 beside data);
+  1.25 beside data), float32 compute, and context 2 and expert 2 with bfloat16 compute;
 - the sharded-decoder planner's ring and all-to-all bytes (trainspec.core.plan.sharded_decoder),
   with and without full remat, whose recomputation runs the forward ring again.
 The validation model (d_model 128, 8 heads, d_ff 256, 1 layer, T 32; its MoE variant 4
@@ -38,6 +38,9 @@ LAYOUTS = {
     # memory and bytes as dropless (docs/plan.md), checked on one layout
     "expert 2 x data 2 capacity 1.25": ({"data": 2, "expert": 2},
                                         [*MOE, "model.moe.capacity_factor=1.25"]),
+    "context 2 ring bfloat16": ({"data": 1, "context": 2}, ['precision.compute="bfloat16"']),
+    "expert 2 dropless bfloat16": ({"data": 1, "expert": 2},
+                                   [*MOE, 'precision.compute="bfloat16"']),
 }
 
 
