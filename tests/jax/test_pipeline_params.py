@@ -2,7 +2,8 @@
 (trainspec.jax.pipeline_params): under interleaving stage s holds model chunks s, s + p, ...;
 checkpoints keep one leaf per block, split over the pipeline axis on a free dimension; and the
 compiled step moves no block's gradient between stages (before, every block was on every stage
-and the step all-to-all'ed and all-reduced their gradients over the pipeline axis)."""
+and the step all-to-all'ed and all-reduced their gradients over the pipeline axis), and sums
+them over the data replicas once a step (before, once per backward tick)."""
 from __future__ import annotations
 
 import re
@@ -15,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tiny import tiny_spec
 from trainspec.core.data import ByteBatches
-from trainspec.jax.metrics.comm import axes_of_groups, parse_replica_groups, shape_bytes
+from trainspec.jax.metrics.comm import (
+    analyze_compiled, axes_of_groups, parse_replica_groups, shape_bytes)
 from trainspec.jax.pipeline_params import StageForm, staged_like, whole_abstract, whole_arrays
 from trainspec.jax.train import build_abstract_job
 
@@ -115,3 +117,13 @@ def test_no_block_gradient_crosses_the_pipeline_axis(compiled_step):
     summed = sum(b for kind, b in over_stages if kind == "all-reduce")
     assert rest_bytes <= summed < rest_bytes + block_bytes / STAGES, (
         over_stages, rest_bytes, block_bytes)
+
+
+def test_each_replica_sums_its_block_gradients_once_a_step(compiled_step):
+    # over the data axis: one all-reduce of a stage's block gradients after the schedule (not
+    # one per backward tick), and the embedding's, whose gradient is made outside the pipeline
+    step, abstract, compiled = compiled_step
+    over_data = analyze_compiled(compiled, step.mesh).by_kind_and_axis()["all-reduce"]["data"]
+    block_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.params.stages))
+    embedding = abstract.params.rest["embedding"]
+    assert over_data == block_bytes / STAGES + embedding.size * embedding.dtype.itemsize

@@ -7,8 +7,9 @@ block (`block`), the blocks' parameter names in order, and what runs after them 
 
 The loss of one accumulation micro-batch splits it into m pipeline micro-batches (micro-batch
 i holds rows i, i+m, ...: docs/spec.md). The embedding runs before the pipeline, split over the
-batch axes. The pipeline is one `shard_map` manual over the pipeline axis only (the data, fsdp
-and tensor axes stay XLA's): a scan over the ticks of the executed schedule
+batch axes. The pipeline is one `shard_map` manual over the pipeline and data axes (the fsdp
+and tensor axes stay XLA's; each data replica sums its gradients over the whole schedule and
+the replicas' sums are added once after it): a scan over the ticks of the executed schedule
 (trainspec.core.pipeline.ticks), in which each stage runs the operation its row says, by a
 `lax.switch` on its own stage index, so each device computes only its own operation. Then the
 activations move one stage on and the cotangents one stage back (two ppermutes every tick;
@@ -31,6 +32,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,7 @@ from trainspec.core.pipeline import schedule as core_schedule
 from trainspec.core.pipeline.stages import INTERLEAVED
 from trainspec.core.pipeline.ticks import BACKWARD_KIND, FORWARD_KIND, Ticks, tables
 from trainspec.core.spec import Spec
+from trainspec.jax.layout import flax_rules
 from trainspec.jax.pipeline_params import Staged, StageForm
 from trainspec.jax.models.transformer import (
     Transformer, as_logits, block_class, embed, final_norm, head, next_token_loss)
@@ -109,9 +112,13 @@ def _microbatched(tree, m: int):
                         tree)
 
 
-def _run_schedule(stages: Stages, ticks: Ticks, axis: str, p: int, v: int):
+def _run_schedule(stages: Stages, ticks: Ticks, axis: str, data: tuple[str, ...], p: int,
+                  v: int, inner_rules: list):
     """(chunks, rest, xs, micro) -> (loss_sum, tokens, d chunks, d rest, d xs): the schedule
-    run as one shard_map over `axis`."""
+    run as one shard_map over `axis` and the `data` axes. Manual over the data axes, each
+    replica sums its own gradients over the ticks and they are summed over the replicas once,
+    after the schedule: left to XLA, every backward tick all-reduced its block's gradient.
+    Inside, the model's activation constraints follow `inner_rules` (none over `data`)."""
     last = p * v - 1
     table = np.stack([np.asarray(getattr(ticks, name), np.int32) for name in (
         "kind", "microbatch", "chunk", "input_slot", "gradient_slot", "receive_activation",
@@ -174,15 +181,24 @@ def _run_schedule(stages: Stages, ticks: Ticks, axis: str, p: int, v: int):
         start = (buffer(ticks.activation_slots), buffer(ticks.gradient_slots), float32(chunks),
                  float32(rest), zeros(xs), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         (_, _, d_chunks, d_rest, d_xs, loss, tokens), _ = jax.lax.scan(tick, start, table)
-        total = lambda t: jax.lax.psum(t, axis)  # noqa: E731  only one stage's is nonzero
-        return (total(loss), total(tokens), jax.tree.map(lambda a: a[None], d_chunks),
-                total(d_rest), total(d_xs))
+        # only one stage's loss, rest and input gradients are nonzero; each replica's its own
+        stages_sum = lambda t: jax.lax.psum(t, axis)  # noqa: E731
+        total = lambda t: jax.lax.psum(t, (axis, *data))  # noqa: E731
+        return (total(loss), total(tokens),
+                jax.tree.map(lambda a: jax.lax.psum(a, data)[None], d_chunks),
+                total(d_rest), stages_sum(d_xs))
+
+    rows = P(None, data)  # [micro-batch, its rows, ...]: the rows split over the replicas
+
+    def constrained(*args):
+        with nn.logical_axis_rules(inner_rules):
+            return body(*args)
 
     def run(chunks, rest, xs, micro):
         loss, tokens, d_chunks, d_rest, d_xs = jax.shard_map(
-            body, in_specs=(P(axis), P(), P(), P(), P()),
+            constrained, in_specs=(P(axis), P(), rows, rows, P()),
             # check_vma off: every value inside varies over the axis (each stage's own switch)
-            out_specs=(P(), P(), P(axis), P(), P()), axis_names={axis}, check_vma=False,
+            out_specs=(P(), P(), P(axis), P(), rows), axis_names={axis, *data}, check_vma=False,
         )(chunks, rest, xs, micro, jnp.asarray(table))
         like = lambda grads, primals: jax.tree.map(  # noqa: E731  the dtypes autodiff expects
             lambda g, a: g.astype(a.dtype), grads, primals)
@@ -220,7 +236,8 @@ def pipelined(stages: Stages, spec: Spec, n_stages: int, axis: str) -> Pipelined
             f"chunks of {counts} ({p} stages x {v} virtual stages): each stage's blocks are "
             "stacked")
     ticks = tables(core_schedule.run(section.schedule, p, m, v))
-    run = _run_schedule(stages, ticks, axis, p, v)
+    data = spec.mesh.axes_with_role("data")
+    run = _run_schedule(stages, ticks, axis, data, p, v, flax_rules(spec, without=data))
 
     @jax.custom_vjp
     def through_pipeline(chunks, rest, xs, micro):
