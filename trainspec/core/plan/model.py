@@ -199,9 +199,9 @@ def predict(spec: Spec, layout: ParallelDims, profile: Profile, model_flops_per_
     n = layout.world_size
     reasons = check(spec, layout, profile)
     if layout.stages > 1 and profile.backend == "XLA:CPU":
-        reasons.append(f"mesh pipeline size {layout.stages}: the {profile.name} profile models "
-                       "compiled XLA:CPU programs, and no implementation compiles pipeline "
-                       "stages there")
+        reasons.append(f"mesh pipeline size {layout.stages}: the {profile.name} profile's "
+                       "XLA:CPU memory counts were read off steps without a pipeline, and the "
+                       "JAX pipeline's traffic is not the plan's (docs/plan.md)")
     tokens = spec.batch.global_batch * spec.batch.seq_len
     model_flops = model_flops_per_token * tokens
     hardware_flops = hardware_flops_per_token * tokens
