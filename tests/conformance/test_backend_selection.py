@@ -26,7 +26,7 @@ def calls(monkeypatch):
             self.name = name
 
         def all_reduce(self, x, axis_name, op="sum", *, timeout_s=None, in_place=False):
-            seen.append(self.name)
+            seen.append(self.name if timeout_s is None else (self.name, timeout_s))
             return x
 
     monkeypatch.setattr(api, "get_backend", lambda name=None: Fake(name or api.current_backend()))
@@ -50,6 +50,17 @@ def test_precedence_call_then_scope_then_default(calls):
         _trace(backend="ext")
     _trace()
     assert calls == ["xla", "ext", "xla", "ext", "ext"]
+
+
+def test_a_scope_s_timeout_applies_where_the_call_names_none(calls):
+    """The wrapped step traces the model under use_backend(backend, timeout_s): the model's
+    collectives (the experts' all-to-alls) then wait the spec's timeout."""
+    with collectives.use_backend("ext", timeout_s=7):
+        _trace()
+        _trace(timeout_s=3)
+        with collectives.use_backend("xla"):
+            _trace()
+    assert calls == [("ext", 7), ("ext", 3), "xla"]
 
 
 @pytest.mark.parametrize("select", [
