@@ -23,15 +23,6 @@ def test_torch_runs_the_core_s_schedules_over_a_split_pipeline_axis(schedule):
                     f"{2 if schedule == 'interleaved_1f1b' else 1}") == []
 
 
-def test_torch_refuses_interleaved_beside_a_split_fsdp_axis_by_name():
-    s = load_spec(None, ['mesh.axes={fsdp={size=2},stage={role="pipeline",size=2}}',
-                         "model.n_layers=4", 'pipeline.schedule="interleaved_1f1b"',
-                         "pipeline.virtual_stages=2"])
-    lines = TORCH.refusals(Request(s, resolve_mesh(s, 4)))
-    assert len(lines) == 1 and lines[0].startswith(
-        "pipeline.schedule: interleaved_1f1b runs each rank's chunks as views of one module"), lines
-
-
 @pytest.mark.parametrize("sets, field", [
     (['pipeline.schedule="zero_bubble_v"'], "pipeline.schedule"),
     (["metrics.gns=true", "batch.micro_batch=8"], "metrics.gns"),

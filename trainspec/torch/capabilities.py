@@ -6,7 +6,6 @@ from __future__ import annotations
 from trainspec.core.capabilities import (
     INIT_FROM_WITH_MODEL, Capabilities, Refusal, honoured, refused)
 from trainspec.core.pipeline.schedule import GENERATED
-from trainspec.core.pipeline.stages import INTERLEAVED
 
 REFERENCE_MODEL = "the reference transformer in torch (trainspec/torch/models/transformer.py)"
 QUALIFIES_COMPRESSION = "of the compressed data all-reduce (no effect without a compression)"
@@ -129,15 +128,10 @@ TORCH = Capabilities("torch", dict([
         _pipelined("unless gpipe, 1f1b or interleaved_1f1b",
                    lambda value, r: value not in GENERATED,
                    "the torch implementation runs the schedules the core generates "
-                   "(gpipe, 1f1b, interleaved_1f1b), not {value!r}"),
-        _pipelined("interleaved_1f1b with a split fsdp axis",
-                   lambda value, r: value == INTERLEAVED and bool(r.split("fsdp")),
-                   "interleaved_1f1b runs each rank's chunks as views of one module, which "
-                   "FSDP2 shards as one root (it would need a root per chunk); use gpipe or "
-                   "1f1b with fsdp, or interleaved_1f1b with data axes"))),
+                   "(gpipe, 1f1b, interleaved_1f1b), not {value!r}"))),
     ("pipeline.virtual_stages", honoured(
-        "model chunks per rank, looped placement, each a PipelineStage over a view of the "
-        "rank's part")),
+        "model chunks per rank, looped placement, each a PipelineStage (and FSDP2 root) over "
+        "a view of the rank's part")),
     ("pipeline.layers_per_stage", honoured("the core's split (an even one by default)")),
     ("collectives.backend", refused(
         "unless xla", lambda v: v != "xla",

@@ -180,6 +180,10 @@ def stage_pipeline(spec: Spec, dims: ParallelDims, mesh: DeviceMesh, device: tor
             "(docs/wrapping.md, \"Pipeline\")")
     pipeline = StagePipeline(spec, dims, mesh, device, io, len(model.blocks))
     model.keep_stage(pipeline.layers(), pipeline.first, pipeline.last)
+    count = pipeline.stages * pipeline.virtual
+    pipeline.parts = [(pipeline.stage, model)] if pipeline.virtual == 1 else [
+        (k, chunk_view(model, pipeline.chunks[k], k == 0, k == count - 1))
+        for k in pipeline.chunk_ids()]
     return pipeline
 
 
@@ -210,13 +214,28 @@ class StagePipeline:
         """The blocks this rank's stage holds (those of all its chunks)."""
         return [layer for k in self.chunk_ids() for layer in self.chunks[k]]
 
+    def fsdp_roots(self, units: list[str]) -> list[tuple[nn.Module, list[str]]]:
+        """The modules FSDP2 shards as roots, each with the `units` (module names) it holds:
+        the rank's part, or with virtual stages each chunk's view (a root per chunk: each
+        chunk's forward unshards its own parameters, as torchtitan shards its model parts)."""
+        def holds(part: nn.Module, name: str) -> bool:
+            try:
+                part.get_submodule(name)
+            except AttributeError:
+                return False
+            return True
+
+        return [(part, [name for name in units if holds(part, name)]) for _, part in self.parts]
+
     def start(self, model: nn.Module) -> None:
         """The schedule over `model`, this rank's part, laid out (FSDP2 applied); with
-        virtual stages one PipelineStage per chunk, each running a view of `model`."""
+        virtual stages one PipelineStage per chunk, each running a view of `model`, whose
+        own parameters (as sharded by its root) `model` takes back."""
+        for _, part in self.parts:
+            if part is not model:
+                model._parameters.update(
+                    (name, p) for name, p in part._parameters.items() if p is not None)
         count = self.stages * self.virtual
-        self.parts = [(self.stage, model)] if self.virtual == 1 else [
-            (k, chunk_view(model, self.chunks[k], k == 0, k == count - 1))
-            for k in self.chunk_ids()]
         stages = [PipelineStage(part, k, count, self.device, group=self.group)
                   for k, part in self.parts]
         stage_orders = orders(self.schedule_name, self.stages, self.microbatches, self.virtual)

@@ -134,8 +134,10 @@ class WrappedStep(MicroBatches, CheckpointedState):
                                   expert[0] if expert else None)
         units = shard_units(self.model, fsdp_units)  # checked on any mesh
         apply_remat(self.model, units, spec.remat.policy)  # inside FSDP2's hooks
-        if fsdp:
-            apply_fsdp(self.model, units, mesh[fsdp[0]], self.grad_dtype, ignored=experts)
+        if fsdp:  # with virtual pipeline stages, a root per chunk (trainspec/torch/pipeline.py)
+            roots = self.pipeline.fsdp_roots(units) if self.pipeline else [(self.model, units)]
+            for root, held in roots:
+                apply_fsdp(root, held, mesh[fsdp[0]], self.grad_dtype, ignored=experts)
         self.fsdp = bool(fsdp)
         if self.pipeline is not None:
             self.pipeline.start(self.model)
