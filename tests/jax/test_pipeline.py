@@ -1,8 +1,11 @@
 """The reference model with a pipeline axis (trainspec.jax.pipeline): under each schedule the
 core generates, the same losses as without one from the same initial parameters, the same loss
-sums and gradients under a ragged mask (the token-weighted rule), and what the JAX
-implementation refuses by name."""
+sums and gradients under a ragged mask (the token-weighted rule), the same under the ext
+backend, whose custom calls then carry the stages' traffic, and what the JAX implementation
+refuses by name."""
 from __future__ import annotations
+
+import re
 
 import flax.linen as nn
 import jax
@@ -29,8 +32,8 @@ def spec_of(axes: str, *extra: str):
     return load_spec(None, [*SMALL, f"mesh.axes={{{axes}}}", *extra])
 
 
-def losses(spec) -> list[float]:
-    job = build_job(spec)
+def losses(spec, job=None) -> list[float]:
+    job = job or build_job(spec)
     data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
     state, out = job.state, []
     for i in range(STEPS):
@@ -59,6 +62,19 @@ def test_ten_steps_equal_the_unpipelined_run(unpipelined, axes, schedule):
     pipelined = losses(spec_of(axes, f'pipeline.schedule="{schedule}"',
                                f"pipeline.virtual_stages={virtual}"))
     np.testing.assert_allclose(pipelined, unpipelined, rtol=0, atol=1e-5)
+
+
+def test_under_the_ext_backend_its_custom_calls_carry_the_stages_traffic(unpipelined):
+    # the permutes and the pipeline's sums are xla_ext custom calls, XLA's own only what the
+    # partitioner adds after the pipeline (the embedding's gradient, the norm's squares)
+    spec = spec_of('stage={role="pipeline",size=2},data={size=4}', 'collectives.backend="ext"')
+    job = build_job(spec)
+    data = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed)
+    hlo = job.step.compile(job.state, job.step.shard_batch(data.batch(0))).as_text()
+    calls = re.findall(r'custom_call_target="trainspec_(\w+)"', hlo)
+    assert set(calls) == {"permute", "all_reduce"}, calls
+    assert not re.search(r"\scollective-permute(-start)?\(", hlo)
+    np.testing.assert_allclose(losses(spec, job), unpipelined, rtol=0, atol=1e-5)
 
 
 def test_a_ragged_mask_gives_the_same_loss_sums_and_gradients():

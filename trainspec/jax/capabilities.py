@@ -12,16 +12,18 @@ from trainspec.jax.backends import backend
 
 def _beside_ext(r) -> tuple[str, ...]:
     """The split axes whose collectives XLA makes, not the ext backend: all but the data axes
-    (the step's gradient sum), the context axes (the ring's permutes or the all-gather) and
-    the expert axes (the dispatch and combine all-to-alls)."""
-    ours = {*r.split("data"), *r.split("context"), *r.split("expert")}
+    (the step's gradient sum), the context axes (the ring's permutes or the all-gather), the
+    expert axes (the dispatch and combine all-to-alls) and the pipeline axes (the stages'
+    permutes and sums, trainspec.jax.pipeline)."""
+    ours = {*r.split("data"), *r.split("context"), *r.split("expert"), *r.split("pipeline")}
     return tuple(a for a in r.dims.split_beside("data") if a not in ours)
 
 
 EXT_BESIDE_XLA = Refusal(
-    "ext, when an fsdp, tensor or pipeline axis is split",
+    "ext, when an fsdp or tensor axis is split",
     lambda name, r: not backend(name).beside_xla and bool(_beside_ext(r)),
-    "ext needs every mesh axis but the data, context and expert axes to be 1, got {axes}: "
+    "ext needs every mesh axis but the data, context, expert and pipeline axes to be 1, got "
+    "{axes}: "
     "its blocking custom calls can deadlock beside XLA's all-gathers and reduce-scatters on "
     "CPU; use backend = \"xla\"",
     lambda r: {"axes": ", ".join(f"{a}={r.sizes[a]}" for a in _beside_ext(r))})

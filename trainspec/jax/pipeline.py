@@ -12,8 +12,9 @@ and tensor axes stay XLA's; each data replica sums its gradients over the whole 
 the replicas' sums are added once after it): a scan over the ticks of the executed schedule
 (trainspec.core.pipeline.ticks), in which each stage runs the operation its row says, by a
 `lax.switch` on its own stage index, so each device computes only its own operation. Then the
-activations move one stage on and the cotangents one stage back (two ppermutes every tick;
-what carries nothing lands in a buffer's trash slot). A stage keeps the input of each
+activations move one stage on and the cotangents one stage back (two permutes every tick,
+through the spec's collectives backend; what carries nothing lands in a buffer's trash slot).
+A stage keeps the input of each
 micro-batch in flight and recomputes its forward inside the backward (`jax.vjp`), so a
 schedule's activation memory is its buffer: m inputs under GPipe, at most p under 1F1B. The
 last chunk's forward runs inside its backward together with the head and the loss.
@@ -44,6 +45,7 @@ from trainspec.core.pipeline import schedule as core_schedule
 from trainspec.core.pipeline.stages import INTERLEAVED
 from trainspec.core.pipeline.ticks import BACKWARD_KIND, FORWARD_KIND, Ticks, tables
 from trainspec.core.spec import Spec
+from trainspec.jax import collectives
 from trainspec.jax.layout import flax_rules
 from trainspec.jax.pipeline_params import Staged, StageForm
 from trainspec.jax.models.transformer import (
@@ -172,8 +174,9 @@ def _run_schedule(stages: Stages, ticks: Ticks, axis: str, data: tuple[str, ...]
             y, dx, d_chunks, d_rest, loss, tokens = jax.lax.switch(
                 branch, (idle, forward, backward, last_backward), None)
             d_xs = _add_at(d_xs, i, jnp.where((kind == BACKWARD_KIND) & (k == 0), dx, 0))
-            y = jax.lax.ppermute(y, axis, [(a, (a + 1) % p) for a in range(p)])
-            dx = jax.lax.ppermute(dx, axis, [(a, (a - 1) % p) for a in range(p)])
+            # through the spec's collectives backend (xla's ppermute, or ext's custom call)
+            y = collectives.permute(y, axis, [(a, (a + 1) % p) for a in range(p)])
+            dx = collectives.permute(dx, axis, [(a, (a - 1) % p) for a in range(p)])
             acts = jax.lax.dynamic_update_index_in_dim(acts, y, recv_act, 0)
             grads = jax.lax.dynamic_update_index_in_dim(grads, dx, recv_grad, 0)
             return (acts, grads, d_chunks, d_rest, d_xs, loss, tokens), None
@@ -182,11 +185,17 @@ def _run_schedule(stages: Stages, ticks: Ticks, axis: str, data: tuple[str, ...]
                  float32(rest), zeros(xs), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         (_, _, d_chunks, d_rest, d_xs, loss, tokens), _ = jax.lax.scan(tick, start, table)
         # only one stage's loss, rest and input gradients are nonzero; each replica's its own
-        stages_sum = lambda t: jax.lax.psum(t, axis)  # noqa: E731
-        total = lambda t: jax.lax.psum(t, (axis, *data))  # noqa: E731
-        return (total(loss), total(tokens),
-                jax.tree.map(lambda a: jax.lax.psum(a, data)[None], d_chunks),
-                total(d_rest), stages_sum(d_xs))
+        replicas = tuple(a for a in data if jax.lax.axis_size(a) > 1)
+
+        def summed(tree, axes):
+            return jax.tree.map(lambda a: collectives.all_reduce(a, axes) if axes else a, tree)
+
+        # every output once all are made: an XLA collective that reads one of them (the
+        # embedding's gradient over data) must not run beside ext's blocking custom calls
+        return jax.lax.optimization_barrier((
+            summed(loss, (axis, *replicas)), summed(tokens, (axis, *replicas)),
+            jax.tree.map(lambda a: a[None], summed(d_chunks, replicas)),
+            summed(d_rest, (axis, *replicas)), summed(d_xs, (axis,))))
 
     rows = P(None, data)  # [micro-batch, its rows, ...]: the rows split over the replicas
 
