@@ -151,6 +151,7 @@ def _run(args) -> int:
     check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     init_from = initial_params(args, spec, say)
     run_lock.hold(args.run_dir, runtime.speaks_for_job())  # before anything is written there
+    _wait_for_the_lock(runtime, args.run_dir)
     try:
         summary = backend.train(
             spec, args.run_dir, runtime, steps=args.steps, spec_label=str(spec_path),
@@ -164,6 +165,20 @@ def _run(args) -> int:
     if runtime.speaks_for_job():  # once per job, not once per process
         print_summary(summary)
     return 0
+
+
+def _wait_for_the_lock(runtime, run_dir: Path) -> None:
+    """The job's other processes write into the run dir (their step marks) only once its first
+    process holds it, never into another run's: they wait for it here."""
+    if runtime.process_count == 1:
+        return
+    try:
+        runtime.gather_objects(None)
+    except Exception as err:  # the framework's own type; gloo's words say the first one left
+        if not arrivals.peer_lost(str(err)):
+            raise
+        raise LeaveNow(f"--run-dir {run_dir}: the job's first process left before it held the "
+                       "run directory; nothing was written there") from None
 
 
 def _start_ranks(args, backend, spec, model, ranks: int) -> int:
