@@ -100,7 +100,8 @@ def collectives_over_stage(compiled, mesh) -> list[tuple[str, float]]:
             continue
         # a permute's pairs over 2 stages are the stage axis's groups
         if "stage" in axes_of_groups(parse_replica_groups(line, mesh.size), dict(mesh.shape)):
-            out.append((found.group(1), shape_bytes(line.split("=", 1)[1].split(found.group(1))[0])))
+            shape = line.split("=", 1)[1].split(found.group(1))[0]
+            out.append((found.group(1), shape_bytes(shape)))
     return out
 
 

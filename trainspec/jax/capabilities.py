@@ -35,9 +35,10 @@ COMPRESSION_ON_HIERARCHICAL = Refusal(
     "reduces float32)")
 
 
-# The step reduces over data replicas explicitly (trainspec.jax.replica_steps) with accumulation, GNS
-# over replicas, a compression or a custom-call backend: the model then sees one replica's
-# rows, and would route (and bound capacity) per replica, not over the micro-batch.
+# The step reduces over data replicas explicitly (trainspec.jax.replica_steps) with
+# accumulation, GNS over replicas, a compression or a custom-call backend: the model then sees
+# one replica's rows, and would route (and bound capacity) per replica, not over the
+# micro-batch.
 MOE_ROUTES_PER_REPLICA = Refusal(
     "with split data axes and accumulation, replica GNS, compression or a non-xla backend",
     lambda value, r: value is not None and bool(r.split("data")) and (
@@ -56,7 +57,8 @@ def _pipelined(when: str, test, reason: str) -> Refusal:
 
 
 # The pipelined loss is a shard_map over the pipeline axis, which does not run inside the
-# per-replica vmap that reduces gradients through a custom-call backend (trainspec.jax.replica_steps).
+# per-replica vmap that reduces gradients through a custom-call backend
+# (trainspec.jax.replica_steps).
 PIPELINE_THROUGH_XLA = _pipelined(
     "hierarchical", lambda name, r: backend(name).beside_xla and not backend(name).native,
     "{value} reduces per-replica gradients, which a pipelined loss does not give: use "

@@ -95,7 +95,8 @@ class StepHealth:
         """Every floating element of `state` finite: each device checks its slices, one
         all-reduce of one integer, compiled once (run before checkpoints, not per step)."""
         if self._state_check is None:
-            check = lambda s: nan_guard.state_is_finite(s, self.mesh, self.state_pspecs)  # noqa: E731
+            def check(state):
+                return nan_guard.state_is_finite(state, self.mesh, self.state_pspecs)
             self._state_check = jax.jit(check, out_shardings=NamedSharding(self.mesh, P()))
         with self.context():
             return bool(self._state_check(state))
