@@ -108,8 +108,12 @@ def test_sigterm_checkpoints_the_same_step_on_every_rank_and_resumes_bitwise(tmp
     """SIGTERM to the job: the launcher forwards it to every rank, the ranks agree on the step
     to stop after, checkpoint it and exit 143 with one line saying where; the rerun loses no
     step and matches the uninterrupted run bit for bit."""
+    # the steps after 6 take 0.3 s more on rank 0 (a sleep: no number changes), so the signal,
+    # sent once step 6 is recorded, lands before the run's end on a fast machine too
+    slower = {**os.environ,
+              "TRAINSPEC_FAULTS": '{"delay_s": 0.3, "delay_steps": [7, 8, 9, 10, 11]}'}
     proc = start_cli(_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                     start_new_session=True)
+                     start_new_session=True, env=slower)
     out, _ = signal_when(proc, lambda: _has_record_past(tmp_path, 5))
     assert proc.returncode == 143, out
     stopped_at = max(recorded_losses(tmp_path))

@@ -23,19 +23,26 @@ spec = load_spec(None, [
     'mesh.axes={stage={role="pipeline",size=2},data={size=1},fsdp={size=1},tensor={size=1}}',
     f'pipeline.schedule="{schedule}"', "pipeline.microbatches=8",
     f"pipeline.virtual_stages={virtual}"])
+
+
+def executed_order(runtime: TorchRuntime) -> dict:
+    """This rank's record of the second step. A function, so that the step (its mesh, stages
+    and groups) is freed before the job is left: TorchRuntime.leave says why."""
+    step = TorchStep(spec, runtime.build_mesh(spec), 1, runtime.device)
+    batch = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batch(0)
+    rows = {key: np.asarray(v)[step.rows()] for key, v in batch.items()}
+    step(rows)  # the first step's schedule also infers the stages' shapes, with its own forward
+    executed = step.pipeline.executed
+    executed.measure_bytes = True
+    step(rows)  # its record replaces the first step's
+    return {"ops": [[op.kind, op.microbatch, op.chunk] for op, _, _ in executed.ops],
+            "held": executed.held, "held_bytes": executed.held_bytes}
+
+
 runtime = TorchRuntime()
 runtime.join()
-step = TorchStep(spec, runtime.build_mesh(spec), 1, runtime.device)
-batch = ByteBatches(spec.batch.seq_len, spec.batch.global_batch, spec.seed).batch(0)
-rows = {key: np.asarray(v)[step.rows()] for key, v in batch.items()}
-step(rows)  # the first step's schedule also infers the stages' shapes, with a forward of its own
-executed = step.pipeline.executed
-executed.measure_bytes = True
-step(rows)  # its record replaces the first step's
-mine = {"ops": [[op.kind, op.microbatch, op.chunk] for op, _, _ in executed.ops],
-        "held": executed.held, "held_bytes": executed.held_bytes}
 every = [None] * dist.get_world_size()
-dist.all_gather_object(every, mine)
+dist.all_gather_object(every, executed_order(runtime))
 if dist.get_rank() == 0:
     print("EXECUTED " + json.dumps(every), flush=True)
 runtime.leave()
