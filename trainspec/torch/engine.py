@@ -117,19 +117,9 @@ class TorchEngine:
         }
         return self._facts
 
-    def per_record(self) -> dict:
-        """With a split pipeline axis, each stage's busy time (its operations' durations
-        summed) and wall time in the schedule's last run, the most over the stage's ranks:
-        gathered over every rank at a record only, so unrecorded steps stay sync-free."""
-        pipeline = self.job.pipeline
-        if pipeline is None:
-            return {}
-        every = self.gather_times([pipeline.stage, *pipeline.executed.busy_and_wall_s()])
-        busy, wall = [0.0] * pipeline.stages, [0.0] * pipeline.stages
-        for stage, stage_busy, stage_wall in every.tolist():
-            busy[int(stage)] = max(busy[int(stage)], stage_busy)
-            wall[int(stage)] = max(wall[int(stage)], stage_wall)
-        return {"pipeline_stage_busy_s": busy, "pipeline_stage_wall_s": wall}
+    @staticmethod
+    def per_record() -> dict:
+        return {}
 
     # -- [semi_sync]: the groups' values, combined at records ----------------------------------
     def to_host(self, tree):

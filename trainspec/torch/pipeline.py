@@ -132,14 +132,6 @@ class ExecutedOrder:
                  if t.untyped_storage().data_ptr() not in params}
         return sum(nbytes for _, nbytes in views)
 
-    def busy_and_wall_s(self) -> tuple[float, float]:
-        """The last run's time in its operations (summed) and from its first operation's
-        start to its last's end (0, 0 before any run)."""
-        if not self.ops:
-            return 0.0, 0.0
-        busy = sum(end - start for _, start, end in self.ops)
-        return busy, max(end for *_, end in self.ops) - min(start for _, start, _ in self.ops)
-
     def clear(self) -> None:
         self.ops.clear()
         self.held.clear()
