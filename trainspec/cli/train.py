@@ -12,7 +12,7 @@ from trainspec.cli.train_spec import (
     announce, given_flags, initial_params, silent, spec_to_use, unwritable)
 from trainspec.core import arrivals, registry, run_lock, user_model
 from trainspec.core.sinks import check_sinks
-from trainspec.core.errors import LeaveNow, UserInputError
+from trainspec.core.errors import JobLeavesNow, LeaveNow, UserInputError
 from trainspec.core.exclusion import exclude
 from trainspec.core.faults import Faults
 from trainspec.core.launch import run as launch
@@ -150,8 +150,7 @@ def _run(args) -> int:
     backend.check_model(spec, model)  # before the model takes any memory
     check_output_paths(args.run_dir, args.run_dir / spec.metrics.path)
     init_from = initial_params(args, spec, say)
-    run_lock.hold(args.run_dir, runtime.speaks_for_job())  # before anything is written there
-    _wait_for_the_lock(runtime, args.run_dir)
+    _hold_the_lock(runtime, args.run_dir)  # before anything is written there
     try:
         summary = backend.train(
             spec, args.run_dir, runtime, steps=args.steps, spec_label=str(spec_path),
@@ -167,18 +166,21 @@ def _run(args) -> int:
     return 0
 
 
-def _wait_for_the_lock(runtime, run_dir: Path) -> None:
-    """The job's other processes write into the run dir (their step marks) only once its first
-    process holds it, never into another run's: they wait for it here."""
+def _hold_the_lock(runtime, run_dir: Path) -> None:
+    """The job's first process locks the run dir; the others write there (their step marks) only
+    once it holds it, never into another run's. Every process learns the first's answer, so a
+    refusal ends the whole job at once (said by the first), none left waiting on the others."""
     if runtime.process_count == 1:
+        run_lock.hold(run_dir, True)
         return
+    refusal = None
     try:
-        runtime.gather_objects(None)
-    except Exception as err:  # the framework's own type; gloo's words say the first one left
-        if not arrivals.peer_lost(str(err)):
-            raise
-        raise LeaveNow(f"--run-dir {run_dir}: the job's first process left before it held the "
-                       "run directory; nothing was written there") from None
+        run_lock.hold(run_dir, runtime.speaks_for_job())
+    except UserInputError as err:
+        refusal = str(err)
+    refusal = next((said for said in runtime.gather_objects(refusal) if said), None)
+    if refusal is not None:
+        raise JobLeavesNow(refusal)
 
 
 def _start_ranks(args, backend, spec, model, ranks: int) -> int:
